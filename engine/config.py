@@ -1,0 +1,232 @@
+"""Run configuration: frozen dataclasses that map 1:1 onto the sections of a run TOML file.
+
+```toml
+[model]
+path = "models/tiny-llama"
+[data]
+train = "data/train.jsonl"
+[optim]
+lr = 1e-4
+[train]
+micro_batch = 2
+```
+Unknown sections or keys are errors; every field has a default except ``model.path`` and
+``data.train``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from engine.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model folder (config.json, *.safetensors, tokenizer.json)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""
+    """Training data: a .txt/.jsonl/.json file or a folder of .txt files."""
+    format: str = "auto"
+    """auto, text, alpaca, messages, sharegpt (auto detects from the records)."""
+    validation: str = ""
+    """Optional separate validation file."""
+    val_fraction: float = 0.0
+    """Fraction of records held out for validation when no validation file is given."""
+    max_seq_len: int = 1024
+    """Tokens per sequence."""
+    packing: bool = True
+    """Pack several records per sequence (no cross-document attention); else pad."""
+    train_on: str = "assistant"
+    """assistant: loss on assistant/output tokens only; all: loss on every token."""
+    truncation: str = "truncate"
+    """Records longer than max_seq_len: truncate, drop, or error."""
+    seed: int = 0
+    """Shuffling seed."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    schedule: str = "cosine"
+    """constant, linear or cosine decay after warmup."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """Final lr as a fraction of the peak (linear, cosine)."""
+    max_grad_norm: float = 1.0
+    """Exact global-norm clipping; 0 disables it (updates then overlap the backward)."""
+    moments_dtype: str = "float32"
+    """float32 (exact) or bfloat16 (half the moment memory; slightly different numerics)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch: int = 1
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (all processed layer-wise in one sweep)."""
+    max_steps: int = 0
+    """Optimizer steps; 0 means run ``epochs`` over the data."""
+    epochs: float = 1.0
+    seed: int = 0
+    """Seed for dropout-free numerics that still need randomness (init, sampling)."""
+    compute_dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32."""
+    device: str = "auto"
+    """auto, cuda or cpu."""
+    save_every: int = 0
+    """Checkpoint every N steps; 0: only at the end."""
+    keep_checkpoints: int = 2
+    eval_every: int = 0
+    """Validation loss every N steps; 0: never (only at the end if a split exists)."""
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    vram: str = "auto"
+    """GPU memory budget, e.g. "24GiB"; auto = the GPU's free memory less a margin."""
+    ram: str = "auto"
+    """Host memory budget; auto = available RAM less a margin."""
+    slots: int = 0
+    """Parameter slots on the GPU (K); 0 lets the planner choose."""
+    checkpoints: str = "auto"
+    """Activation checkpoints: auto, gpu or host."""
+    nvme_dir: str = ""
+    """Folder for the NVMe tier (optimizer state on disk); empty: none."""
+    nvme_size: str = "0"
+    """Disk budget for the NVMe tier."""
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    run_dir: str = "runs/run"
+    """Run folder: config.toml, events.jsonl, checkpoints/, final/."""
+    shard_size: str = "5GiB"
+    """Largest safetensors shard of the exported model."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def _coerce(value: Any, typ, where: str):
+    """Check a TOML value against a field type (ints accepted for floats)."""
+    ok = {str: str, int: int, float: (int, float), bool: bool}.get(typ)
+    if ok is None or (isinstance(value, bool) and typ is not bool) or not isinstance(value, ok):
+        raise UserError(where, f"expects a {getattr(typ, '__name__', typ)}, got {value!r}",
+                        "fix the value's type in the config file")
+    return float(value) if typ is float else value
+
+
+def from_dict(data: dict, source: str = "config") -> RunConfig:
+    """Build a RunConfig from nested dicts; unknown sections/keys are errors."""
+    sections = {}
+    for f in fields(RunConfig):
+        cls = f.default_factory  # type: ignore[misc]
+        hints = get_type_hints(cls)
+        given = data.get(f.name, {})
+        if not isinstance(given, dict):
+            raise UserError(source, f"[{f.name}] must be a table", "write it as a [section]")
+        known = {x.name for x in fields(cls)}
+        for k in given:
+            if k not in known:
+                raise UserError(source, f"unknown key '{f.name}.{k}'",
+                                f"valid keys of [{f.name}]: {', '.join(sorted(known))}")
+        sections[f.name] = cls(**{k: _coerce(v, hints[k], f"{source}: {f.name}.{k}")
+                                  for k, v in given.items()})
+    for k in data:
+        if k not in sections:
+            raise UserError(source, f"unknown section [{k}]",
+                            f"valid sections: {', '.join(sections)}")
+    return RunConfig(**sections)
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def load(path: Path | str) -> RunConfig:
+    """Read a run TOML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(path, "does not exist", "pass the path of a run .toml file")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(path, f"is not valid TOML ({e})", "fix the syntax at that line") from None
+    return from_dict(data, str(path))
+
+
+def override(cfg: RunConfig, dotted: dict[str, Any]) -> RunConfig:
+    """Return cfg with ``{"train.micro_batch": 4, ...}`` applied (same checks as the file)."""
+    data = to_dict(cfg)
+    for key, value in dotted.items():
+        section, _, name = key.partition(".")
+        if section not in data or not name:
+            raise UserError(key, "is not a config key", "use section.key, e.g. train.micro_batch")
+        data[section][name] = value
+    return from_dict(data, "command line")
+
+
+def dumps(cfg: RunConfig) -> str:
+    """TOML text of a RunConfig (the exact format :func:`load` reads)."""
+    out = []
+    for section, values in to_dict(cfg).items():
+        out.append(f"[{section}]")
+        for k, v in values.items():
+            out.append(f"{k} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, where: str = "size") -> int:
+    """Parse "24GiB", "1.5 TB", "512MiB" or a plain byte count."""
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = None
+    if value is None or unit not in _UNITS:
+        raise UserError(where, f"cannot read {text!r} as a size",
+                        "write a number with a unit, e.g. 24GiB, 128GB or 2TB")
+    if value < 0:
+        raise UserError(where, f"{text!r} is negative", "give a positive size")
+    return int(value * _UNITS[unit])

@@ -1,0 +1,150 @@
+"""Engine events: frozen, JSON-serialisable dataclasses, the only thing front ends consume.
+
+Every event has a ``kind`` (its class name in snake case) and a wall-clock ``time``. A missing
+metric is ``None``. :func:`to_json` / :func:`from_json` round-trip them through ``events.jsonl``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+def _now() -> float:
+    return time.time()
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The run changed state: setup, running, paused, saving, finished, stopped, failed."""
+    state: str
+    message: str = ""
+    step: int = 0
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step finished."""
+    step: int
+    total_steps: int
+    loss: float | None
+    lr: float
+    grad_norm: float | None
+    tokens: int
+    """Trained (unmasked) tokens in this step."""
+    tokens_per_s: float | None
+    """All tokens processed (incl. masked prompt tokens) per second of step wall time."""
+    step_time: float
+    peak_vram: int | None
+    """Peak GPU memory reserved in bytes since the previous step; None on CPU."""
+    peak_ram: int | None
+    """Peak host RSS in bytes."""
+    skipped: bool = False
+    """True when the update was skipped (non-finite loss or gradients)."""
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class EvalMetrics:
+    step: int
+    val_loss: float
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class Span:
+    """One unit of work on one resource: compute, h2d, d2h, optimizer or disk."""
+    lane: str
+    item: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Per-item spans of one step, times in seconds from the step start."""
+    step: int
+    spans: tuple[Span, ...]
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class Log:
+    level: str
+    """info, warning or error."""
+    message: str
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Progress of a long preparation task (tokenization, loading)."""
+    task: str
+    done: int
+    total: int | None
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
+class CheckpointSaved:
+    step: int
+    path: str
+    time: float = field(default_factory=_now)
+
+
+EVENT_TYPES = {c.__name__: c for c in
+               (RunState, StepMetrics, EvalMetrics, Timeline, Log, Progress, CheckpointSaved)}
+
+
+def to_json(ev) -> str:
+    d = dataclasses.asdict(ev)
+    d["kind"] = type(ev).__name__
+    return json.dumps(d)
+
+
+def from_json(line: str):
+    d = json.loads(line)
+    cls = EVENT_TYPES[d.pop("kind")]
+    if cls is Timeline:
+        d["spans"] = tuple(Span(**s) for s in d["spans"])
+    return cls(**d)
+
+
+class EventSink:
+    """Fan-out of events to callbacks and to an append-only ``events.jsonl`` (thread-safe)."""
+
+    def __init__(self, path: Path | str | None = None, callbacks: list[Callable] | None = None):
+        self._lock = threading.Lock()
+        self._file = None
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8", buffering=1)
+        self.callbacks = list(callbacks or [])
+
+    def emit(self, ev) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.write(to_json(ev) + "\n")
+        for cb in self.callbacks:
+            cb(ev)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+def read_events(path: Path | str) -> list:
+    """All complete events in an ``events.jsonl`` (a torn last line is ignored)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.endswith("\n"):
+                out.append(from_json(line))
+    return out

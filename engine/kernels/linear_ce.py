@@ -1,0 +1,70 @@
+"""Chunked linear + cross-entropy: the LM head's loss without materialising full logits.
+
+Maths, for hidden states h_t (H,), head W (V, H), labels y_t (-100 = not trained), scale s:
+
+    z_t = W h_t                          (V,)   logits, computed one chunk of tokens at a time
+    L   = s * sum_{t: y_t != -100} (logsumexp(z_t) - z_t[y_t])
+    dL/dz_t = s * (softmax(z_t) - onehot(y_t))   for trained t, 0 otherwise
+    dL/dh_t = W^T dL/dz_t ;   dL/dW = sum_t dL/dz_t h_t^T
+
+The gradients are computed in the forward pass chunk by chunk (logits of one chunk live at a
+time, upcast to fp32 for the softmax) and scaled by the incoming gradient in backward, so
+peak memory is one chunk of logits, not (tokens x vocab).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def _chunk_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float):
+    """Loss sum and dL/dz (fp32 maths, returned in h's dtype) for one chunk (n, H)."""
+    z = (h @ w.t()).float()  # (n, V)
+    lse = torch.logsumexp(z, dim=-1)  # (n,)
+    valid = y != -100
+    yc = y.clamp(min=0)
+    loss = ((lse - z.gather(1, yc[:, None])[:, 0]) * valid).sum()
+    dz = (z - lse[:, None]).exp_()  # softmax
+    dz[torch.arange(len(yc), device=dz.device), yc] -= 1.0
+    dz *= (valid.float() * scale)[:, None]
+    return loss, dz.to(h.dtype)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """Scaled summed cross-entropy of ``h @ w.T`` against ``labels``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, h, w, labels, scale: float, chunk: int):
+        H = h.shape[-1]
+        h2, y = h.reshape(-1, H), labels.reshape(-1)  # (N, H), (N,)
+        loss = torch.zeros((), dtype=torch.float32, device=h.device)
+        gh = torch.zeros_like(h2)
+        gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        for s in range(0, h2.shape[0], chunk):
+            yc = y[s:s + chunk]
+            if not bool((yc != -100).any()):
+                continue
+            hc = h2[s:s + chunk]
+            lc, dz = _chunk_grads(hc, w, yc, scale)
+            loss += lc
+            gh[s:s + chunk] = dz @ w
+            gw += (dz.t() @ hc).float()
+        ctx.save_for_backward(gh, gw)
+        ctx.h_shape, ctx.w_dtype = h.shape, w.dtype
+        return loss * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        gh, gw = ctx.saved_tensors
+        return ((gh * g).view(ctx.h_shape), (gw * g).to(ctx.w_dtype), None, None, None)
+
+
+def linear_cross_entropy(h, w, labels, scale: float = 1.0, chunk: int = 4096):
+    """Differentiable ``scale * sum CE(h @ w.T, labels)`` over labels != -100."""
+    return LinearCrossEntropy.apply(h, w, labels, scale, chunk)
+
+
+def reference_linear_cross_entropy(h, w, labels, scale: float = 1.0):
+    """Plain PyTorch reference (materialises the logits); for tests."""
+    z = (h @ w.t()).float()
+    return torch.nn.functional.cross_entropy(
+        z.reshape(-1, z.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum") * scale

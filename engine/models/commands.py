@@ -1,0 +1,67 @@
+"""CLI: ``make-tiny-model`` and ``info`` (model summary and validation)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from engine.models.spec import SUPPORTED, load_spec
+from engine.models.tiny import TinyShape, make_tiny_model
+from engine.models.tokenizer import load_tokenizer
+from engine.models.weights import Checkpoint
+
+
+def register(sub) -> None:
+    p = sub.add_parser("make-tiny-model", help="create a tiny random model folder (demo/tests)")
+    p.add_argument("--arch", choices=SUPPORTED, default="llama")
+    p.add_argument("--out", required=True, help="folder to create")
+    d = TinyShape()
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--hidden", type=int, default=d.hidden)
+    p.add_argument("--heads", type=int, default=d.heads)
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
+    p.add_argument("--intermediate", type=int, default=d.intermediate)
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_tiny)
+
+    p = sub.add_parser("info", help="validate a model folder and print its architecture")
+    p.add_argument("model", help="Hugging Face model folder")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_info)
+
+
+def _make_tiny(a) -> int:
+    from engine.errors import UserError
+    out = Path(a.out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(out, "exists and is not empty", "choose a new folder for --out")
+    shape = TinyShape(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
+                      intermediate=a.intermediate, vocab=a.vocab, head_dim=a.head_dim, tie=a.tie)
+    make_tiny_model(out, a.arch, shape, a.seed)
+    spec = load_spec(out)
+    print(f"created {out} ({a.arch}, {spec.num_layers} layers, {spec.num_params:,} parameters)")
+    return 0
+
+
+def model_report(model_dir: Path | str) -> dict:
+    """Validate a model folder (config, weights headers, tokenizer) and summarise it."""
+    spec = load_spec(model_dir)
+    ckpt = Checkpoint(model_dir)
+    ckpt.check(spec)
+    tok = load_tokenizer(model_dir)
+    out = spec.summary()
+    out.update(weights_dtype=ckpt.dtype(), size_on_disk=ckpt.size_on_disk(),
+               chat_template=tok.chat_template is not None)
+    return out
+
+
+def _info(a) -> int:
+    report = model_report(a.model)
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for k, v in report.items():
+            print(f"{k:>16}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:>16}: {v}")
+    return 0

@@ -1,0 +1,221 @@
+"""Safetensors weights: lazy per-item reading into flat buffers, and Hugging Face folder export.
+
+Only safetensors are read (never pickle: a model folder is untrusted input). Reading goes one
+tensor at a time through ``safe_open`` (memory-mapped), so loading a layer costs that layer's
+bytes, not the checkpoint's.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from engine.errors import UserError
+from engine.models.spec import Layout, ModelSpec
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+def hf_name(item: str, local: str) -> str:
+    """Checkpoint name of an item's tensor: item is 'embed', 'head' or 'layer{i}'."""
+    if item.startswith("layer"):
+        return f"model.layers.{item[5:]}.{local}"
+    return local if local == "lm_head.weight" else f"model.{local}"
+
+
+def item_names(spec: ModelSpec) -> list[str]:
+    return ["embed"] + [f"layer{i}" for i in range(spec.num_layers)] + ["head"]
+
+
+def item_layout(spec: ModelSpec, item: str) -> Layout:
+    if item == "embed":
+        return spec.embed_layout
+    return spec.head_layout if item == "head" else spec.layer_layout
+
+
+def _read_header(path: Path) -> dict:
+    """Parse a safetensors header with a clear error for truncated or corrupt files."""
+    fix = "re-download or re-copy this file"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise UserError(path, "is truncated (no safetensors header)", fix)
+            (n,) = struct.unpack("<Q", raw)
+            size = path.stat().st_size
+            if n > size - 8 or n > 100_000_000:
+                raise UserError(path, "has a corrupt safetensors header (bad length)", fix)
+            header = json.loads(f.read(n))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise UserError(path, "has a corrupt safetensors header (not JSON)", fix) from None
+    if not isinstance(header, dict):
+        raise UserError(path, "has a corrupt safetensors header", fix)
+    header.pop("__metadata__", None)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + n + end > size:
+        raise UserError(path, f"is truncated ({size} bytes, header needs {8 + n + end})", fix)
+    return header
+
+
+class Checkpoint:
+    """The safetensors files of a model folder: name -> file, header shapes and dtypes."""
+
+    def __init__(self, model_dir: Path | str):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                raise UserError(index, "is not a valid safetensors index (no weight_map)",
+                                "restore the index file from the model's source") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not files:
+                raise UserError(self.dir, "has no *.safetensors weights",
+                                "pick a folder with model.safetensors (pickle .bin files are "
+                                "not loaded for safety; convert them to safetensors first)")
+        self.where: dict[str, Path] = {}
+        self.meta: dict[str, dict] = {}
+        for f in files:
+            path = self.dir / f
+            if not path.is_file():
+                raise UserError(path, f"is named in {index.name} but missing",
+                                "download the missing shard into the model folder")
+            for name, info in _read_header(path).items():
+                self.where[name], self.meta[name] = path, info
+        self._open: dict[Path, object] = {}
+
+    def size_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in set(self.where.values()))
+
+    def dtype(self) -> str:
+        return next(iter(self.meta.values()))["dtype"] if self.meta else "?"
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(str(path), framework="pt")
+            except SafetensorError as e:
+                raise UserError(path, f"cannot be read as safetensors ({e})",
+                                "re-download or re-copy this file") from None
+        return self._open[path]
+
+    def check(self, spec: ModelSpec) -> None:
+        """Every tensor the spec needs is present with the right shape (headers only)."""
+        for item in item_names(spec):
+            for local, _, shape in item_layout(spec, item).entries:
+                self._meta_for(hf_name(item, local), shape)
+
+    def _meta_for(self, name: str, shape: tuple) -> dict:
+        if name not in self.meta:
+            raise UserError(self.dir, f"tensor '{name}' is missing from the safetensors files",
+                            "the weights do not match config.json; use the matching files")
+        got = tuple(self.meta[name]["shape"])
+        if got != tuple(shape):
+            raise UserError(self.where[name], f"tensor '{name}' has shape {list(got)}, "
+                            f"config.json implies {list(shape)}",
+                            "the weights do not match config.json; use the matching files")
+        return self.meta[name]
+
+    def read_item(self, spec: ModelSpec, item: str, out: torch.Tensor) -> torch.Tensor:
+        """Fill the flat buffer ``out`` with an item's tensors, converting dtype."""
+        for local, view in item_layout(spec, item).views(out).items():
+            name = hf_name(item, local)
+            self._meta_for(name, view.shape)
+            view.copy_(self._handle(self.where[name]).get_tensor(name))
+        return out
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tuple[str, torch.Tensor]],
+                    dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 << 30,
+                    tokenizer_dir: Path | str | None = None) -> Path:
+    """Write a Hugging Face model folder atomically (temp folder, then rename).
+
+    Args:
+        tensors: (checkpoint name, tensor) pairs in any order; each is converted to ``dtype``.
+        max_shard_bytes: shard size limit; one shard is written as ``model.safetensors``.
+        tokenizer_dir: a folder whose tokenizer files are copied alongside.
+    """
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    # Each shard is written as soon as it is full (peak memory: one shard), under a temporary
+    # name, and renamed once the shard count is known.
+    parts: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush():
+        if shard:
+            save_file(shard, str(tmp / f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
+            parts.append(list(shard))
+            shard.clear()
+
+    for name, t in _sharded(tensors, dtype, max_shard_bytes):
+        if name is None:
+            flush()
+            continue
+        shard[name] = t
+        size += t.numel() * t.element_size()
+    flush()
+    n = len(parts)
+    weight_map = {}
+    for k, keys in enumerate(parts):
+        fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(tmp / f"part-{k}.safetensors", tmp / fname)
+        weight_map.update({key: fname for key in keys})
+    if n > 1:
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2))
+    cfg = dict(spec.raw_config)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tokenizer_dir is not None:
+        for f in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / f
+            if src.is_file():
+                shutil.copy2(src, tmp / f)
+    _fsync_dir(tmp)
+    if out_dir.exists():
+        old = out_dir.with_name(out_dir.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    return out_dir
+
+
+def _sharded(tensors, dtype, limit) -> Iterator[tuple[str | None, torch.Tensor | None]]:
+    """Yield tensors (as contiguous ``dtype`` copies), with (None, None) between shards."""
+    used = 0
+    for name, t in tensors:
+        t = t.detach().to("cpu", dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if used and used + nbytes > limit:
+            yield None, None
+            used = 0
+        used += nbytes
+        yield name, t
+
+
+def _fsync_dir(path: Path) -> None:
+    for p in path.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
