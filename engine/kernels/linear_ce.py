@@ -29,33 +29,57 @@ def _chunk_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float
     return loss, dz.to(h.dtype)
 
 
+def linear_ce_fwd_bwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, scale: float,
+                      chunk: int, gw_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Loss and gradients in one pass over token chunks.
+
+    Args:
+        h: hidden states (..., H); w: head (V, H); labels: (...) with -100 = not trained.
+        gw_out: fp32 (V, H) buffer that dL/dW is ADDED to (gradient accumulation).
+    Returns:
+        (scaled loss as a 0-d fp32 tensor, dL/dh shaped like h).
+    """
+    H = h.shape[-1]
+    h2, y = h.reshape(-1, H), labels.reshape(-1)  # (N, H), (N,)
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    gh = torch.zeros_like(h2)
+    for s in range(0, h2.shape[0], chunk):
+        hc = h2[s:s + chunk]
+        lc, dz = _chunk_grads(hc, w, y[s:s + chunk], scale)
+        loss += lc
+        gh[s:s + chunk] = dz @ w
+        gw_out += (dz.t() @ hc).float()
+    return loss * scale, gh.view(h.shape)
+
+
+@torch.no_grad()
+def linear_ce_loss(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Summed cross-entropy over labelled tokens, chunked, no gradients (evaluation)."""
+    H = h.shape[-1]
+    h2, y = h.reshape(-1, H), labels.reshape(-1)
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    for s in range(0, h2.shape[0], chunk):
+        z = (h2[s:s + chunk] @ w.t()).float()
+        loss += torch.nn.functional.cross_entropy(z, y[s:s + chunk], ignore_index=-100,
+                                                  reduction="sum")
+    return loss
+
+
 class LinearCrossEntropy(torch.autograd.Function):
     """Scaled summed cross-entropy of ``h @ w.T`` against ``labels``; see the module docstring."""
 
     @staticmethod
     def forward(ctx, h, w, labels, scale: float, chunk: int):
-        H = h.shape[-1]
-        h2, y = h.reshape(-1, H), labels.reshape(-1)  # (N, H), (N,)
-        loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        gh = torch.zeros_like(h2)
         gw = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-        for s in range(0, h2.shape[0], chunk):
-            yc = y[s:s + chunk]
-            if not bool((yc != -100).any()):
-                continue
-            hc = h2[s:s + chunk]
-            lc, dz = _chunk_grads(hc, w, yc, scale)
-            loss += lc
-            gh[s:s + chunk] = dz @ w
-            gw += (dz.t() @ hc).float()
+        loss, gh = linear_ce_fwd_bwd(h, w, labels, scale, chunk, gw)
         ctx.save_for_backward(gh, gw)
-        ctx.h_shape, ctx.w_dtype = h.shape, w.dtype
-        return loss * scale
+        ctx.w_dtype = w.dtype
+        return loss
 
     @staticmethod
     def backward(ctx, g):
         gh, gw = ctx.saved_tensors
-        return ((gh * g).view(ctx.h_shape), (gw * g).to(ctx.w_dtype), None, None, None)
+        return gh * g, (gw * g).to(ctx.w_dtype), None, None, None
 
 
 def linear_cross_entropy(h, w, labels, scale: float = 1.0, chunk: int = 4096):

@@ -1,0 +1,1 @@
+"""The sliding-window runtime: backends, slot pool, host state, CPU AdamW, executor."""

@@ -1,0 +1,318 @@
+"""The sliding-window executor: one training step over a model larger than the device.
+
+Items are the embedding, the decoder layers and the head (final norm + LM head). The embedding
+and head live on the device for the whole run; decoder layers stream through a pool of K
+parameter slots (DESIGN §3.3):
+
+    forward   layer 0 -> L-1: each layer's input saved per micro-batch, output without autograd;
+              layer i+K-1 is prefetched while layer i computes; the last K stay resident
+    head      final norm + chunked linear cross-entropy; gradient w.r.t. the last hidden state
+    backward  layer L-1 -> 0: recompute from the checkpoint with autograd, accumulate the
+              parameter gradients of all micro-batches in an fp32 gradient slot, one
+              device->host copy per layer, squared norm accumulated on the device
+    update    CPU AdamW per item in a worker thread (DESIGN §3.4): without clipping a layer's
+              update starts as soon as its gradients reach the host (overlapping the backward);
+              with exact clipping all updates wait for the global norm, then run in order
+              embed, 0 .. L-1, head, overlapping the next step's forward, which waits per item.
+"""
+from __future__ import annotations
+
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
+from engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
+from engine.models.model import embed, positions_for
+from engine.models.spec import ModelSpec
+from engine.runtime.activations import DeviceStore, HostStore
+from engine.runtime.host_state import AdamHyper, AdamWorkspace, HostItem, adam_update
+from engine.runtime.slots import SlotPool
+from engine.runtime.timeline import StepTimeline
+
+
+@dataclass(frozen=True)
+class ExecShape:
+    """Buffer shapes of the executor (from the plan)."""
+    micro_batch: int
+    seq_len: int
+    n_micro: int
+    """Micro-batches per step (gradient accumulation), all processed layer-wise."""
+    slots: int
+    """K parameter slots (clamped to the layer count)."""
+    checkpoints: str = "gpu"
+    """Where activation checkpoints live: gpu or host."""
+    head_chunk: int = 4096
+    """Tokens per chunk of the LM-head cross-entropy."""
+    grad_slots: int = 2
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    loss: float
+    grad_norm: float
+    tokens: int
+    """Trained (labelled) tokens of the step."""
+    skipped: bool
+    timeline: StepTimeline
+
+
+class _Sync:
+    """Runs submitted work at once (CPU backend): deterministic, same interface as a pool."""
+
+    def submit(self, fn, *args) -> Future:
+        f: Future = Future()
+        f.set_result(fn(*args))
+        return f
+
+    def shutdown(self) -> None:
+        pass
+
+
+class SlidingExecutor:
+    """Owns the device buffers and runs training steps over the host state."""
+
+    def __init__(self, spec: ModelSpec, backend, host: dict[str, HostItem], shape: ExecShape,
+                 compute_dtype: torch.dtype):
+        self.spec, self.backend, self.host, self.shape = spec, backend, host, shape
+        self.dtype = compute_dtype
+        L, n = spec.num_layers, spec.params_per_layer
+        self.k = max(1, min(shape.slots, L))
+        self.pool = SlotPool(backend, self.k, n, compute_dtype, L)
+        self.embed_w = backend.alloc(spec.embed_layout.numel, compute_dtype)
+        self.head_w = backend.alloc(spec.head_layout.numel, compute_dtype)
+        self.embed_g = backend.alloc(spec.embed_layout.numel, torch.float32)
+        self.head_g = backend.alloc(spec.head_layout.numel, torch.float32)
+        self.gslots = [backend.alloc(n, torch.float32) for _ in range(shape.grad_slots)]
+        self.gslot_free: list[list] = [[] for _ in self.gslots]
+        store = HostStore if shape.checkpoints == "host" else DeviceStore
+        self.store = store(backend, L, shape.n_micro,
+                           (shape.micro_batch, shape.seq_len, spec.hidden_size), compute_dtype)
+        self.norm_sq = backend.alloc((), torch.float32)
+        self.updater = ThreadPoolExecutor(1, "cpu-adam") if backend.is_cuda else _Sync()
+        self.workspace = AdamWorkspace()
+        self.pending: dict[str, Future] = {}
+        self.resident_stale = {"embed": True, "head": True}
+        self.grads_out: dict[str, object] = {}
+
+    # ---- host <-> device state -------------------------------------------------------------
+    def _wait_update(self, name: str) -> None:
+        fut = self.pending.pop(name, None)
+        if fut is not None:
+            fut.result()
+
+    def _refresh(self, name: str, dev: torch.Tensor, tl: StepTimeline) -> None:
+        """Bring an always-resident item up to date after its update."""
+        self._wait_update(name)
+        if self.resident_stale[name]:
+            h = self.backend.start_h2d(dev, self.host[name].w)
+            tl.device_span("h2d", name, h.start, h)
+            self.backend.compute_waits(h)
+            self.resident_stale[name] = False
+
+    def _load(self, layer: int, tl: StepTimeline) -> None:
+        if self.pool.has(layer):
+            return
+        self._wait_update(f"layer{layer}")
+        h = self.pool.start_load(layer, self.host[f"layer{layer}"].w)
+        tl.device_span("h2d", f"layer{layer}", h.start, h)
+
+    # ---- one step --------------------------------------------------------------------------
+    def train_step(self, micro_batches, hyper: Callable[[float], AdamHyper],
+                   max_grad_norm: float, timeline: bool = True) -> StepOutput:
+        """Forward, backward and (scheduled) updates of one optimizer step.
+
+        Args:
+            micro_batches: list of objects with input_ids, labels, doc_ids (see engine.data).
+            hyper: AdamW hyper-parameters of this step given the clipping coefficient.
+            max_grad_norm: exact global-norm clipping threshold; 0 disables clipping.
+        """
+        tl = StepTimeline(self.backend, timeline)
+        tokens = sum(int((mb.labels != -100).sum()) for mb in micro_batches)
+        scale = 1.0 / max(tokens, 1)
+        inp = [self._inputs(mb) for mb in micro_batches]
+        self._refresh("embed", self.embed_w, tl)
+        xs = self.forward_window(inp, tl)
+        self._refresh("head", self.head_w, tl)
+        loss, gys = self.head_step(xs, inp, scale, tl)
+        clip = max_grad_norm > 0
+        self.backward_window(gys, inp, tl, None if clip else hyper(1.0))
+        norm = math.sqrt(float(self.norm_sq))  # the clip barrier: backward finished
+        coef = min(1.0, max_grad_norm / (norm + 1e-6)) if clip else 1.0
+        skipped = not (math.isfinite(norm) and math.isfinite(loss.item()))
+        if skipped:  # keep the old weights; drop this step's gradients
+            for fut in list(self.pending.values()):
+                fut.result()
+            self.pending.clear()
+        else:
+            names = ["embed"] + ([f"layer{i}" for i in range(self.spec.num_layers)] if clip else []) + ["head"]
+            for name in names:
+                self._submit_update(name, hyper(coef), tl)
+        self.pool.invalidate_all()
+        return StepOutput(float(loss), norm, tokens, skipped, tl)
+
+    def _inputs(self, mb):
+        dev = self.backend.device
+        ids = mb.input_ids.to(dev, non_blocking=True)
+        doc = None if mb.doc_ids is None else mb.doc_ids.to(dev, non_blocking=True)
+        rope = rope_tables(self.spec, positions_for(ids, doc), self.dtype)
+        mask = None if doc is None else packed_causal_mask(doc)
+        return ids, mb.labels.to(dev, non_blocking=True), rope, mask
+
+    def forward_window(self, inp, tl: StepTimeline, save: bool = True) -> list[torch.Tensor]:
+        """Layer-wise forward of every micro-batch; returns the last hidden states.
+
+        ``save`` keeps each layer's inputs as activation checkpoints (training).
+        """
+        spec, L, k = self.spec, self.spec.num_layers, self.k
+        emb = spec.embed_layout.views(self.embed_w)
+        with torch.no_grad():
+            xs = [embed(spec, emb, ids) for ids, *_ in inp]
+            for i in range(L):
+                for j in range(i, min(i + k, L)):
+                    self._load(j, tl)
+                p = spec.layer_layout.views(self.pool.acquire(i, spec.params_per_layer))
+                t0 = self.backend.mark()
+                for mb, (_, _, rope, mask) in enumerate(inp):
+                    if save:
+                        self.store.save(i, mb, xs[mb])
+                    xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask)
+                tl.device_span("compute", f"layer{i}", t0, self.backend.mark())
+                self.pool.release(i, evict=i < L - k)
+        return xs
+
+    def head_step(self, xs, inp, scale: float, tl: StepTimeline):
+        """Loss of every micro-batch and the gradients w.r.t. the last hidden states."""
+        spec = self.spec
+        t0 = self.backend.mark()
+        head = spec.head_layout.views(self.head_w)
+        ghead = spec.head_layout.views(self.head_g)
+        if spec.tie_word_embeddings:
+            w, gw = spec.embed_layout.views(self.embed_w)["embed_tokens.weight"], \
+                spec.embed_layout.views(self.embed_g)["embed_tokens.weight"]
+        else:
+            w, gw = head["lm_head.weight"], ghead["lm_head.weight"]
+        self._zero_resident_grads()
+        nw = head["norm.weight"].detach().requires_grad_()
+        loss = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+        gys = []
+        for x, (_, labels, _, _) in zip(xs, inp):
+            x = x.detach().requires_grad_()
+            with torch.enable_grad():
+                h = rms_norm(x, nw, spec.rms_norm_eps)
+            lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk, gw)
+            loss += lmb
+            gx, gnw = torch.autograd.grad(h, [x, nw], gh)
+            ghead["norm.weight"].add_(gnw)
+            gys.append(gx)
+        tl.device_span("compute", "head", t0, self.backend.mark())
+        return loss, gys
+
+    def _zero_resident_grads(self) -> None:
+        for name in ("embed", "head"):
+            for h in self.grads_out.pop(name, []):
+                self.backend.compute_waits(h)
+        self.embed_g.zero_()
+        self.head_g.zero_()
+        self.norm_sq.zero_()
+
+    def backward_window(self, gys, inp, tl: StepTimeline, hyper_now: AdamHyper | None) -> None:
+        """Layer-wise backward with recompute; gradients leave for the host one layer at a time."""
+        spec, L, k = self.spec, self.spec.num_layers, self.k
+        n = spec.params_per_layer
+        for i in reversed(range(L)):
+            self.store.prefetch(i - 1)
+            for j in range(i, max(i - k, -1), -1):
+                self._load(j, tl)
+            w = self.pool.acquire(i, n)
+            slot = i % len(self.gslots)
+            for h in self.gslot_free[slot]:
+                self.backend.compute_waits(h)
+            g = self.gslots[slot][:n]
+            g.zero_()
+            t0 = self.backend.mark()
+            for mb, (_, _, rope, mask) in enumerate(inp):
+                gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask)
+            self.norm_sq += torch.linalg.vector_norm(g).square()
+            t1 = self.backend.mark()
+            tl.device_span("compute", f"layer{i}", t0, t1)
+            h = self.backend.start_d2h(self.host[f"layer{i}"].g, g, after=[t1])
+            tl.device_span("d2h", f"layer{i}", h.start, h)
+            self.gslot_free[slot] = [h]
+            self.grads_out[f"layer{i}"] = [h]
+            self.store.done_with(i)
+            self.pool.release(i, evict=True)
+            if hyper_now is not None:
+                self._submit_update(f"layer{i}", hyper_now, tl)
+        self._embed_backward(gys, inp, tl)
+
+    def _layer_backward(self, w, g, x, gy, rope, mask) -> torch.Tensor:
+        """Recompute one layer for one micro-batch, add its parameter grads to g; return dL/dx."""
+        spec = self.spec
+        leaves = {name: v.detach().requires_grad_() for name, v in spec.layer_layout.views(w).items()}
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = decoder_layer(spec, leaves, x, rope, mask)
+            grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
+        for (_, off, _), gp in zip(spec.layer_layout.entries, grads[1:]):
+            g[off:off + gp.numel()].add_(gp.reshape(-1))
+        return grads[0]
+
+    def _embed_backward(self, gys, inp, tl: StepTimeline) -> None:
+        t0 = self.backend.mark()
+        H = self.spec.hidden_size
+        ge = self.embed_g.view(-1, H)
+        for gy, (ids, *_) in zip(gys, inp):
+            ge.index_add_(0, ids.reshape(-1), gy.reshape(-1, H).float())
+        self.norm_sq += torch.linalg.vector_norm(self.embed_g).square()
+        self.norm_sq += torch.linalg.vector_norm(self.head_g).square()
+        t1 = self.backend.mark()
+        tl.device_span("compute", "embed", t0, t1)
+        for name, buf in (("embed", self.embed_g), ("head", self.head_g)):
+            h = self.backend.start_d2h(self.host[name].g, buf, after=[t1])
+            tl.device_span("d2h", name, h.start, h)
+            self.grads_out[name] = [h]
+
+    def _submit_update(self, name: str, hp: AdamHyper, tl: StepTimeline) -> None:
+        handles = self.grads_out.get(name, [])
+        if name in ("embed", "head"):
+            self.resident_stale[name] = True
+        self.pending[name] = self.updater.submit(self._update, name, handles, hp, tl)
+
+    def _update(self, name: str, handles, hp: AdamHyper, tl: StepTimeline) -> None:
+        for h in handles:
+            h.wait()
+        t0 = time.perf_counter()
+        adam_update(self.host[name], hp, self.workspace)
+        tl.host_span("optimizer", name, t0, time.perf_counter())
+
+    def eval_loss(self, mb) -> tuple[float, int]:
+        """(summed loss, labelled tokens) of one micro-batch, forward only."""
+        tl = StepTimeline(self.backend, enabled=False)
+        inp = [self._inputs(mb)]
+        self._refresh("embed", self.embed_w, tl)
+        xs = self.forward_window(inp, tl, save=False)
+        self._refresh("head", self.head_w, tl)
+        head = self.spec.head_layout.views(self.head_w)
+        w = (self.spec.embed_layout.views(self.embed_w)["embed_tokens.weight"]
+             if self.spec.tie_word_embeddings else head["lm_head.weight"])
+        with torch.no_grad():
+            h = rms_norm(xs[0], head["norm.weight"], self.spec.rms_norm_eps)
+            loss = linear_ce_loss(h, w, inp[0][1], self.shape.head_chunk)
+        for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
+            if self.pool.has(i):
+                self.pool.release(i, evict=True)
+        return float(loss), int((mb.labels != -100).sum())
+
+    def drain(self) -> None:
+        """Wait for every update in flight (before saving or reading the weights)."""
+        for name in list(self.pending):
+            self._wait_update(name)
+
+    def close(self) -> None:
+        self.drain()
+        self.updater.shutdown()

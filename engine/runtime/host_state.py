@@ -1,0 +1,142 @@
+"""Host-side model state of one window item, and the CPU AdamW update that refreshes it.
+
+Per parameter, for bf16 compute (DESIGN §3.2):
+  w    bf16, the copy sent to the GPU (pinned under CUDA)
+  rem  int16 remainder; the fp32 master is exactly  bits(master) = (bits(w) << 16) + rem
+  m, v AdamW moments, fp32 (or bf16 as a named option)
+  g    fp32 gradient, written by the device->host copy of the item's accumulated gradient
+For fp32 compute, ``w`` is the master itself and there is no remainder.
+
+Splitting rounds the master to bf16 by adding half an ulp to the bit pattern before truncating
+(round to nearest, ties away from zero), so the remainder always fits in a signed 16-bit integer
+and reconstruction is exact. It differs from PyTorch's round-to-nearest-even only on exact ties.
+
+The update runs chunk by chunk through an fp32 scratch buffer small enough to stay in the CPU's
+caches (reconstruct -> fused AdamW -> split), so memory is streamed once, as by a plain
+``torch.optim.AdamW(fused=True)`` over fp32 parameters.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.spec import Layout
+
+# 4M elements: 16 MB of fp32 scratch, about 1 MB per thread on a 16-core CPU (L2-resident),
+# and long enough that per-op launch overhead stays small.
+CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class AdamHyper:
+    """AdamW hyper-parameters of one step (torch.optim.AdamW semantics)."""
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    step: int
+    """1-based step count for bias correction."""
+    grad_scale: float = 1.0
+    """Multiplier applied to the gradient first (the global-norm clipping coefficient)."""
+
+
+def decay_runs(layout: Layout) -> list[tuple[int, int, bool]]:
+    """Contiguous (start, end, decay) runs: 1-D tensors (norms, biases) get no weight decay."""
+    runs: list[tuple[int, int, bool]] = []
+    for _, off, shape in layout.entries:
+        n, decay = 1, len(shape) > 1
+        for s in shape:
+            n *= s
+        if runs and runs[-1][2] == decay and runs[-1][1] == off:
+            runs[-1] = (runs[-1][0], off + n, decay)
+        else:
+            runs.append((off, off + n, decay))
+    return runs
+
+
+class HostItem:
+    """Host state (weights, remainder, moments, gradient) of one window item."""
+
+    def __init__(self, name: str, layout: Layout, compute_dtype: torch.dtype,
+                 moments_dtype: torch.dtype, alloc_pinned, alloc):
+        self.name, self.layout, self.numel = name, layout, layout.numel
+        self.w = alloc_pinned(self.numel, compute_dtype)
+        self.rem = alloc(self.numel, torch.int16) if compute_dtype == torch.bfloat16 else None
+        self.m = alloc(self.numel, moments_dtype)
+        self.v = alloc(self.numel, moments_dtype)
+        self.g = alloc_pinned(self.numel, torch.float32)
+        self.runs = decay_runs(layout)
+
+    def set_master(self, master: torch.Tensor) -> None:
+        """Set the state from fp32 (or any float) values; moments untouched."""
+        for s in range(0, self.numel, CHUNK):
+            e = min(s + CHUNK, self.numel)
+            chunk = master[s:e].float()
+            if self.rem is None:
+                self.w[s:e].copy_(chunk)
+            else:
+                split_master(chunk, self.w[s:e], self.rem[s:e])
+
+    def master(self) -> torch.Tensor:
+        """The exact fp32 master weights (a new tensor)."""
+        if self.rem is None:
+            return self.w.float().clone()
+        out = torch.empty(self.numel, dtype=torch.float32)
+        join_master(self.w, self.rem, out)
+        return out
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint stores (gradients are transient)."""
+        d = {"w": self.w, "m": self.m, "v": self.v}
+        if self.rem is not None:
+            d["rem"] = self.rem
+        return d
+
+
+def join_master(w: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out (fp32) = exact master from bf16 ``w`` and int16 ``rem``."""
+    bits = out.view(torch.int32)
+    torch.bitwise_left_shift(w.view(torch.int16).to(torch.int32), 16, out=bits)
+    bits.add_(rem)
+    return out
+
+
+def split_master(master: torch.Tensor, w: torch.Tensor, rem: torch.Tensor) -> None:
+    """Write bf16 ``w`` (nearest, ties away) and int16 ``rem`` of fp32 ``master``."""
+    bits = master.view(torch.int32)
+    hi = torch.bitwise_right_shift(bits + 0x8000, 16)  # arithmetic shift: sign-correct
+    w.view(torch.int16).copy_(hi)
+    rem.copy_(bits - torch.bitwise_left_shift(hi, 16))
+
+
+class AdamWorkspace:
+    """Reusable fp32 scratch for the chunked update (one per updating thread)."""
+
+    def __init__(self):
+        self.p = torch.empty(CHUNK, dtype=torch.float32)
+        self.m = torch.empty(CHUNK, dtype=torch.float32)
+        self.v = torch.empty(CHUNK, dtype=torch.float32)
+
+
+def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace) -> None:
+    """One AdamW step on the item's master weights from ``item.g``; refreshes ``item.w``."""
+    step = torch.tensor(float(hp.step))
+    scale = None if hp.grad_scale == 1.0 else torch.tensor(1.0 / hp.grad_scale)
+    exact_moments = item.m.dtype == torch.float32
+    for start, end, decay in item.runs:
+        for s in range(start, end, CHUNK):
+            e, n = min(s + CHUNK, end), min(CHUNK, end - s)
+            p = item.w[s:e] if item.rem is None else join_master(item.w[s:e], item.rem[s:e], ws.p[:n])
+            m, v = (item.m[s:e], item.v[s:e]) if exact_moments else (
+                ws.m[:n].copy_(item.m[s:e]), ws.v[:n].copy_(item.v[s:e]))
+            torch._fused_adamw_([p], [item.g[s:e]], [m], [v], [], [step], lr=hp.lr,
+                                beta1=hp.beta1, beta2=hp.beta2,
+                                weight_decay=hp.weight_decay if decay else 0.0, eps=hp.eps,
+                                amsgrad=False, maximize=False, grad_scale=scale)
+            if item.rem is not None:
+                split_master(p, item.w[s:e], item.rem[s:e])
+            if not exact_moments:
+                item.m[s:e].copy_(m)
+                item.v[s:e].copy_(v)

@@ -1,0 +1,1 @@
+"""Training: the Trainer (setup / train / save_checkpoint / cleanup), schedules, checkpoints."""
