@@ -74,7 +74,7 @@ class DenseReference:
         h = rms_norm(x, self.items["head"]["norm.weight"], s.rms_norm_eps)
         w = (self.items["embed"]["embed_tokens.weight"] if s.tie_word_embeddings
              else self.items["head"]["lm_head.weight"])
-        z = h @ w.t()
+        z = (h @ w.t()).float()  # fp32 logits for the loss, as Hugging Face models do
         return torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), mb.labels.reshape(-1),
                                                  ignore_index=-100, reduction="sum") * scale
 

@@ -2,14 +2,16 @@
 
 Per parameter, for bf16 compute (DESIGN §3.2):
   w    bf16, the copy sent to the GPU (pinned under CUDA)
-  rem  int16 remainder; the fp32 master is exactly  bits(master) = (bits(w) << 16) + rem
+  rem  16-bit remainder: w and rem are the high and low halves of bits(master) + 0x8000, so the
+       fp32 master is exact and w is the master rounded to nearest
   m, v AdamW moments, fp32 (or bf16 as a named option)
   g    fp32 gradient, written by the device->host copy of the item's accumulated gradient
 For fp32 compute, ``w`` is the master itself and there is no remainder.
 
-Splitting rounds the master to bf16 by adding half an ulp to the bit pattern before truncating
-(round to nearest, ties away from zero), so the remainder always fits in a signed 16-bit integer
-and reconstruction is exact. It differs from PyTorch's round-to-nearest-even only on exact ties.
+Adding half a bf16 ulp (0x8000) to the bit pattern before taking the high half rounds to nearest
+(ties away from zero; PyTorch's cast rounds ties to even, which differs only on exact ties), and
+keeping the low half makes reconstruction exact. Both directions are a strided int16 copy per
+half and one integer add, with no shifts or widening conversions.
 
 The update runs chunk by chunk through an fp32 scratch buffer small enough to stay in the CPU's
 caches (reconstruct -> fused AdamW -> split), so memory is streamed once, as by a plain
@@ -19,9 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import sys
+
 import torch
 
+from engine.kernels import cpu_adam
 from engine.models.spec import Layout
+
+assert sys.byteorder == "little", "the bf16/remainder split assumes a little-endian CPU"
 
 # 4M elements: 16 MB of fp32 scratch, about 1 MB per thread on a 16-core CPU (L2-resident),
 # and long enough that per-op launch overhead stays small.
@@ -73,11 +80,10 @@ class HostItem:
         """Set the state from fp32 (or any float) values; moments untouched."""
         for s in range(0, self.numel, CHUNK):
             e = min(s + CHUNK, self.numel)
-            chunk = master[s:e].float()
             if self.rem is None:
-                self.w[s:e].copy_(chunk)
-            else:
-                split_master(chunk, self.w[s:e], self.rem[s:e])
+                self.w[s:e].copy_(master[s:e])
+            else:  # split works in place: give it a private fp32 copy
+                split_master(master[s:e].to(torch.float32, copy=True), self.w[s:e], self.rem[s:e])
 
     def master(self) -> torch.Tensor:
         """The exact fp32 master weights (a new tensor)."""
@@ -96,19 +102,27 @@ class HostItem:
 
 
 def join_master(w: torch.Tensor, rem: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out (fp32) = exact master from bf16 ``w`` and int16 ``rem``."""
-    bits = out.view(torch.int32)
-    torch.bitwise_left_shift(w.view(torch.int16).to(torch.int32), 16, out=bits)
-    bits.add_(rem)
+    """out (fp32) = exact master from bf16 ``w`` and the stored low half ``rem``.
+
+    ``rem`` holds the low 16 bits of ``bits(master) + 0x8000`` and ``w`` its high 16 bits, so
+    the master is two interleaving copies and one integer subtraction (little-endian layout).
+    """
+    o16 = out.view(torch.int16)
+    o16[0::2].copy_(rem)
+    o16[1::2].copy_(w.view(torch.int16))
+    out.view(torch.int32).sub_(0x8000)
     return out
 
 
 def split_master(master: torch.Tensor, w: torch.Tensor, rem: torch.Tensor) -> None:
-    """Write bf16 ``w`` (nearest, ties away) and int16 ``rem`` of fp32 ``master``."""
-    bits = master.view(torch.int32)
-    hi = torch.bitwise_right_shift(bits + 0x8000, 16)  # arithmetic shift: sign-correct
-    w.view(torch.int16).copy_(hi)
-    rem.copy_(bits - torch.bitwise_left_shift(hi, 16))
+    """Write bf16 ``w`` (nearest, ties away from zero) and ``rem`` of fp32 ``master``.
+
+    Overwrites ``master`` (it is the update's scratch buffer).
+    """
+    master.view(torch.int32).add_(0x8000)
+    m16 = master.view(torch.int16)
+    w.view(torch.int16).copy_(m16[1::2])
+    rem.copy_(m16[0::2])
 
 
 class AdamWorkspace:
@@ -120,8 +134,21 @@ class AdamWorkspace:
         self.v = torch.empty(CHUNK, dtype=torch.float32)
 
 
-def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace) -> None:
-    """One AdamW step on the item's master weights from ``item.g``; refreshes ``item.w``."""
+def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool | None = None) -> None:
+    """One AdamW step on the item's master weights from ``item.g``; refreshes ``item.w``.
+
+    bf16 weights with fp32 moments go through the one-pass compiled kernel when it is
+    available (``native``: None = when available); everything else, and the reference, through
+    a chunked chain of PyTorch ops.
+    """
+    native = cpu_adam.native_available() if native is None else native and cpu_adam.native_available()
+    if native and item.rem is not None and item.m.dtype == torch.float32:
+        for start, end, decay in item.runs:
+            cpu_adam.fused_update(item.w[start:end], item.rem[start:end], item.g[start:end],
+                                  item.m[start:end], item.v[start:end], hp.lr, hp.beta1,
+                                  hp.beta2, hp.eps, hp.weight_decay if decay else 0.0, hp.step,
+                                  hp.grad_scale)
+        return
     step = torch.tensor(float(hp.step))
     scale = None if hp.grad_scale == 1.0 else torch.tensor(1.0 / hp.grad_scale)
     exact_moments = item.m.dtype == torch.float32

@@ -1,0 +1,167 @@
+"""Throughput and memory of the sliding engine on a random-init Llama-shaped model.
+
+Runs on the reference GPU machine: builds the host state with random weights (no checkpoint on
+disk), caps VRAM in-process to emulate a consumer card, runs warm-up and timed steps on random
+tokens, and prints one JSON line per configuration: tokens/s (median), model TFLOP/s
+(6 * N * tokens/s), peak VRAM allocated and reserved, peak host RSS, CPU update params/s
+(from the optimizer spans of the timeline) and the per-lane busy time of the last step.
+
+    python benchmarks/sliding_step.py --shape llama-3.2-3b --micro-batch 8 --grad-accum 1 4
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.models.spec import spec_from_config  # noqa: E402
+from engine.runtime.backend import make_backend  # noqa: E402
+from engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
+from engine.runtime.host_state import AdamHyper  # noqa: E402
+from engine.train.state import build_host_state  # noqa: E402
+from engine.train.trainer import peak_rss  # noqa: E402
+
+SHAPES = {  # published config.json values of the public models
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         tie_word_embeddings=True, head_dim=64),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                         tie_word_embeddings=True, head_dim=128),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                         tie_word_embeddings=False, head_dim=128),
+}
+
+
+def shape_spec(name: str):
+    cfg = dict(SHAPES[name], model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+               max_position_embeddings=131072, torch_dtype="bfloat16")
+    return spec_from_config(cfg)
+
+
+@dataclass
+class MB:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    doc_ids: None = None
+
+
+def random_state(spec, backend, moments):
+    host = build_host_state(spec, backend, torch.bfloat16, moments)
+    g = torch.Generator().manual_seed(0)
+    for item in host.values():
+        item.set_master(torch.randn(item.numel, generator=g) * 0.02)
+    return host
+
+
+def run_config(spec, host, backend, args, accum: int) -> dict:
+    shape = ExecShape(micro_batch=args.micro_batch, seq_len=args.seq, n_micro=accum,
+                      slots=args.slots, checkpoints=args.checkpoints, head_chunk=args.head_chunk)
+    ex = SlidingExecutor(spec, backend, host, shape, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    mbs = []
+    for _ in range(accum):
+        ids = torch.randint(0, spec.vocab_size, (args.micro_batch, args.seq), generator=g)
+        mbs.append(MB(ids, torch.roll(ids, -1, 1)))
+    hyper = lambda coef: AdamHyper(1e-5, 0.9, 0.999, 1e-8, 0.0, 1, coef)  # noqa: E731
+    times, outs = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for k in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        out = ex.train_step(mbs, hyper, args.clip)
+        times.append(time.perf_counter() - t0)
+        outs.append(out)
+    ex.drain()
+    tokens = accum * args.micro_batch * args.seq
+    med = statistics.median(times[args.warmup:])
+    spans = outs[-2].timeline.resolve()
+    opt = [s for s in spans if s.lane == "optimizer"]
+    busy = {lane: round(sum(s.end - s.start for s in spans if s.lane == lane), 4)
+            for lane in ("compute", "h2d", "d2h", "optimizer")}
+    opt_params = sum(host[s.item].numel for s in opt)
+    res = dict(config=args.shape, micro_batch=args.micro_batch, grad_accum=accum, seq=args.seq,
+               tokens_per_step=tokens, slots=ex.k, checkpoints=args.checkpoints, clip=args.clip,
+               vram_cap_gib=args.vram_cap, step_time_s=round(med, 4),
+               tokens_per_s=round(tokens / med, 1),
+               model_tflops=round(6 * spec.num_params * tokens / med / 1e12, 1),
+               peak_vram_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+               peak_vram_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+               peak_rss_gib=round(peak_rss() / 2**30, 2),
+               cpu_update_params_per_s=round(opt_params / max(busy["optimizer"], 1e-9) / 1e9, 3),
+               busy_last_step_s=busy, losses=[round(o.loss, 4) for o in outs])
+    ex.close()
+    return res
+
+
+def bench_cpu_update(n: int) -> dict:
+    """Our fused-in-cache update (bf16 + remainder master) vs torch AdamW(fused) on fp32."""
+    from engine.models.spec import Layout
+    from engine.runtime.host_state import AdamWorkspace, HostItem, adam_update
+    lay = Layout.build([("w", (n // 1024, 1024))])
+    item = HostItem("x", lay, torch.bfloat16, torch.float32, lambda k, d: torch.zeros(k, dtype=d),
+                    lambda k, d: torch.zeros(k, dtype=d))
+    item.set_master(torch.randn(n) * 0.02)
+    item.g.normal_()
+    ws = AdamWorkspace()
+    ours = []
+    for k in range(4):
+        t0 = time.perf_counter()
+        adam_update(item, AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.01, k + 1, 0.5), ws)
+        ours.append(time.perf_counter() - t0)
+    p = torch.nn.Parameter(torch.randn(n))
+    p.grad = torch.randn(n)
+    opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
+    ref = []
+    for _ in range(4):
+        t0 = time.perf_counter()
+        opt.step()
+        ref.append(time.perf_counter() - t0)
+    a, b = statistics.median(ours[1:]), statistics.median(ref[1:])
+    return dict(cpu_update_params=n, ours_params_per_s=round(n / a / 1e9, 3),
+                torch_fused_fp32_params_per_s=round(n / b / 1e9, 3), ratio=round(b / a, 3),
+                threads=torch.get_num_threads())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=SHAPES, default="llama-3.2-3b")
+    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--grad-accum", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--slots", type=int, default=4)
+    ap.add_argument("--checkpoints", choices=["gpu", "host"], default="gpu")
+    ap.add_argument("--head-chunk", type=int, default=2048)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--moments", default="float32")
+    ap.add_argument("--vram-cap", type=float, default=24.0, help="GiB; 0 = uncapped")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--cpu-update", type=int, default=0, help="also bench the CPU update on N params")
+    args = ap.parse_args()
+    if args.cpu_update:
+        print(json.dumps(bench_cpu_update(args.cpu_update)), flush=True)
+    backend = make_backend("cuda")
+    if args.vram_cap:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.vram_cap * 2**30 / total)
+    spec = shape_spec(args.shape)
+    moments = torch.bfloat16 if args.moments == "bfloat16" else torch.float32
+    host = random_state(spec, backend, moments)
+    print(json.dumps(dict(event="state_ready", params=spec.num_params,
+                          rss_gib=round(peak_rss() / 2**30, 2))), flush=True)
+    for accum in args.grad_accum:
+        print(json.dumps(run_config(spec, host, backend, args, accum)), flush=True)
+    backend.release_host()
+
+
+if __name__ == "__main__":
+    main()
