@@ -110,4 +110,9 @@ def fused_update(w, rem, g, m, v, lr, b1, b2, eps, wd, step, gscale) -> None:
     """AdamW step on contiguous 1-D views: w bf16, rem int16, g/m/v fp32 (in place)."""
     bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
     _lib.adamw_bf16_rem(w.data_ptr(), rem.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-                        w.numel(), lr, b1, b2, 1 - b1, 1 - b2, eps, wd, bc1, bc2, gscale, torch.get_num_threads())
+                        w.numel(), lr, b1, b2, 1 - b1, 1 - b2, eps, wd, bc1, bc2, gscale, THREADS)
+
+
+# One core is left to the thread that drives the GPU: when the update saturates every core,
+# kernel launches queue behind it and the GPU starves.
+THREADS = max(1, torch.get_num_threads() - 1)
