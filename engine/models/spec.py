@@ -138,7 +138,44 @@ def _need(cfg: dict, key: str, path: Path):
     if key not in cfg:
         raise UserError(path, f"config.json has no '{key}'",
                         "use the config.json that came with the model's weights")
-    return cfg[key]
+    return _positive_int(cfg, key, path)
+
+
+def _positive_int(cfg: dict, key: str, path: Path) -> int:
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise UserError(path, f"'{key}' is {v!r}, not a positive integer",
+                        "use the config.json that came with the model's weights")
+    return v
+
+
+# Keys each rope_scaling type needs (rope_inv_freq reads them).
+_ROPE_KEYS = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}
+
+
+def _rope_scaling(cfg: dict, path: Path) -> tuple[tuple[str, object], ...] | None:
+    """The RoPE scaling of config.json as sorted items, or None for plain RoPE.
+
+    transformers < 5 writes ``rope_scaling`` (plus ``rope_theta``); transformers >= 5 writes one
+    ``rope_parameters`` dict holding both, and no ``rope_scaling``: read either spelling.
+    """
+    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    if not isinstance(rs, dict):
+        return None
+    rs = {k: v for k, v in rs.items() if k != "rope_theta"}
+    kind = rs.get("rope_type", rs.get("type"))
+    if not rs or kind == "default":
+        return None
+    if kind not in _ROPE_KEYS:
+        raise UserError(path, f"rope_scaling type {kind!r} is not supported",
+                        "supported: none, linear, llama3")
+    missing = [k for k in _ROPE_KEYS[kind] if not isinstance(rs.get(k), (int, float))]
+    if missing:
+        raise UserError(path, f"rope_scaling of type {kind!r} lacks {', '.join(missing)}",
+                        "use the config.json that came with the model's weights")
+    return tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))
 
 
 def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
@@ -148,29 +185,22 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     if mt not in SUPPORTED:
         raise UserError(path, f"model_type {mt!r} is not supported",
                         f"choose a model of a supported family: {', '.join(SUPPORTED)}")
-    h = int(_need(cfg, "hidden_size", path))
-    nh = int(_need(cfg, "num_attention_heads", path))
-    nkv = int(cfg.get("num_key_value_heads") or nh)
-    hd = int(cfg.get("head_dim") or h // nh)
+    h = _need(cfg, "hidden_size", path)
+    nh = _need(cfg, "num_attention_heads", path)
+    nkv = _positive_int(cfg, "num_key_value_heads", path) if cfg.get("num_key_value_heads") else nh
+    hd = _positive_int(cfg, "head_dim", path) if cfg.get("head_dim") else h // nh
     if nh % nkv:
         raise UserError(path, f"num_attention_heads={nh} is not a multiple of "
                               f"num_key_value_heads={nkv}", "fix config.json")
-    rs = cfg.get("rope_scaling")
-    if rs:
-        kind = rs.get("rope_type", rs.get("type"))
-        if kind not in ("linear", "llama3", "default"):
-            raise UserError(path, f"rope_scaling type {kind!r} is not supported",
-                            "supported: none, linear, llama3")
-        rs = None if kind == "default" else tuple(sorted(
-            (k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))
+    rs = _rope_scaling(cfg, path)
     attn_bias = bool(cfg.get("attention_bias", False))
     # The legacy "default" value of Hugging Face's RoPE parameters moved into rope_parameters
     # in recent transformers versions; accept both spellings.
     theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
     return ModelSpec(
-        model_type=mt, vocab_size=int(_need(cfg, "vocab_size", path)), hidden_size=h,
-        intermediate_size=int(_need(cfg, "intermediate_size", path)),
-        num_layers=int(_need(cfg, "num_hidden_layers", path)), num_heads=nh,
+        model_type=mt, vocab_size=_need(cfg, "vocab_size", path), hidden_size=h,
+        intermediate_size=_need(cfg, "intermediate_size", path),
+        num_layers=_need(cfg, "num_hidden_layers", path), num_heads=nh,
         num_kv_heads=nkv, head_dim=hd, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta), rope_scaling=rs,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -114,11 +114,16 @@ def random_tensors(spec, seed: int):
 
 
 def make_tiny_model(out: Path | str, arch: str = "llama", shape: TinyShape = TinyShape(),
-                    seed: int = 0) -> Path:
-    """Create a complete tiny Hugging Face model folder at ``out`` and return its path."""
+                    seed: int = 0, extra_config: dict | None = None) -> Path:
+    """Create a complete tiny Hugging Face model folder at ``out`` and return its path.
+
+    Args:
+        extra_config: config.json keys set over the tiny config before the weights are drawn
+            (e.g. ``rope_scaling``, ``attention_bias``), for variants TinyShape does not cover.
+    """
     out = Path(out)
     tok = train_tokenizer(shape.vocab, seed)
-    cfg = tiny_config(arch, shape, tok)
+    cfg = tiny_config(arch, shape, tok) | (extra_config or {})
     spec = spec_from_config(cfg)
     staging = out.with_name(out.name + ".tok")
     staging.mkdir(parents=True, exist_ok=True)

@@ -2,8 +2,9 @@
 
 A model folder is untrusted input: its ``chat_template`` is rendered in jinja2's
 ``ImmutableSandboxedEnvironment``, which refuses attribute tricks (``__class__``, ``__globals__``)
-and unsafe calls, and caps ``range``; recursion blow-ups are caught too. Every refusal becomes one
-:class:`UserError` naming the template's file.
+and unsafe calls, and caps ``range``; here it also caps ``*`` and ``**`` results, and recursion
+and memory blow-ups are caught too. Every refusal becomes one :class:`UserError` naming the
+template's file.
 """
 from __future__ import annotations
 
@@ -76,8 +77,33 @@ def _raise(msg):
     raise TemplateError(msg)
 
 
-_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                     extensions=["jinja2.ext.loopcontrols"])
+# Results larger than this from `*` (string/list repetition) or `**` (integer power) are refused:
+# jinja2's sandbox caps `range` but not these, so "{{ 'a' * 10**10 }}" would exhaust memory and
+# "{{ 9 ** (10**10) }}" would hang (jinja2 even folds it at compile time unless intercepted).
+_MAX_ITEMS = 1_000_000
+_MAX_INT_BITS = 1 << 16
+
+
+class _ChatSandbox(ImmutableSandboxedEnvironment):
+    """jinja2's immutable sandbox, plus size caps on the operators that can blow up."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if (isinstance(seq, (str, list, tuple)) and isinstance(n, int)
+                        and len(seq) * n > _MAX_ITEMS):
+                    raise SecurityError(f"repetition to {len(seq) * n:,} items is too large")
+        elif (isinstance(left, int) and isinstance(right, int) and right > 0
+              and abs(left).bit_length() * right > _MAX_INT_BITS):
+            bits = abs(left).bit_length() * right
+            raise SecurityError(f"an integer power of about {bits:,} bits is too large")
+        return super().call_binop(context, operator, left, right)
+
+
+_ENV = _ChatSandbox(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+_ENV.globals.pop("lipsum", None)  # generates unbounded text on request; no chat template needs it
 _ENV.globals.update(raise_exception=_raise,
                     strftime_now=lambda fmt: datetime.now().strftime(fmt))
 _ENV.filters["tojson"] = lambda v, indent=None: json.dumps(v, indent=indent, ensure_ascii=False)
@@ -95,8 +121,12 @@ def render_template(source: str, where: Path | str, **context) -> str:
                         fix) from None
     except RecursionError:
         raise UserError(where, "chat_template was refused: unbounded recursion", fix) from None
-    except (TemplateError, jinja2.TemplateSyntaxError) as e:
-        raise UserError(where, f"chat_template failed: {e}", fix) from None
+    except MemoryError:
+        raise UserError(where, "chat_template was refused: it ran out of memory", fix) from None
+    except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError) as e:
+        # a template is a program from the model folder: its own errors are the folder's fault
+        detail = e if isinstance(e, TemplateError) else f"{type(e).__name__}: {e}"
+        raise UserError(where, f"chat_template failed: {detail}", fix) from None
 
 
 def load_tokenizer(model_dir: Path | str) -> TokenizerInfo:

@@ -59,10 +59,22 @@ def _read_header(path: Path) -> dict:
     if not isinstance(header, dict):
         raise UserError(path, "has a corrupt safetensors header", fix)
     header.pop("__metadata__", None)
+    if not all(_entry_ok(v) for v in header.values()):
+        raise UserError(path, "has a corrupt safetensors header (bad tensor entries)", fix)
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if 8 + n + end > size:
         raise UserError(path, f"is truncated ({size} bytes, header needs {8 + n + end})", fix)
     return header
+
+
+def _entry_ok(v) -> bool:
+    """A header entry: {"dtype": str, "shape": [int, ...], "data_offsets": [begin, end]}."""
+    return (isinstance(v, dict) and isinstance(v.get("dtype"), str) and _ints(v.get("shape"))
+            and _ints(v.get("data_offsets")) and len(v["data_offsets"]) == 2)
+
+
+def _ints(xs) -> bool:
+    return isinstance(xs, list) and all(isinstance(x, int) for x in xs)
 
 
 class Checkpoint:
