@@ -126,7 +126,8 @@ def bench_cpu_update(n: int) -> dict:
         opt.step()
         ref.append(time.perf_counter() - t0)
     a, b = statistics.median(ours[1:]), statistics.median(ref[1:])
-    return dict(cpu_update_params=n, ours_params_per_s=round(n / a / 1e9, 3),
+    from engine.kernels import cpu_adam
+    return dict(cpu_update_params=n, parallel=cpu_adam.PARALLEL, ours_params_per_s=round(n / a / 1e9, 3),
                 torch_fused_fp32_params_per_s=round(n / b / 1e9, 3), ratio=round(b / a, 3),
                 threads=torch.get_num_threads())
 
@@ -135,7 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=SHAPES, default="llama-3.2-3b")
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--grad-accum", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--grad-accum", type=int, nargs="*", default=[1, 4],
+                    help="one run per value; none: only the CPU update bench")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--slots", type=int, default=4)
     ap.add_argument("--checkpoints", choices=["gpu", "host"], default="gpu")
@@ -149,6 +151,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.cpu_update:
         print(json.dumps(bench_cpu_update(args.cpu_update)), flush=True)
+    if not args.grad_accum:
+        return
     backend = make_backend("cuda")
     if args.vram_cap:
         total = torch.cuda.get_device_properties(0).total_memory

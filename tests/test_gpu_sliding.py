@@ -101,27 +101,30 @@ def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-# bf16 tolerance: both sides compute in bf16 (8-bit mantissa, 2^-8 = 3.9e-3 relative per
-# rounding) with fp32 accumulation and fp32 masters; they differ in kernel shapes (chunked LM
-# head, per-layer recompute) and bf16 rounding of ties, so individual values differ by a few
-# bf16 ulps. 1e-2 on the loss and 1e-2 on the weights' relative norm after 5 steps is ~2.5 ulps;
-# a stale or torn weight or gradient (the bugs this guards against) moves them by far more at
-# lr 2e-3.
-TOL = 1e-2
-
-
+# bf16 tolerance. Both sides compute in bf16 with fp32 gradient accumulation and fp32 masters,
+# but differ in kernel shapes (chunked LM head, per-layer recompute), in where bf16 gradients
+# are summed (the reference's embedding and LM-head gradients are bf16 per micro-batch; ours
+# accumulate in fp32) and in bf16 rounding of ties. Adam turns such last-bit differences of tiny
+# gradients into +-lr steps, so a fixed tolerance on weights is arbitrary. The test therefore
+# measures the noise floor: the fp32 dense run is the truth, and the sliding bf16 run must be no
+# farther from it than the Megatron-style bf16 run is (within 1.5x), per item; losses agree to
+# 1e-3. A stale or torn weight or gradient breaks both by far more.
 @pytest.mark.parametrize("ckpt", ["gpu", "host"])
 def test_bf16_matches_megatron_reference(model, ckpt):
     spec, d = model
     steps = make_batches(spec, n_micro=2, B=2, T=64, seed=5)
     ref = MegatronReference(spec, d, OPTIM)
     ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
+    exact = DenseReference(spec, d, OPTIM)  # fp32 on the CPU
+    for k, mbs in enumerate(steps, start=1):
+        exact.step(mbs, k, STEPS)
     losses, masters, _ = run(spec, d, steps, ExecShape(2, 64, 2, slots=2, checkpoints=ckpt))
     print("losses", losses, "reference", ref_losses)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=TOL, atol=0)
-    worst = max(rel(masters[i], ref.flat(i)) for i in item_names(spec))
-    print("worst relative weight difference", worst)
-    assert worst < TOL
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
+    for item in item_names(spec):
+        ours, theirs = rel(masters[item], exact.flat(item)), rel(ref.flat(item), exact.flat(item))
+        print(f"{item}: sliding-bf16 vs fp32 {ours:.2e}, megatron-bf16 vs fp32 {theirs:.2e}")
+        assert ours <= 1.5 * theirs + 1e-5, item
 
 
 def test_stalled_copy_streams_still_match(model, monkeypatch):

@@ -71,13 +71,16 @@ def _cache_dir() -> Path:
         return Path(tempfile.gettempdir()) / "slideformer-kernels"
 
 
-def _build() -> ctypes.CDLL | None:
+def _build(parallel: str) -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
     # -fno-math-errno lets the compiler vectorise sqrtf (with errno it is a library call per
-    # element and the loop stays scalar); it changes no result.
-    flags = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
+    # element and the loop stays scalar); it changes no result. "threads" builds the loop
+    # without an OpenMP runtime (simd pragma only) and splits the work over Python threads
+    # (ctypes releases the GIL), so it never competes with PyTorch's own OpenMP threads.
+    omp = "-fopenmp" if parallel == "openmp" else "-fopenmp-simd"
+    flags = ["-O3", "-march=native", "-fno-math-errno", omp, "-fPIC", "-shared"]
     tag = hashlib.sha256((_SOURCE + cc + " ".join(flags)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_adam_{tag}.so"
     if not out.is_file():
@@ -102,17 +105,38 @@ def native_available() -> bool:
     if not _tried:
         _tried = True
         if os.environ.get("SLIDEFORMER_NO_NATIVE_ADAM") != "1":
-            _lib = _build()
+            _lib = _build(PARALLEL)
     return _lib is not None
 
 
 def fused_update(w, rem, g, m, v, lr, b1, b2, eps, wd, step, gscale) -> None:
     """AdamW step on contiguous 1-D views: w bf16, rem int16, g/m/v fp32 (in place)."""
-    bc1, bc2 = 1 - b1 ** step, 1 - b2 ** step
-    _lib.adamw_bf16_rem(w.data_ptr(), rem.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-                        w.numel(), lr, b1, b2, 1 - b1, 1 - b2, eps, wd, bc1, bc2, gscale, THREADS)
+    args = (lr, b1, b2, 1 - b1, 1 - b2, eps, wd, 1 - b1 ** step, 1 - b2 ** step, gscale)
+
+    def part(s: int, e: int) -> None:
+        _lib.adamw_bf16_rem(w[s:].data_ptr(), rem[s:].data_ptr(), g[s:].data_ptr(),
+                            m[s:].data_ptr(), v[s:].data_ptr(), e - s, *args, THREADS)
+
+    n = w.numel()
+    if PARALLEL == "openmp" or n < (1 << 16):
+        part(0, n)
+        return
+    step_n = ((n + THREADS - 1) // THREADS + 63) // 64 * 64  # 64-element aligned parts
+    list(_pool().map(lambda s: part(s, min(s + step_n, n)), range(0, n, step_n)))
+
+
+_POOL = None
+
+
+def _pool():
+    global _POOL
+    if _POOL is None:
+        from concurrent.futures import ThreadPoolExecutor
+        _POOL = ThreadPoolExecutor(THREADS, "cpu-adam-part")
+    return _POOL
 
 
 # One core is left to the thread that drives the GPU: when the update saturates every core,
 # kernel launches queue behind it and the GPU starves.
 THREADS = max(1, torch.get_num_threads() - 1)
+PARALLEL = os.environ.get("SLIDEFORMER_CPU_ADAM_PARALLEL", "threads")
