@@ -17,6 +17,7 @@ from engine.errors import UserError
 # Modules with a ``register(subparsers)`` function, in the order shown by --help.
 COMMANDS = [
     "engine.models.commands",
+    "engine.data.commands",
 ]
 # What a bare ``slideformer`` runs; None prints the help.
 DEFAULT_COMMAND: str | None = None
