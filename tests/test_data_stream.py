@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import numpy as np
 import pytest
 import torch
 
+import engine.data.cache as cache_mod
 import engine.data.prepare as prepare_mod
 from engine.data import IGNORE, BatchStream, iterate_eval, tokenize
 from engine.data.store import TokenStore
@@ -125,6 +128,20 @@ def test_cache_hit_change_and_crash(tok, tmp_path, data, monkeypatch):
     assert not [p for p in cache.iterdir() if ".tmp-" in p.name]
     monkeypatch.setattr(prepare_mod, "build_store", real_build)
     assert not prep(tok, cache, data, max_seq_len=SEQ, train_on="all").stats.from_cache
+
+
+def test_source_hash_is_remembered_for_settled_files(tok, tmp_path, data, monkeypatch):
+    hashed = []
+    real = cache_mod.content_hash
+    monkeypatch.setattr(cache_mod, "content_hash", lambda files: hashed.append(1) or real(files))
+    os.utime(data, (time.time() - 60, time.time() - 60))
+    for _ in range(3):
+        assert prep(tok, tmp_path / "cache", data, max_seq_len=SEQ)
+    assert hashed == [1], "hashed once, then remembered"
+    data.write_text(data.read_text().replace("record 5 ", "record 6 "))  # a fresh mtime
+    assert not prep(tok, tmp_path / "cache", data, max_seq_len=SEQ).stats.from_cache
+    assert prep(tok, tmp_path / "cache", data, max_seq_len=SEQ).stats.from_cache
+    assert hashed == [1, 1, 1], "a just-modified file is hashed on every open"
 
 
 def test_tokenizer_change_invalidates(tok, tiny_dir, tmp_path):

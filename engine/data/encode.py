@@ -43,10 +43,12 @@ class EncodedBatch:
 
 def encode_texts(tok: TokenizerInfo, texts: list[str], detail: bool = False) -> EncodedBatch:
     """Tokenize plain-text documents; every token after the first is trained."""
-    encs = (tok.tok.encode_batch if detail else tok.tok.encode_batch_fast)(
-        texts, add_special_tokens=True)
+    # encode_batch_fast (tokenizers >= 0.20) skips the offsets, twice as fast here
+    fast = getattr(tok.tok, "encode_batch_fast", tok.tok.encode_batch)
+    encs = (tok.tok.encode_batch if detail else fast)(texts, add_special_tokens=True)
     ids = [np.asarray(e.ids, dtype=np.int32) for e in encs]
-    ends_eos = [len(a) > 0 and a[-1] == tok.eos_id for a in ids]
+    eos_id = tok.eos_id
+    ends_eos = [len(a) > 0 and a[-1] == eos_id for a in ids]
     masks = [np.ones(len(a), dtype=np.uint8) for a in ids]
     out = _assemble(tok, ids, masks, [not e for e in ends_eos], [True] * len(ids))
     if detail:
@@ -62,6 +64,7 @@ def encode_chats(tok: TokenizerInfo, renderer: ChatRenderer, convs: list[list[di
     spans = [renderer.spans(c, t) if train_on == "assistant" else None
              for c, t in zip(convs, texts)]
     encs = tok.tok.encode_batch(texts, add_special_tokens=False)
+    eos_id = tok.eos_id
     ids, masks, need_eos, eos_trained = [], [], [], []
     for conv, enc, sp in zip(convs, encs, spans):
         a = np.asarray(enc.ids, dtype=np.int32)
@@ -70,7 +73,7 @@ def encode_chats(tok: TokenizerInfo, renderer: ChatRenderer, convs: list[list[di
         for first, end in ranges:
             trained[first:end] = 1
         last_reply = ranges[-1][0] if ranges else 0
-        add = tok.eos_id is not None and not bool((a[last_reply:] == tok.eos_id).any())
+        add = eos_id is not None and not bool((a[last_reply:] == eos_id).any())
         ends_with_reply = sp is None or conv[-1]["role"] == "assistant"
         if add and ends_with_reply and ranges:
             # The template's tail after the reply (e.g. "\n") now precedes the appended EOS:

@@ -19,10 +19,10 @@ import numpy as np
 
 from engine.config import DataConfig
 from engine.data import formats, packing
-from engine.data.cache import cached, digest, read_meta, tokenizer_hash
+from engine.data.cache import cached, digest, read_meta, source_hash, tokenizer_hash
 from engine.data.chat import BUILTIN_WHERE
 from engine.data.dataset import SequenceDataset
-from engine.data.records import content_hash, source_files
+from engine.data.records import source_files
 from engine.data.store import TokenStore
 from engine.data.tokenize import build_store
 from engine.errors import UserError
@@ -139,7 +139,7 @@ def open_store(path: str, setting: str, cfg: DataConfig, tok: TokenizerInfo, cac
         (store, cache key, hit).
     """
     files = source_files(path, setting)
-    key = digest(content_hash(files), tokenizer_hash(tok), cfg.format, cfg.train_on)
+    key = digest(source_hash(cache_dir, files), tokenizer_hash(tok), cfg.format, cfg.train_on)
     task = f"tokenizing {Path(path).name}"
     start = time.perf_counter()
     folder, hit = cached(cache_dir, f"tokens-{key}", lambda tmp: build_store(
@@ -175,6 +175,10 @@ def _build_rows(folder: Path, cfg: DataConfig, train: TokenStore,
                         _nothing_left_fix(cfg))
     packing.layout(sel.docs[tr], sel.lengths[tr], cfg.max_seq_len, cfg.packing,
                    cfg.seed).save(folder / "train.npz")
+    if val is not None and not len(val_docs):
+        raise UserError(cfg.validation, f"has no records left after filtering ({vsel.dropped} "
+                        f"longer than max_seq_len dropped, {vsel.no_target} with nothing to "
+                        f"train, {val.meta['empty']} blank)", _nothing_left_fix(cfg))
     if len(val_docs):
         packing.layout(val_docs, val_lengths, cfg.max_seq_len, cfg.packing,
                        cfg.seed).save(folder / "val.npz")
