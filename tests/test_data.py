@@ -7,7 +7,7 @@ import pytest
 
 from engine.cli import main
 from engine.config import DataConfig
-from engine.data import preview
+from engine.data import preview, tokenize
 from test_data_helpers import jsonl, prep, tiny_dir, tok, user_error, write  # noqa: F401
 
 BOS, EOS = "<|begin_of_text|>", "<|im_end|>"
@@ -165,3 +165,10 @@ def test_cli_inspect(tiny_dir, tmp_path, capsys):
     assert ["4" + EOS, True] in report["samples"][0]
     assert main(["data", "inspect", str(tmp_path / "none.jsonl"), "--model", str(tiny_dir)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_a_batch_of_only_blank_records(tok, tmp_path, monkeypatch):
+    monkeypatch.setattr(tokenize, "BATCH_RECORDS", 2)
+    path = jsonl(tmp_path / "a.jsonl", [{"text": " "}, {"text": ""}, {"text": "kept"}])
+    p = prep(tok, tmp_path / "cache", path, max_seq_len=16)
+    assert (p.stats.records, p.stats.train_records, p.stats.no_target) == (3, 1, 2)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from engine.config import DataConfig
+from engine.data.formats import FORMATS
 from engine.data.prepare import DataStats, prepare_data
 from engine.data.preview import Sample, preview
 from engine.events import Log, Progress
@@ -22,8 +23,7 @@ def register(sub) -> None:
     d = DataConfig()
     q.add_argument("file", help=".jsonl, .json or .txt file, or a folder of .txt files")
     q.add_argument("--model", required=True, help="model folder (tokenizer and chat template)")
-    q.add_argument("--format", default=d.format,
-                   choices=("auto", "text", "alpaca", "messages", "sharegpt"))
+    q.add_argument("--format", default=d.format, choices=FORMATS)
     q.add_argument("--max-seq-len", type=int, default=d.max_seq_len)
     q.add_argument("--train-on", default=d.train_on, choices=("assistant", "all"))
     q.add_argument("--truncation", default=d.truncation, choices=("truncate", "drop", "error"))

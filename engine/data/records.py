@@ -90,8 +90,7 @@ class RecordReader:
             for count, rec in enumerate(self._file_records(f), 1):
                 yield rec
             if count == 0:
-                raise UserError(f, "holds no records (only blank lines)",
-                                "add records to the file, or remove it")
+                raise UserError(f, "holds no records", "add records to the file, or remove it")
 
     def _file_records(self, f: Path) -> Iterator[Record]:
         if f.suffix.lower() == ".txt":

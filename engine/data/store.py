@@ -25,7 +25,7 @@ from engine.data.cache import read_meta
 
 
 class StoreWriter:
-    """Appends encoded batches to the files of a store being built."""
+    """Appends encoded batches to the files of a store being built (a context manager)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
@@ -41,20 +41,28 @@ class StoreWriter:
         self._tokens.write(ids.astype("<i4", copy=False).tobytes())
         self._mask.write(mask.astype(np.uint8, copy=False).tobytes())
         self.lengths.append(lengths)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-        # reduceat needs in-range starts; empty documents are zeroed just below
-        safe = np.minimum(starts, max(len(mask) - 1, 0))
-        trained = np.add.reduceat(mask.astype(np.int64), safe) if len(mask) else starts
-        self.targets.append(np.where(lengths > 0, trained, 0).astype(np.int32))
+        trained = np.zeros(len(lengths), np.int64)
+        full = lengths > 0  # reduceat would count an empty document's neighbour
+        if full.any():
+            starts = (np.cumsum(lengths) - lengths)[full]
+            trained[full] = np.add.reduceat(mask.astype(np.int64), starts)
+        self.targets.append(trained.astype(np.int32))
         self.origin.append(origin.astype(np.int32))
 
-    def close(self) -> None:
-        """Flush to disk and write the small arrays (the caller writes meta.json last)."""
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        """On success flush to disk and write the small arrays (the caller writes meta.json
+        last); on failure just close the files."""
         for f in (self._tokens, self._mask):
-            f.flush()
-            os.fsync(f.fileno())
+            if exc_type is None:
+                f.flush()
+                os.fsync(f.fileno())
             f.close()
-        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int64)
+        if exc_type is not None:
+            return
+        lengths = _cat(self.lengths, np.int64, (0,))
         np.save(self.folder / "offsets.npy", np.concatenate([[0], np.cumsum(lengths)]).astype(
             np.int64))
         np.save(self.folder / "targets.npy", _cat(self.targets, np.int32, (0,)))

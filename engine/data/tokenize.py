@@ -44,8 +44,7 @@ class FormatTracker:
     @property
     def name(self) -> str:
         """The format of the source (its files share one: a folder holds only .txt)."""
-        names = sorted({fmt for fmt, _ in self.per_file.values()})
-        return "+".join(names) if names else self.forced
+        return next(iter(self.per_file.values()))[0] if self.per_file else self.forced
 
 
 def build_store(files: list[Path], fmt: str, tok: TokenizerInfo, train_on: str, folder: Path,
@@ -58,14 +57,13 @@ def build_store(files: list[Path], fmt: str, tok: TokenizerInfo, train_on: str, 
     """
     reader = RecordReader(files)
     tracker = FormatTracker(fmt)
-    writer = StoreWriter(folder)
     index = {f: i for i, f in enumerate(files)}
     counts = {"records": 0, "empty": 0}
     emit = emit or (lambda ev: None)
     emit(Progress(task, 0, reader.total_bytes))
     if processes is None:
         processes = auto_processes(reader.total_bytes)
-    with Encoder(tok, train_on, processes) as encoder:
+    with StoreWriter(folder) as writer, Encoder(tok, train_on, processes) as encoder:
         pending: deque = deque()
         for batch in _batches(reader):
             docs, origin = _documents(batch, tracker, index, counts)
@@ -76,11 +74,9 @@ def build_store(files: list[Path], fmt: str, tok: TokenizerInfo, train_on: str, 
         while pending:
             _write(writer, *pending.popleft())
         builtin = encoder.renderer.builtin
-    writer.close()
-    return {"format": tracker.name, "files": [str(f) for f in files], "records":
-            counts["records"], "empty": counts["empty"], "train_on": train_on,
-            "builtin_template": tracker.name in formats.CHAT_FORMATS and builtin,
-            "documents": sum(len(o) for o in writer.origin)}
+    return {"format": tracker.name, "files": [str(f) for f in files],
+            "records": counts["records"], "empty": counts["empty"],
+            "builtin_template": tracker.name in formats.CHAT_FORMATS and builtin}
 
 
 def _write(writer: StoreWriter, handle, origin: np.ndarray) -> None:

@@ -17,6 +17,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable
 
 from engine.data.chat import ChatRenderer
 from engine.data.encode import EncodedBatch, encode_documents
@@ -46,11 +47,13 @@ class _Failure:
 
 
 class _Handle:
-    def __init__(self, result):
+    """One batch in flight; ``wait()`` returns its encoding."""
+
+    def __init__(self, result: Callable[[], object]):
         self._result = result
 
     def wait(self) -> EncodedBatch:
-        out = self._result.get() if hasattr(self._result, "get") else self._result.result()
+        out = self._result()
         if isinstance(out, _Failure):
             raise UserError(out.where, out.problem, out.fix)
         return out
@@ -90,9 +93,9 @@ class Encoder:
 
     def start(self, docs: list) -> _Handle:
         if self._pool is not None:
-            return _Handle(self._pool.apply_async(_encode_in_worker, (docs,)))
+            return _Handle(self._pool.apply_async(_encode_in_worker, (docs,)).get)
         return _Handle(self._threads.submit(encode_documents, self._tok, self.renderer, docs,
-                                            self._train_on))
+                                            self._train_on).result)
 
     def close(self) -> None:
         if self._pool is not None:
