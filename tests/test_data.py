@@ -141,7 +141,8 @@ def test_other_bad_inputs(tok, tmp_path):
     assert "no records left" in err.problem and "train_on" in err.fix
     txt = write(tmp_path / "t.txt", "text\n")
     assert "is a .txt file" in user_error(prep, tok, tmp_path / "c", txt, format="alpaca").problem
-    assert user_error(prep, tok, tmp_path / "c", tmp_path / "nope.jsonl").problem == "does not exist"
+    missing = tmp_path / "nope.jsonl"
+    assert user_error(prep, tok, tmp_path / "c", missing).problem == "does not exist"
     assert "unsupported extension" in user_error(
         prep, tok, tmp_path / "c", write(tmp_path / "x.csv", "a,b\n")).problem
     assert user_error(prep, tok, tmp_path / "c", long, format="chat").where == "data.format"

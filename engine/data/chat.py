@@ -11,8 +11,8 @@ ends after the reply and its end-of-turn marker (trailing whitespace after the m
 trained). Both must be prefixes of the full rendering. Templates that render history differently
 from the last turn (e.g. Qwen3 drops old reasoning) fail that test; those turns are located by
 wrapping the reply in private-use sentinel characters instead. The token mask is then taken
-over the tokenization of the full rendering (a token is trained when it overlaps a span), so the trained sequence is exactly what
-tokenizing the rendering gives.
+over the tokenization of the full rendering (a token is trained when it overlaps a span), so
+the trained sequence is exactly what tokenizing the rendering gives.
 """
 from __future__ import annotations
 
