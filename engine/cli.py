@@ -16,11 +16,12 @@ from engine.errors import UserError
 
 # Modules with a ``register(subparsers)`` function, in the order shown by --help.
 COMMANDS = [
+    "slideformer_gui.commands",
     "engine.models.commands",
     "engine.data.commands",
 ]
 # What a bare ``slideformer`` runs; None prints the help.
-DEFAULT_COMMAND: str | None = None
+DEFAULT_COMMAND: str | None = "gui"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,47 @@
+"""Start the desktop app: one QApplication, the main window, the event loop."""
+from __future__ import annotations
+
+import gc
+import sys
+
+from PySide6.QtWidgets import QApplication
+
+from engine import __version__
+from slideformer_gui.context import AppContext
+from slideformer_gui.main_window import MainWindow
+from slideformer_gui.settings import APPLICATION, ORGANISATION, Settings
+from slideformer_gui.theme import icon
+
+
+def make_application() -> QApplication:
+    """The process's QApplication (created once), named so QSettings finds its file."""
+    app = QApplication.instance() or QApplication(sys.argv[:1])
+    app.setOrganizationName(ORGANISATION)
+    app.setApplicationName(APPLICATION)
+    app.setApplicationVersion(__version__)
+    app.setStyle("Fusion")  # the style sheets are written against Fusion on every platform
+    app.setWindowIcon(icon("slideformer.svg"))
+    return app
+
+
+def freeze_heap() -> None:
+    """Exempt every object alive now from garbage collection scans.
+
+    With torch, numpy and Qt imported the heap holds hundreds of thousands of long-lived
+    objects, and a full collection that walks them all stalls the GUI thread for 50-120 ms
+    (measured with ``gc.callbacks`` in the GUI test suite). Objects made at start-up live as
+    long as the app, so they are moved out of the collector's way once, after start-up.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def run(model: str | None = None) -> int:
+    """Show the main window (with ``model`` chosen, if given) until it is closed."""
+    app = make_application()
+    window = MainWindow(AppContext(Settings()))
+    freeze_heap()
+    window.show()
+    if model:
+        window.model_page.load(model)
+    return app.exec()

@@ -1,0 +1,40 @@
+"""CLI: ``slideformer gui`` (also what a bare ``slideformer`` runs).
+
+Qt is imported only when the command runs, so ``slideformer --help`` and every other command
+work on a machine without a display or without Qt's system libraries.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from engine.errors import UserError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("gui", help="open the desktop app (the default command)")
+    p.add_argument("--model", help="model folder to choose at start")
+    p.set_defaults(func=_gui)
+
+
+def _check_display() -> None:
+    """On Linux, Qt aborts the process when there is no display: say so in words instead."""
+    if not sys.platform.startswith("linux"):
+        return
+    if not any(os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")):
+        raise UserError("display", "no graphical display was found (DISPLAY and WAYLAND_DISPLAY "
+                                   "are not set)",
+                        "run the app in a desktop session, or use the terminal commands "
+                        "(slideformer --help)")
+
+
+def _gui(args) -> int:
+    _check_display()
+    try:
+        from slideformer_gui.app import run
+    except ImportError as e:
+        raise UserError("PySide6", f"Qt could not be loaded ({e})",
+                        "install Qt's system libraries; on Debian/Ubuntu: apt-get install "
+                        "libegl1 libgl1 libxkbcommon0 libfontconfig1 libglib2.0-0 libdbus-1-3") \
+            from None
+    return run(args.model)

@@ -1,0 +1,259 @@
+"""The Model page: choose a model folder, see its architecture, or make the demo model.
+
+A folder is checked by the engine (:func:`engine.models.commands.model_report`) on a worker
+thread; a broken folder shows the engine's message word for word. A valid one goes first in
+the recent list and becomes the app's model (:meth:`AppContext.set_model`, and the page's
+:attr:`ModelPage.model_selected` signal).
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from PySide6.QtCore import Qt, Signal, Slot
+from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
+                               QListWidget, QListWidgetItem, QMenu, QProgressBar, QPushButton,
+                               QVBoxLayout, QWidget)
+
+from engine.errors import UserError
+from engine.models.commands import model_report
+from slideformer_gui.context import AppContext
+from slideformer_gui.engine_cli import run_engine_command
+from slideformer_gui.formatting import human_bytes, human_count, short_path
+from slideformer_gui.tasks import run_task
+from slideformer_gui.widgets import page_header, set_state
+
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+NO_MODEL = ("No model chosen yet. Choose a Hugging Face model folder (config.json, "
+            "*.safetensors, tokenizer.json), drop one onto this page, or create the small demo "
+            "model to try the app.")
+
+# Rows of the architecture summary: (label, how to write the engine's report).
+ROWS: tuple[tuple[str, object], ...] = (
+    ("Family", lambda r: f"{FAMILIES.get(r['family'], r['family'])}  (model_type {r['family']})"),
+    ("Layers", lambda r: f"{r['layers']}"),
+    ("Hidden size", lambda r: f"{r['hidden']}  (MLP {r['intermediate']})"),
+    ("Attention heads", lambda r: f"{r['heads']} query / {r['kv_heads']} key-value  "
+                                  f"(head dim {r['head_dim']})"),
+    ("Vocabulary", lambda r: f"{r['vocab']:,} tokens"),
+    ("Parameters", lambda r: f"{r['parameters']:,}  ({human_count(r['parameters'])})"),
+    ("Data type", lambda r: f"{r['dtype']}  (weights stored as {r['weights_dtype']})"),
+    ("Tied embeddings", lambda r: "yes" if r["tied_embeddings"] else "no"),
+    ("Size on disk", lambda r: human_bytes(r["size_on_disk"])),
+    ("Chat template", lambda r: "yes" if r["chat_template"] else "no"),
+)
+
+
+def ensure_demo_model(path: Path) -> str:
+    """The demo model folder at ``path``, created (or re-created if broken) when needed.
+
+    Runs ``slideformer make-tiny-model`` in a child process (see :mod:`engine_cli`): call it
+    from a worker thread.
+    """
+    try:
+        model_report(path)
+        return str(path)
+    except UserError:
+        pass
+    if path.exists():  # a broken demo model: the app's own folder, safe to replace
+        shutil.rmtree(path)
+    run_engine_command("make-tiny-model", "--arch", "llama", "--out", str(path))
+    return str(path)
+
+
+def dropped_folder(urls) -> str | None:
+    """The model folder a drop refers to: a dropped folder, or the folder of a dropped file."""
+    if len(urls) != 1 or not urls[0].isLocalFile():
+        return None
+    p = Path(urls[0].toLocalFile())
+    return str(p if p.is_dir() else p.parent) if p.exists() else None
+
+
+class ModelPage(QWidget):
+    """Choose, validate and summarise a model folder."""
+
+    model_selected = Signal(str)
+    """A valid model folder was chosen (its path)."""
+
+    def __init__(self, ctx: AppContext, parent=None):
+        super().__init__(parent)
+        self.ctx = ctx
+        self.setAcceptDrops(True)
+        self._pending: str | None = None
+        """The folder being checked; results for any other folder are stale and dropped."""
+        self._demo_task = None
+
+        self.choose_button = QPushButton("Choose folder…")
+        self.choose_button.setObjectName("primary")
+        self.choose_button.clicked.connect(self.choose_folder)
+        self.demo_button = QPushButton("Create demo model")
+        self.demo_button.setToolTip(f"A tiny 4-layer Llama with random weights, made in\n"
+                                    f"{ctx.demo_model_dir}")
+        self.demo_button.clicked.connect(self.create_demo)
+        hint = QLabel("or drop a folder here")
+        hint.setObjectName("hint")
+        self.busy = QProgressBar()
+        self.busy.setRange(0, 0)
+        self.busy.setMaximumWidth(120)
+        self.busy.hide()
+        actions = QHBoxLayout()
+        for w in (self.choose_button, self.demo_button, hint):
+            actions.addWidget(w)
+        actions.addStretch(1)
+        actions.addWidget(self.busy)
+
+        self.recent = QListWidget()
+        self.recent.setObjectName("recentList")
+        self.recent.setTextElideMode(Qt.TextElideMode.ElideMiddle)
+        self.recent.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        self.recent.itemActivated.connect(self._recent_activated)
+        self.recent.itemClicked.connect(self._recent_activated)
+        self.recent.setContextMenuPolicy(Qt.ContextMenuPolicy.CustomContextMenu)
+        self.recent.customContextMenuRequested.connect(self._recent_menu)
+        self.no_recent = QLabel("Folders you open are listed here.")
+        self.no_recent.setObjectName("hint")
+        self.no_recent.setWordWrap(True)
+        recent_box = QGroupBox("Recent models")
+        recent_lay = QVBoxLayout(recent_box)
+        recent_lay.addWidget(self.no_recent)
+        recent_lay.addWidget(self.recent, 1)
+        recent_box.setMaximumWidth(320)
+
+        self.folder = QLabel("")
+        self.folder.setObjectName("folder")
+        self.folder.setWordWrap(True)
+        self.folder.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status = QLabel(NO_MODEL)
+        self.status.setObjectName("status")
+        self.status.setWordWrap(True)
+        self.status.setTextFormat(Qt.TextFormat.PlainText)
+        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        set_state(self.status, "info")
+        self.fields: dict[str, QLabel] = {}
+        form = QFormLayout()
+        form.setHorizontalSpacing(24)
+        for label, _ in ROWS:
+            value = QLabel("—")
+            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            self.fields[label] = value
+            form.addRow(label, value)
+        summary_box = QGroupBox("Architecture")
+        summary = QVBoxLayout(summary_box)
+        summary.addWidget(self.folder)
+        summary.addWidget(self.status)
+        summary.addLayout(form)
+        summary.addStretch(1)
+
+        body = QHBoxLayout()
+        body.addWidget(recent_box, 1)
+        body.addWidget(summary_box, 2)
+        lay = QVBoxLayout(self)
+        lay.addWidget(page_header("Model", "The model to fine-tune: a local Hugging Face folder. "
+                                           "Nothing is loaded into memory here; only its "
+                                           "config, weight headers and tokenizer are checked."))
+        lay.addLayout(actions)
+        lay.addLayout(body, 1)
+        self._fill_recent(ctx.settings.recent_models())
+
+    # ---- choosing ------------------------------------------------------------------------
+    @Slot()
+    def choose_folder(self) -> None:
+        start = self._pending or (self.ctx.settings.recent_models() or [str(Path.home())])[0]
+        path = QFileDialog.getExistingDirectory(self, "Choose a model folder", start)
+        if path:
+            self.load(path)
+
+    def load(self, path: str) -> None:
+        """Check ``path`` on a worker thread; the page updates when the engine answers."""
+        path = str(Path(path).expanduser().absolute())
+        self._pending = path
+        self.folder.setText(short_path(path))
+        self._show_status("busy", "Checking the folder…")
+        self._clear_fields()
+        run_task(model_report, path, name="model-report",
+                 done=lambda report: self._on_report(path, report),
+                 failed=lambda message: self._on_error(path, message))
+
+    def _on_report(self, path: str, report: dict) -> None:
+        if path != self._pending:
+            return
+        self._show_status("ok", "Valid model folder.")
+        for label, fmt in ROWS:
+            self.fields[label].setText(fmt(report))
+        self._fill_recent(self.ctx.settings.add_recent_model(path))
+        self.ctx.set_model(path, report)
+        self.model_selected.emit(path)
+
+    def _on_error(self, path: str, message: str) -> None:
+        if path != self._pending:
+            return
+        self._show_status("error", message)
+
+    # ---- demo model ----------------------------------------------------------------------
+    @Slot()
+    def create_demo(self) -> None:
+        if self._demo_task is not None:
+            return
+        target = self.ctx.demo_model_dir
+        self.demo_button.setEnabled(False)
+        self.folder.setText(short_path(target))
+        self._show_status("busy", "Creating the demo model…")
+        self._demo_task = run_task(ensure_demo_model, target, name="demo-model",
+                                   done=self._demo_done, failed=self._demo_failed)
+
+    def _demo_done(self, path: str) -> None:
+        self._demo_task = None
+        self.demo_button.setEnabled(True)
+        self.load(path)
+
+    def _demo_failed(self, message: str) -> None:
+        self._demo_task = None
+        self.demo_button.setEnabled(True)
+        self._pending = None
+        self._show_status("error", f"The demo model could not be created.\n{message}")
+
+    # ---- recent list ---------------------------------------------------------------------
+    def _fill_recent(self, paths: list[str]) -> None:
+        self.recent.clear()
+        for p in paths:
+            item = QListWidgetItem(f"{Path(p).name}\n{short_path(Path(p).parent)}")
+            item.setData(Qt.ItemDataRole.UserRole, p)
+            item.setToolTip(p)
+            self.recent.addItem(item)
+        self.no_recent.setVisible(not paths)
+
+    def _recent_activated(self, item: QListWidgetItem) -> None:
+        path = item.data(Qt.ItemDataRole.UserRole)
+        if path != self._pending:
+            self.load(path)
+
+    def _recent_menu(self, pos) -> None:
+        item = self.recent.itemAt(pos)
+        if item is None:
+            return
+        menu = QMenu(self)
+        forget = menu.addAction("Remove from recent models")
+        if menu.exec(self.recent.mapToGlobal(pos)) is forget:
+            self._fill_recent(self.ctx.settings.remove_recent_model(
+                item.data(Qt.ItemDataRole.UserRole)))
+
+    # ---- drag and drop -------------------------------------------------------------------
+    def dragEnterEvent(self, event) -> None:
+        if dropped_folder(event.mimeData().urls()) is not None:
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        path = dropped_folder(event.mimeData().urls())
+        if path is not None:
+            event.acceptProposedAction()
+            self.load(path)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _show_status(self, state: str, text: str) -> None:
+        self.status.setText(text)
+        set_state(self.status, state)
+        self.busy.setVisible(state == "busy")
+
+    def _clear_fields(self) -> None:
+        for value in self.fields.values():
+            value.setText("—")

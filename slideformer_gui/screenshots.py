@@ -1,0 +1,142 @@
+"""Render the app's pages offscreen to PNG files, for the documentation.
+
+    python -m slideformer_gui.screenshots --out docs/screenshots
+
+Runs without a display (Qt's offscreen platform) and without touching the user's settings or
+data folder. The Monitor shows two minutes of a *simulated* GPU (its name says so) with
+figures like those of a fine-tuning run, so the charts have something to show on any machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from PySide6.QtCore import QEventLoop, QSettings, QTimer
+from PySide6.QtWidgets import QWidget
+
+from slideformer_gui.app import make_application
+from slideformer_gui.context import AppContext
+from slideformer_gui.main_window import MainWindow
+from slideformer_gui.model_page import ensure_demo_model
+from slideformer_gui.monitor_source import GIB, FakeGpuReader, History, Sample
+from slideformer_gui.settings import Settings
+
+WINDOW_SIZE = (1360, 860)
+
+
+def simulated_history(panel, seconds: float = 120.0, rate_hz: float = 4.0) -> None:
+    """Fill ``panel`` with ``seconds`` of samples from a simulated GPU and a busy host."""
+    now = time.monotonic()
+    clock_t = [now - seconds]
+    gpu = FakeGpuReader(clock=lambda: clock_t[0])
+    panel.history = History(panel.history.capacity)
+    for i in range(int(seconds * rate_hz)):
+        t = now - seconds + i / rate_hz
+        clock_t[0] = t
+        panel.add_sample(Sample(time=t, gpu=gpu.read(),
+                                ram_used=(38.0 + 4.0 * math.sin(t / 7.0)) * GIB,
+                                ram_total=64.0 * GIB, cpu=55.0 + 30.0 * math.sin(t / 2.3)))
+    panel.show_gpu(gpu.name)
+
+
+def run_loop(ms: int, done=lambda: False) -> None:
+    """Run the event loop for ``ms`` milliseconds or until ``done()`` is true.
+
+    A nested QEventLoop, not a ``processEvents()`` polling loop: PySide6 6.12's Python binding of
+    processEvents drops a reference to None on every call, which crashes Python 3.11 after a
+    few thousand calls.
+    """
+    loop = QEventLoop()
+    poll = QTimer()
+    poll.timeout.connect(lambda: done() and loop.quit())
+    poll.start(10)
+    QTimer.singleShot(ms, loop.quit)
+    loop.exec()
+    poll.stop()
+
+
+def wait_until(done, timeout_ms: int = 20000) -> None:
+    """Run the event loop until ``done()`` (the page's worker threads reported back)."""
+    if not done():
+        run_loop(timeout_ms, done)
+    if not done():
+        raise TimeoutError("the app did not settle in time")
+
+
+def save(widget: QWidget, path: Path) -> Path:
+    run_loop(200)  # let layouts and the charts' repaint timer run
+    widget.grab().save(str(path))
+    return path
+
+
+def render(out: Path) -> list[Path]:
+    """Write one PNG per page and state into ``out``; returns their paths."""
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # read when the QApplication starts
+    out.mkdir(parents=True, exist_ok=True)
+    make_application()
+    home = os.environ.get("HOME")
+    try:
+        with tempfile.TemporaryDirectory(prefix="studio-") as tmp:
+            tmp = Path(tmp)
+            os.environ["HOME"] = str(tmp)  # paths on screen read "~/...", not this machine's
+            settings = Settings(QSettings(str(tmp / "settings.ini"), QSettings.Format.IniFormat))
+            ctx = AppContext(settings, data_dir=tmp / ".local" / "share" / "slideformer",
+                             gpu_source="none")
+            return _shoot(MainWindow(ctx), tmp, out)
+    finally:
+        if home is not None:
+            os.environ["HOME"] = home
+
+
+def _shoot(window, tmp: Path, out: Path) -> list[Path]:
+    """Take the screenshots of one main window, state by state."""
+    written = []
+    window.resize(*WINDOW_SIZE)
+    window.show()
+    page = window.model_page
+
+    # A broken folder, with the host-only Monitor a machine without NVIDIA GPU shows.
+    broken = tmp / "Downloads" / "Some-Model-7B"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    page.load(str(broken))
+    wait_until(lambda: page.status.property("state") == "error")
+    wait_until(lambda: window.monitor.history.count >= 2)
+    written.append(save(window, out / "model-error-no-gpu.png"))
+
+    # The demo model chosen, and a simulated GPU under load, in both themes.
+    window.sampler.stop()
+    run_loop(50)  # deliver the samples already queued before the simulated ones
+    page.load(ensure_demo_model(window.ctx.demo_model_dir))
+    wait_until(lambda: page.status.property("state") == "ok")
+    simulated_history(window.monitor)
+    written.append(save(window, out / "model-light.png"))
+    window.set_theme("dark")
+    written.append(save(window, out / "model-dark.png"))
+    window.set_theme("light")
+
+    about = window.show_about()
+    wait_until(lambda: about.values["CUDA"].text() != "…")
+    written.append(save(about, out / "about.png"))
+    about.close()
+    window.close()
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
+    args = parser.parse_args(argv)
+    for path in render(args.out):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""What the app remembers between sessions: window layout, theme, recent model folders.
+
+A thin typed layer over ``QSettings`` (organisation "SlideFormer", application "SlideFormer
+Studio"). Tests pass a ``QSettings`` on a file of their own.
+"""
+from __future__ import annotations
+
+from PySide6.QtCore import QByteArray, QSettings
+
+ORGANISATION = "SlideFormer"
+APPLICATION = "SlideFormer Studio"
+MAX_RECENT = 10
+THEMES = ("light", "dark")
+
+
+class Settings:
+    """Typed access to the app's ``QSettings``."""
+
+    def __init__(self, qsettings: QSettings | None = None):
+        self.q = qsettings if qsettings is not None else QSettings(ORGANISATION, APPLICATION)
+
+    # ---- recent models -------------------------------------------------------------------
+    def recent_models(self) -> list[str]:
+        """Model folders, most recent first."""
+        value = self.q.value("models/recent", [])
+        if isinstance(value, str):  # QSettings returns a lone string for a one-item list
+            value = [value]
+        return [str(v) for v in value or []]
+
+    def add_recent_model(self, path: str) -> list[str]:
+        """Put ``path`` first in the recent list (no duplicates, at most MAX_RECENT)."""
+        recent = [path] + [p for p in self.recent_models() if p != path]
+        recent = recent[:MAX_RECENT]
+        self.q.setValue("models/recent", recent)
+        return recent
+
+    def remove_recent_model(self, path: str) -> list[str]:
+        recent = [p for p in self.recent_models() if p != path]
+        self.q.setValue("models/recent", recent)
+        return recent
+
+    # ---- appearance ----------------------------------------------------------------------
+    def theme(self) -> str:
+        value = str(self.q.value("view/theme", "light"))
+        return value if value in THEMES else "light"
+
+    def set_theme(self, name: str) -> None:
+        self.q.setValue("view/theme", name)
+
+    # ---- window --------------------------------------------------------------------------
+    def window_geometry(self) -> QByteArray | None:
+        return self.q.value("window/geometry")
+
+    def window_state(self) -> QByteArray | None:
+        return self.q.value("window/state")
+
+    def save_window(self, geometry: QByteArray, state: QByteArray) -> None:
+        self.q.setValue("window/geometry", geometry)
+        self.q.setValue("window/state", state)
+
+    def sync(self) -> None:
+        self.q.sync()
