@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import sys
+from pathlib import Path
 
 from PySide6.QtWidgets import QApplication
 
@@ -37,11 +38,15 @@ def freeze_heap() -> None:
 
 
 def run(model: str | None = None) -> int:
-    """Show the main window (with ``model`` chosen, if given) until it is closed."""
+    """Show the main window until it is closed, with ``model`` chosen (default: the last one)."""
     app = make_application()
-    window = MainWindow(AppContext(Settings()))
+    settings = Settings()
+    window = MainWindow(AppContext(settings))
     freeze_heap()
     window.show()
+    recent = settings.recent_models()
+    if model is None and recent and Path(recent[0]).is_dir():
+        model = recent[0]
     if model:
         window.model_page.load(model)
     return app.exec()
