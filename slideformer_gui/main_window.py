@@ -116,6 +116,7 @@ class MainWindow(QMainWindow):
         view = self.menuBar().addMenu("&View")
         toggle = self.monitor_dock.toggleViewAction()
         toggle.setText("Monitor")
+        toggle.setIcon(icon("monitor.svg"))
         toggle.setShortcut(QKeySequence("Ctrl+M"))
         view.addAction(toggle)
         self.dark_action = QAction("Dark theme", self, checkable=True)
