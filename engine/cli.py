@@ -19,6 +19,7 @@ COMMANDS = [
     "slideformer_gui.commands",
     "engine.models.commands",
     "engine.data.commands",
+    "engine.train.commands",
 ]
 # What a bare ``slideformer`` runs; None prints the help.
 DEFAULT_COMMAND: str | None = "gui"
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         if DEFAULT_COMMAND is None:
             parser.print_help()
             return 0
-        args = parser.parse_args([DEFAULT_COMMAND] + list(argv or sys.argv[1:]))
+        args = parser.parse_args([DEFAULT_COMMAND] + (sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(args.func(args) or 0)
     except UserError as e:

@@ -1,0 +1,149 @@
+"""CLI: ``train`` (a run from a TOML config, flags override) and ``demo``."""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from engine import config as config_mod
+from engine.errors import UserError
+from engine.events import Log, RunState, StepMetrics
+
+# flag -> config key; every flag overrides the same key of the TOML file
+FLAGS = {"model": "model.path", "data": "data.train", "validation": "data.validation",
+         "run_dir": "output.run_dir", "max_steps": "train.max_steps", "epochs": "train.epochs",
+         "micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum",
+         "seq_len": "data.max_seq_len", "lr": "optim.lr", "device": "train.device",
+         "slots": "budget.slots", "save_every": "train.save_every"}
+TYPES = {"max_steps": int, "epochs": float, "micro_batch": int, "grad_accum": int,
+         "seq_len": int, "lr": float, "slots": int, "save_every": int}
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="fine-tune a model (sliding-window engine)")
+    p.add_argument("--config", help="run TOML file (see engine/config.py for every key)")
+    for flag, key in FLAGS.items():
+        p.add_argument("--" + flag.replace("_", "-"), type=TYPES.get(flag, str),
+                       help=f"overrides {key}")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config key (TOML value syntax)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.set_defaults(func=_train)
+
+    p = sub.add_parser("demo", help="fine-tune the tiny demo model on a learnable task (CPU, ~1 min)")
+    p.add_argument("--dir", help="working folder (default: the user cache)")
+    p.add_argument("--steps", type=int, default=150)
+    p.set_defaults(func=_demo)
+
+
+def build_config(a) -> config_mod.RunConfig:
+    """The run config: the TOML file (if any), then --flags, then --set overrides."""
+    cfg = config_mod.load(a.config) if a.config else config_mod.RunConfig()
+    over = {key: getattr(a, flag) for flag, key in FLAGS.items() if getattr(a, flag) is not None}
+    for item in a.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UserError("--set", f"{item!r} is not SECTION.KEY=VALUE", "e.g. --set optim.lr=2e-5")
+        over[key.strip()] = _toml_value(value.strip(), item)
+    cfg = config_mod.override(cfg, over)
+    if not cfg.model.path:
+        raise UserError("model.path", "is not set", "pass --model DIR or set [model] path in the config")
+    if not cfg.data.train:
+        raise UserError("data.train", "is not set", "pass --data FILE or set [data] train in the config")
+    return cfg
+
+
+def _toml_value(text: str, where: str):
+    try:
+        return config_mod.tomllib.loads(f"v = {text}")["v"]
+    except config_mod.tomllib.TOMLDecodeError:
+        return text  # a bare word is a string
+
+
+class ProgressPrinter:
+    """Step, loss, tokens/s and ETA on one line (a TTY) or one line per step."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stdout
+        self.tty = self.stream.isatty()
+        self.t0 = time.time()
+
+    def __call__(self, ev) -> None:
+        if isinstance(ev, StepMetrics):
+            elapsed = time.time() - self.t0
+            eta = elapsed / max(ev.step, 1) * (ev.total_steps - ev.step)
+            loss = "skipped" if ev.loss is None else f"{ev.loss:.4f}"
+            tps = f"{ev.tokens_per_s:,.0f}" if ev.tokens_per_s else "-"
+            line = f"step {ev.step}/{ev.total_steps}  loss {loss}  {tps} tok/s  ETA {eta:,.0f}s"
+            self.stream.write(("\r" + line + "  ") if self.tty else line + "\n")
+        elif isinstance(ev, (Log, RunState)) and getattr(ev, "level", "info") != "debug":
+            text = ev.message if isinstance(ev, Log) else f"[{ev.state}] {ev.message}"
+            if text.strip():
+                self.stream.write(("\n" if self.tty else "") + text + "\n")
+        self.stream.flush()
+
+
+def run_training(cfg, resume: bool = False, callbacks=()) -> str:
+    """Set up and run a Trainer; Ctrl-C stops and saves, a second Ctrl-C aborts."""
+    from engine.train.trainer import Trainer
+    trainer = Trainer(cfg, callbacks=list(callbacks))
+    hits = []
+
+    def on_signal(signum, frame):
+        hits.append(signum)
+        if len(hits) == 1:
+            print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
+            trainer.stop(save=True)
+        else:
+            raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        trainer.setup(resume=resume)
+        return trainer.train()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        trainer.cleanup()
+
+
+def _train(a) -> int:
+    cfg = build_config(a)
+    state = run_training(cfg, a.resume, [ProgressPrinter()])
+    return 0 if state in ("finished", "stopped") else 1
+
+
+def _demo(a) -> int:
+    root = Path(a.dir) if a.dir else _user_cache() / "demo"
+    print(f"demo folder: {root}")
+    result = run_demo(root, a.steps, [ProgressPrinter()])
+    print(f"held-out loss: {result['loss_before']:.3f} -> {result['loss_after']:.3f}")
+    print(f"exact-match on 50 held-out prompts: {result['score_before']:.0%} -> "
+          f"{result['score_after']:.0%}")
+    print(f"fine-tuned model: {result['model']}")
+    return 0
+
+
+def run_demo(root: Path, steps: int, callbacks=()) -> dict:
+    """Prepare, score, fine-tune and score again; returns the before/after figures."""
+    from engine.data import prepare_data
+    from engine.models.tokenizer import load_tokenizer
+    from engine.train import demo
+    paths = demo.prepare_demo(root)
+    run_dir = root / "runs" / time.strftime("reverse-%Y%m%d-%H%M%S")
+    cfg = demo.demo_config(paths, run_dir, steps)
+    val = prepare_data(cfg.data, load_tokenizer(paths.model), root / ".token-cache").val
+    pairs = demo.read_pairs(paths.val, 50)
+    print(f"task: reverse letters, e.g. {pairs[0][0]!r} -> {pairs[0][1]!r}")
+    before = dict(loss_before=demo.held_out_loss(paths.model, val),
+                  score_before=demo.task_score(paths.model, pairs))
+    run_training(cfg, callbacks=callbacks)
+    final = run_dir / "final"
+    return dict(before, loss_after=demo.held_out_loss(final, val),
+                score_after=demo.task_score(final, pairs), model=final)
+
+
+def _user_cache() -> Path:
+    from platformdirs import user_cache_dir
+    return Path(user_cache_dir("slideformer"))
