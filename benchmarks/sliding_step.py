@@ -127,7 +127,9 @@ def bench_cpu_update(n: int) -> dict:
         ref.append(time.perf_counter() - t0)
     a, b = statistics.median(ours[1:]), statistics.median(ref[1:])
     from engine.kernels import cpu_adam
-    return dict(cpu_update_params=n, parallel=cpu_adam.PARALLEL, ours_params_per_s=round(n / a / 1e9, 3),
+    return dict(cpu_update_params=n, parallel=cpu_adam.PARALLEL,
+                native=cpu_adam.native_available(), build_error=cpu_adam.BUILD_ERROR[-300:],
+                ours_params_per_s=round(n / a / 1e9, 3),
                 torch_fused_fp32_params_per_s=round(n / b / 1e9, 3), ratio=round(b / a, 3),
                 threads=torch.get_num_threads())
 

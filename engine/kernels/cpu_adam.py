@@ -61,6 +61,8 @@ void adamw_bf16_rem(uint16_t *w, uint16_t *rem, const float *g, float *m, float 
 
 _lib = None
 _tried = False
+BUILD_ERROR = ""
+"""The compiler's message when the kernel could not be built (the fallback is then in use)."""
 
 
 def _cache_dir() -> Path:
@@ -89,7 +91,10 @@ def _build(parallel: str) -> ctypes.CDLL | None:
         src.write_text(_SOURCE)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
         cmd = [cc, *flags, str(src), "-o", str(tmp), "-lm"]
-        if subprocess.run(cmd, capture_output=True).returncode != 0:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            global BUILD_ERROR
+            BUILD_ERROR = done.stderr.strip()[-2000:]
             return None
         os.replace(tmp, out)
     lib = ctypes.CDLL(str(out))
