@@ -102,8 +102,10 @@ def run_config(spec, host, backend, args, accum: int) -> dict:
     return res
 
 
-def bench_cpu_update(n: int) -> dict:
-    """Our fused-in-cache update (bf16 + remainder master) vs torch AdamW(fused) on fp32."""
+def bench_cpu_update(n: int) -> list[dict]:
+    """Our update (bf16 + remainder master) at several thread counts, the PyTorch-op fallback,
+    and torch AdamW(fused) on fp32, on the same number of parameters."""
+    from engine.kernels import cpu_adam
     from engine.models.spec import Layout
     from engine.runtime.host_state import AdamWorkspace, HostItem, adam_update
     lay = Layout.build([("w", (n // 1024, 1024))])
@@ -112,26 +114,32 @@ def bench_cpu_update(n: int) -> dict:
     item.set_master(torch.randn(n) * 0.02)
     item.g.normal_()
     ws = AdamWorkspace()
-    ours = []
-    for k in range(4):
-        t0 = time.perf_counter()
-        adam_update(item, AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.01, k + 1, 0.5), ws)
-        ours.append(time.perf_counter() - t0)
+
+    def timed(fn, reps=4):
+        out = []
+        for k in range(reps):
+            t0 = time.perf_counter()
+            fn(k + 1)
+            out.append(time.perf_counter() - t0)
+        return round(n / statistics.median(out[1:]) / 1e9, 3)
+
     p = torch.nn.Parameter(torch.randn(n))
     p.grad = torch.randn(n)
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
-    ref = []
-    for _ in range(4):
-        t0 = time.perf_counter()
-        opt.step()
-        ref.append(time.perf_counter() - t0)
-    a, b = statistics.median(ours[1:]), statistics.median(ref[1:])
-    from engine.kernels import cpu_adam
-    return dict(cpu_update_params=n, parallel=cpu_adam.PARALLEL,
-                native=cpu_adam.native_available(), build_error=cpu_adam.BUILD_ERROR[-300:],
-                ours_params_per_s=round(n / a / 1e9, 3),
-                torch_fused_fp32_params_per_s=round(n / b / 1e9, 3), ratio=round(b / a, 3),
-                threads=torch.get_num_threads())
+    rows = [dict(variant="torch AdamW(fused) fp32", params_per_s=timed(lambda k: opt.step()))]
+    native = cpu_adam.native_available()
+    for threads in sorted({4, 8, cpu_adam.THREADS, torch.get_num_threads()}):
+        cpu_adam.THREADS, cpu_adam._POOL = threads, None
+        hp = lambda k: AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.01, k, 0.5)  # noqa: E731
+        rows.append(dict(variant=f"ours native={native} {cpu_adam.PARALLEL} threads={threads}",
+                         params_per_s=timed(lambda k: adam_update(item, hp(k), ws))))
+    rows.append(dict(variant="ours PyTorch-op fallback", params_per_s=timed(
+        lambda k: adam_update(item, AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.01, k, 0.5), ws, native=False))))
+    base = rows[0]["params_per_s"]
+    for r in rows:
+        r.update(cpu_update_params=n, ratio_to_torch_fused=round(r["params_per_s"] / base, 3),
+                 build_error=cpu_adam.BUILD_ERROR[-200:])
+    return rows
 
 
 def main() -> None:
@@ -152,7 +160,8 @@ def main() -> None:
     ap.add_argument("--cpu-update", type=int, default=0, help="also bench the CPU update on N params")
     args = ap.parse_args()
     if args.cpu_update:
-        print(json.dumps(bench_cpu_update(args.cpu_update)), flush=True)
+        for row in bench_cpu_update(args.cpu_update):
+            print(json.dumps(row), flush=True)
     if not args.grad_accum:
         return
     backend = make_backend("cuda")
