@@ -128,10 +128,11 @@ def bench_cpu_update(n: int) -> list[dict]:
     opt = torch.optim.AdamW([p], lr=1e-4, fused=True)
     rows = [dict(variant="torch AdamW(fused) fp32", params_per_s=timed(lambda k: opt.step()))]
     native = cpu_adam.native_available()
-    for threads in sorted({4, 8, cpu_adam.THREADS, torch.get_num_threads()}):
-        cpu_adam.THREADS, cpu_adam._POOL = threads, None
+    cores = torch.get_num_threads()
+    for threads in sorted({8, cpu_adam.THREADS, cores, 2 * cores - 2}):
+        cpu_adam.THREADS = threads
         hp = lambda k: AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.01, k, 0.5)  # noqa: E731
-        rows.append(dict(variant=f"ours native={native} {cpu_adam.PARALLEL} threads={threads}",
+        rows.append(dict(variant=f"ours native={native} threads={threads}",
                          params_per_s=timed(lambda k: adam_update(item, hp(k), ws))))
     rows.append(dict(variant="ours PyTorch-op fallback", params_per_s=timed(
         lambda k: adam_update(item, AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.01, k, 0.5), ws, native=False))))

@@ -20,7 +20,8 @@ def test_split_is_exact_and_rounds_to_nearest():
 
 
 def make_item(n, seed=0):
-    lay = Layout.build([("w", (n // 64, 64)), ("norm", (64,))])
+    # odd sizes: runs start at odd offsets and end on odd counts (the kernel's edge cases)
+    lay = Layout.build([("bias", (3,)), ("w", (n // 64, 63)), ("norm", (65,)), ("w2", (7, 5))])
     it = HostItem("x", lay, torch.bfloat16, torch.float32, lambda k, d: torch.zeros(k, dtype=d),
                   lambda k, d: torch.zeros(k, dtype=d))
     g = torch.Generator().manual_seed(seed)
