@@ -20,6 +20,7 @@ COMMANDS = [
     "engine.models.commands",
     "engine.data.commands",
     "engine.train.commands",
+    "engine.plan.commands",
 ]
 # What a bare ``slideformer`` runs; None prints the help.
 DEFAULT_COMMAND: str | None = "gui"

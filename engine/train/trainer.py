@@ -94,11 +94,18 @@ class Trainer:
                               f"{self.dtype}, {self.total_steps} steps"))
 
     def exec_shape(self) -> ExecShape:
-        t, b = self.cfg.train, self.cfg.budget
-        slots = b.slots or min(self.spec.num_layers, 4)
-        ckpt = "host" if b.checkpoints == "host" else "gpu"
-        return ExecShape(micro_batch=t.micro_batch, seq_len=self.cfg.data.max_seq_len,
-                         n_micro=t.grad_accum, slots=slots, checkpoints=ckpt)
+        """The executor shape the planner picks (slots, checkpoint placement, LM-head chunk).
+
+        The plan's memory model and the executor share this shape, so prediction and run cannot
+        drift apart; budget.slots and budget.checkpoints, when set, override the plan's choice.
+        """
+        from engine.plan import plan_run
+        self.plan = plan_run(self.cfg, self.spec, device="cuda" if self.backend.is_cuda else "cpu")
+        if self.plan.verdict == "does not fit":
+            fix = f"; try: {self.plan.fixes[0].change}" if self.plan.fixes else ""
+            self.emit(Log("warning", f"the planner predicts this run does not fit: "
+                                     f"{self.plan.reason}{fix}"))
+        return self.plan.exec_shape
 
     def _compute_dtype(self) -> torch.dtype:
         name = self.cfg.train.compute_dtype

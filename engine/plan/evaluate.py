@@ -1,0 +1,148 @@
+"""Memory evaluation of one set of settings, and the executor shape the planner picks for it.
+
+- checkpoints: on the GPU or in pinned host memory; ``auto`` takes whichever fits with the
+  higher predicted throughput (GPU when both are equal: no extra PCIe traffic);
+- K parameter slots: as many as fit the budgets with 10% to spare, at least 2, at most the
+  layer count;
+- head_chunk: tokens per LM-head chunk, the largest power of two up to 4096 whose fp32 logits
+  stay within 512 MiB (a 1024 x 128k-vocab chunk already runs the GEMM at full speed).
+Slots and checkpoints set in the config override the choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.models.spec import ModelSpec
+from engine.plan.budget import Budgets
+from engine.plan.hardware import HardwareProfile
+from engine.plan.memory import Allocation, Precision, allocations, peak, peak_phase
+from engine.plan.speed import SpeedEstimate, estimate
+from engine.runtime.executor import ExecShape
+
+TIGHT = 0.9
+"""A budget used above this share is "tight"."""
+HEAD_LOGITS_CAP = 512 << 20
+MAX_SEARCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The settings the planner varies when it searches for batches and fixes."""
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    precision: Precision
+    slots: int = 0
+    """0: as many as fit."""
+    checkpoints: str = "auto"
+    """auto, gpu or host."""
+    clip: bool = True
+    """Exact global-norm clipping (updates overlap the next forward instead of the backward)."""
+    packed: bool = True
+    """Packed sequences (attention masks exist)."""
+
+
+@dataclass(frozen=True)
+class TierUse:
+    """Predicted peak of one tier against its budget."""
+    tier: str
+    peak: int
+    budget: int | None
+    phase: str
+    """When the peak happens: setup, forward, head or backward."""
+
+    @property
+    def share(self) -> float | None:
+        return None if not self.budget else self.peak / self.budget
+
+
+def head_chunk(vocab: int) -> int:
+    """Tokens per LM-head chunk (see the module docstring)."""
+    chunk = 4096
+    while chunk > 128 and chunk * vocab * 4 > HEAD_LOGITS_CAP:
+        chunk //= 2
+    return chunk
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One executor shape and what it holds."""
+    shape: ExecShape
+    allocs: tuple[Allocation, ...]
+    tiers: tuple[TierUse, ...]
+    fits: bool
+
+
+class Evaluator:
+    """Memory evaluations of one spec under fixed budgets and device."""
+
+    def __init__(self, spec: ModelSpec, device: str, budgets: Budgets, hw: HardwareProfile):
+        self.spec, self.device, self.budgets, self.hw = spec, device, budgets, hw
+
+    def evaluate(self, k: Knobs, shape: ExecShape) -> Evaluation:
+        allocs = allocations(self.spec, shape, k.precision, self.device, k.packed)
+        gpu_t = ("gpu",)
+        host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
+        tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),
+                 TierUse("host", peak(allocs, host_t), self.budgets.ram, peak_phase(allocs, host_t)),
+                 TierUse("disk", peak(allocs, ("disk",)), self.budgets.disk, "run"))
+        return Evaluation(shape, allocs, tiers, _within(tiers, 1.0))
+
+    def _shape(self, k: Knobs, slots: int, ckpt: str) -> ExecShape:
+        return ExecShape(micro_batch=k.micro_batch, seq_len=k.seq_len, n_micro=k.grad_accum,
+                         slots=slots, checkpoints=ckpt, head_chunk=head_chunk(self.spec.vocab_size))
+
+    def _most_slots(self, k: Knobs, ckpt: str) -> Evaluation:
+        """As many slots as fit (at least 2, at most L) keeping the budgets' last 10% free, or
+        the config's own number. More slots only spare backward re-fetches: they never take
+        the headroom that would make a run "tight"."""
+        L = self.spec.num_layers
+        if k.slots:
+            return self.evaluate(k, self._shape(k, min(k.slots, L), ckpt))
+        lo, hi = min(2, L), L
+        best = self.evaluate(k, self._shape(k, lo, ckpt))
+        if not _within(best.tiers, TIGHT):
+            return best
+        while lo < hi:  # memory grows with K: binary search the largest that fits
+            mid = (lo + hi + 1) // 2
+            e = self.evaluate(k, self._shape(k, mid, ckpt))
+            if _within(e.tiers, TIGHT):
+                lo, best = mid, e
+            else:
+                hi = mid - 1
+        return best
+
+    def choose(self, k: Knobs) -> Evaluation:
+        """The executor shape for these knobs (see the module docstring)."""
+        options = ["gpu", "host"] if k.checkpoints == "auto" else [k.checkpoints]
+        evals = [self._most_slots(k, ck) for ck in options]
+        fitting = [e for e in evals if e.fits]
+        if not fitting:
+            return min(evals, key=lambda e: _overshoot(e.tiers))
+        return max(fitting, key=lambda e: self.speed(k, e.shape).tokens_per_s)
+
+    def speed(self, k: Knobs, shape: ExecShape) -> SpeedEstimate:
+        return estimate(self.spec, shape, k.precision, self.device, k.clip, self.hw)
+
+    @staticmethod
+    def largest(fits_at) -> int:
+        """Largest n in [1, MAX_SEARCH] with fits_at(n), for a predicate true up to some n; 0 if none."""
+        if not fits_at(1):
+            return 0
+        lo, hi = 1, 2
+        while hi <= MAX_SEARCH and fits_at(hi):
+            lo, hi = hi, 2 * hi
+        if hi > MAX_SEARCH:
+            return lo
+        while hi - lo > 1:  # lo fits, hi does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+        return lo
+
+
+def _within(tiers, share: float) -> bool:
+    return all(t.budget is None or t.peak <= share * t.budget for t in tiers)
+
+
+def _overshoot(tiers) -> float:
+    return max((t.peak / t.budget for t in tiers if t.budget), default=0.0)

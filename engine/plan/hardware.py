@@ -1,0 +1,128 @@
+"""The hardware profile the planner predicts speed with, where it comes from, and where it is kept.
+
+A profile holds the figures that bound a sliding-window step: GPU matmul throughput, pinned PCIe
+bandwidth each way, CPU AdamW throughput and disk bandwidth, plus the machine's memory sizes.
+``slideformer bench --hardware`` measures them (engine.plan.bench) and caches the result per
+machine as JSON in the user cache folder; every figure it could not measure keeps its default.
+
+The defaults are the reference GPU machine's figures (shared/GPU_MACHINE.md, measured there on
+2026-11-29: one H200, 16 Xeon cores, 128 GiB RAM), so a plan made on a machine without a
+profile describes that machine, and says so.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.errors import UserError
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Throughput and capacity figures of one machine."""
+
+    name: str
+    """Where the figures come from (machine name, or the reference machine)."""
+    gpu: str | None
+    """GPU model, or None for a machine without an NVIDIA GPU."""
+    vram_total: int | None
+    """GPU memory in bytes (None: no GPU)."""
+    ram_total: int
+    """Host memory in bytes."""
+    cpu_cores: int
+    matmul_tflops: float
+    """GPU bf16 dense matmul throughput (8192^3), TFLOP/s."""
+    cpu_tflops: float
+    """CPU fp32 dense matmul throughput, TFLOP/s (the CPU backend's compute)."""
+    h2d_gbs: float
+    """Pinned host->device copy bandwidth in GB/s (10^9 bytes/s), one direction alone."""
+    d2h_gbs: float
+    """Pinned device->host copy bandwidth in GB/s, one direction alone."""
+    duplex_gbs: float
+    """Bandwidth of each direction while both run at once, GB/s."""
+    adam_params_per_s: float
+    """CPU AdamW throughput of ``engine.runtime.host_state.adam_update`` (bf16 + remainder
+    master, fp32 moments), parameters per second."""
+    disk_read_gbs: float
+    disk_write_gbs: float
+    measured: tuple[str, ...] = ()
+    """Names of the fields measured on this machine; the others are defaults."""
+    notes: tuple[str, ...] = field(default=())
+    """What could not be measured, and why."""
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict) -> "HardwareProfile":
+        names = {f.name for f in dataclasses.fields(HardwareProfile)}
+        kw = {k: v for k, v in d.items() if k in names}
+        kw["measured"] = tuple(kw.get("measured", ()))
+        kw["notes"] = tuple(kw.get("notes", ()))
+        return HardwareProfile(**kw)
+
+
+# The reference GPU machine. Sources: shared/GPU_MACHINE.md ("Ceilings measured there",
+# 2026-11-29): bf16 matmul 8192^3 ~730 TFLOP/s; pinned PCIe 55 GB/s each way alone, 48 GB/s each
+# way when both run at once; disk ~1.7 GB/s read, ~1.5 GB/s write. Measured there with
+# `slideformer bench --hardware` (2026-11-29), as GPU_MACHINE.md has no such figure: our CPU
+# AdamW (adam_update: the compiled one-pass kernel on bf16 weights + remainder, fp32 moments,
+# 15 threads) 3.85 G params/s, CPU fp32 matmul 1.3-1.4 TFLOP/s; the GPU's memory as torch
+# reports it. (The same bench measured 742-790 TFLOP/s and 46-49 GB/s duplex there.)
+REFERENCE = HardwareProfile(
+    name="reference GPU machine (defaults from GPU_MACHINE.md)", gpu="NVIDIA H200",
+    vram_total=150_109_880_320, ram_total=128 * GiB, cpu_cores=16, matmul_tflops=730.0,
+    cpu_tflops=1.3, h2d_gbs=55.0, d2h_gbs=55.0, duplex_gbs=48.0, adam_params_per_s=3.85e9,
+    disk_read_gbs=1.7, disk_write_gbs=1.5)
+
+
+def cache_file() -> Path:
+    """Where this machine's measured profile is kept (``slideformer/hardware-<host>.json``)."""
+    try:
+        from platformdirs import user_cache_dir
+        root = Path(user_cache_dir("slideformer"))
+    except ImportError:  # platformdirs is absent on some headless machines: XDG's default
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "slideformer"
+    host = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in platform.node() or "local")
+    return root / f"hardware-{host}.json"
+
+
+def save_profile(profile: HardwareProfile, path: Path | None = None) -> Path:
+    path = path or cache_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def read_profile(path: Path) -> HardwareProfile:
+    """A profile JSON file, with a clear error for each way it can be wrong."""
+    fix = "run `slideformer bench --hardware` to measure this machine again"
+    if not path.is_file():
+        raise UserError(path, "does not exist", fix)
+    try:
+        return HardwareProfile.from_dict(json.loads(path.read_text(encoding="utf-8")))
+    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError) as e:
+        raise UserError(path, f"is not a hardware profile ({e})", fix) from None
+
+
+def load_profile(which: str = "auto") -> HardwareProfile:
+    """The profile to plan with.
+
+    Args:
+        which: ``auto`` (this machine's cached measurement, else the reference defaults),
+            ``reference`` (the reference GPU machine) or the path of a profile JSON file.
+    """
+    if which == "reference":
+        return REFERENCE
+    if which == "auto":
+        path = cache_file()
+        return read_profile(path) if path.is_file() else REFERENCE
+    return read_profile(Path(which))

@@ -1,0 +1,71 @@
+"""What this machine has right now: GPU memory through NVML, host memory through psutil.
+
+NVML comes from the ``pynvml`` module (package nvidia-ml-py). Without it, or without an NVIDIA
+driver, the machine is reported as having no GPU; nothing here raises.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """Memory of GPU 0 as NVML reports it."""
+    name: str
+    total: int
+    free: int
+    """Bytes no process holds."""
+    own: int
+    """Bytes this process holds already (its CUDA context, once created)."""
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    total: int
+    available: int
+    """Bytes the OS can give without swapping (psutil's ``available``)."""
+    own: int
+    """Resident bytes of this process."""
+
+
+def gpu_memory(index: int = 0) -> GpuMemory | None:
+    """GPU ``index``'s memory, or None when NVML or an NVIDIA GPU is absent."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except Exception:  # no driver / no GPU: NVMLError subclasses, or OSError from the loader
+        return None
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+        name = pynvml.nvmlDeviceGetName(h)
+        return GpuMemory(name.decode() if isinstance(name, bytes) else str(name),
+                         int(mem.total), int(mem.free), _own_gpu_bytes(pynvml, h))
+    except Exception:
+        return None
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _own_gpu_bytes(pynvml, handle) -> int:
+    """Bytes this process uses on the GPU (0 when NVML cannot tell, e.g. inside containers)."""
+    try:
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:
+        return 0
+    pid = os.getpid()
+    return sum(int(p.usedGpuMemory or 0) for p in procs if p.pid == pid)
+
+
+def host_memory() -> HostMemory:
+    vm = psutil.virtual_memory()
+    return HostMemory(int(vm.total), int(vm.available), int(psutil.Process().memory_info().rss))
