@@ -114,6 +114,14 @@ class SlidingExecutor:
             self.backend.compute_waits(h)
             self.resident_stale[name] = False
 
+    def _prefetch(self, layer: int, tl: StepTimeline) -> None:
+        """Load a layer ahead of need only if its update already finished: the forward must not
+        wait for the CPU optimizer on a layer it does not need yet (with K = L slots it would
+        otherwise wait for every update before computing layer 0)."""
+        fut = self.pending.get(f"layer{layer}")
+        if fut is None or fut.done():
+            self._load(layer, tl)
+
     def _load(self, layer: int, tl: StepTimeline) -> None:
         if self.pool.has(layer):
             return
@@ -139,6 +147,7 @@ class SlidingExecutor:
         xs = self.forward_window(inp, tl)
         self._refresh("head", self.head_w, tl)
         loss, gys = self.head_step(xs, inp, scale, tl)
+        del xs  # the last hidden states are not needed in the backward
         clip = max_grad_norm > 0
         self.backward_window(gys, inp, tl, None if clip else hyper(1.0))
         norm = math.sqrt(float(self.norm_sq))  # the clip barrier: backward finished
@@ -173,8 +182,9 @@ class SlidingExecutor:
         with torch.no_grad():
             xs = [embed(spec, emb, ids) for ids, *_ in inp]
             for i in range(L):
-                for j in range(i, min(i + k, L)):
-                    self._load(j, tl)
+                self._load(i, tl)
+                for j in range(i + 1, min(i + k, L)):
+                    self._prefetch(j, tl)
                 p = spec.layer_layout.views(self.pool.acquire(i, spec.params_per_layer))
                 t0 = self.backend.mark()
                 for mb, (_, _, rope, mask) in enumerate(inp):
