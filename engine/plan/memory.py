@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.linear_ce import GW_ROWS
 from engine.models.spec import ModelSpec
 from engine.runtime.executor import ExecShape
 from engine.runtime.host_state import CHUNK
@@ -217,7 +218,8 @@ def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, pa
 def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision) -> Allocation:
     """head_step for one micro-batch: RMSNorm with autograd, dL/dh, and one chunk of
     linear_ce_fwd_bwd: logits in the compute dtype and fp32, their softmax-gradient in fp32 and
-    in the compute dtype, or later dz next to the (V, H) head-gradient product and its upcast."""
+    in the compute dtype, or later dz next to one row block of the head-gradient product and
+    its upcast."""
     c, H, V = prec.c, spec.hidden_size, spec.vocab_size
     N = shape.micro_batch * shape.seq_len
     nc = min(shape.head_chunk, N)
@@ -225,7 +227,8 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision) -> Allocati
     softmax = nc * V * (8 + (c if c < 4 else 0))
     if N > nc:  # the previous chunk's dz is still bound while the next one is computed
         softmax += nc * V * c
-    wgrad = nc * V * c + V * H * (c + up)
+    rows = min(V, GW_ROWS)  # linear_ce._add_outer: one block of vocabulary rows at a time
+    wgrad = nc * V * c + rows * H * (c + up)
     norm = N * H * (8 + c)  # saved x.float()/normalised/output (8 B per element) + gh
     return Allocation("gpu", "LM-head chunk and loss", norm + max(softmax, wgrad),
                       f"{nc:,} tokens x {V:,} vocab per chunk, fp32 softmax", "head")
