@@ -3,11 +3,10 @@
 Resources: GPU compute, PCIe host->device, PCIe device->host, the CPU optimizer and the disk.
 
 forward   simulated layer by layer as the executor issues it: before computing layer i the
-          host issues the loads of layers up to i+K-1, each after that layer's update finished
-          (a host-side wait), each into the slot layer j-K freed; the H2D stream copies in
-          order; compute runs a layer once its copy landed. With exact clipping the updates run
-          embed, 0 .. L-1, head on the CPU from the step's start (DESIGN §3.4), so a large K
-          makes the first layer wait for K updates.
+          host waits for layer i's update and loads it, and prefetches layers up to i+K-1
+          whose updates already finished, each into the slot layer j-K freed; the H2D stream
+          copies in order; compute runs a layer once its copy landed. With exact clipping the
+          updates run embed, 0 .. L-1, head on the CPU from the step's start (DESIGN §3.4).
 head      waits for the head's update (last in that order), then runs
 backward  a pipeline over L layers: H2D of the L-K layers no longer resident (and host
           checkpoints), recompute+backward, D2H of the fp32 gradients, and without clipping
@@ -113,15 +112,22 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
 def _forward(L: int, k: int, ready: list[float], t0: float, t: _Times) -> float:
     """End of the forward, as SlidingExecutor.forward_window issues it (module docstring)."""
     host = h2d = d2h = prev = t0
-    done, load_done, issued = [0.0] * L, [0.0] * L, 0
+    done, load_done = [0.0] * L, [None] * L
+
+    def load(j: int) -> None:
+        nonlocal h2d
+        slot_free = done[j - k] if j >= k else t0
+        h2d = max(h2d, host, slot_free) + t.load_f
+        load_done[j] = h2d
+
     for i in range(L):
-        while issued <= min(i + k - 1, L - 1):
-            j = issued
-            host = max(host, ready[j])  # _load waits for the layer's pending update
-            slot_free = done[j - k] if j >= k else t0
-            h2d = max(h2d, host, slot_free) + t.load_f
-            load_done[j], issued = h2d, issued + 1
-        start = max(prev, load_done[i], host)
+        if load_done[i] is None:
+            host = max(host, ready[i])  # _load waits for the layer's own pending update
+            load(i)
+        for j in range(i + 1, min(i + k, L)):
+            if load_done[j] is None and ready[j] <= host:  # _prefetch: finished updates only
+                load(j)
+        start = max(prev, load_done[i])
         d2h = max(d2h, start) + t.ck_d2h  # host checkpoints: the layer's inputs leave at its start
         prev = done[i] = start + t.f
     return max(prev, d2h)
@@ -153,8 +159,8 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
             "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": 0.0}
     note = ""
     if step > SERIAL * max(busy.values()):
-        note = ("the forward waits for the updates of the first K layers (exact clipping), so "
-                "the optimizer and the GPU take turns" if clip else
+        note = ("the forward waits for the CPU updates (exact clipping), so the optimizer and "
+                "the GPU take turns" if clip else
                 "the pipeline fills and drains: resources wait for each other")
     return _result(step, tokens, busy, flops, note)
 
