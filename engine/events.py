@@ -108,7 +108,10 @@ def to_json(ev) -> str:
 
 
 def from_json(line: str):
-    d = json.loads(line)
+    return _from_dict(json.loads(line))
+
+
+def _from_dict(d: dict):
     cls = EVENT_TYPES[d.pop("kind")]
     if cls is Timeline:
         d["spans"] = tuple(Span(**s) for s in d["spans"])
@@ -124,27 +127,55 @@ class EventSink:
         if path is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "a", encoding="utf-8", buffering=1)
+            if self._file.tell() and not _ends_with_newline(path):
+                self._file.write("\n")  # end a line torn by a killed process (readers skip it)
         self.callbacks = list(callbacks or [])
 
     def emit(self, ev) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.write(to_json(ev) + "\n")
+                try:
+                    self._file.write(to_json(ev) + "\n")
+                except OSError:
+                    # e.g. the disk is full: the file keeps what it has (readers skip a torn
+                    # last line), and the run and its callbacks go on without it.
+                    self._drop_file()
         for cb in self.callbacks:
             cb(ev)
+
+    def _drop_file(self) -> None:
+        try:
+            self._file.close()
+        except OSError:
+            pass
+        self._file = None
 
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
-                self._file.close()
-                self._file = None
+                self._drop_file()
+
+
+def _ends_with_newline(path: Path | str) -> bool:
+    with open(path, "rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 def read_events(path: Path | str) -> list:
-    """All complete events in an ``events.jsonl`` (a torn last line is ignored)."""
+    """All complete events in an ``events.jsonl``.
+
+    A line torn by a killed process (the last one, or one an :class:`EventSink` ended when it
+    reopened the file) is skipped.
+    """
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
-            if line.endswith("\n"):
-                out.append(from_json(line))
+            if not line.endswith("\n"):
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            out.append(_from_dict(d))
     return out

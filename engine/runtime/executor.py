@@ -59,6 +59,30 @@ class StepOutput:
     """Trained (labelled) tokens of the step."""
     skipped: bool
     timeline: StepTimeline
+    applied: int = 0
+    """Layer updates of a skipped step applied before its non-finite gradients were seen
+    (without clipping only, where updates overlap the backward; 0: the skip was whole)."""
+
+
+class _Guard:
+    """Without clipping, whether a step's layer updates may still run.
+
+    Each layer's update first reads the step's loss and that layer's squared gradient norm
+    (copied to the host behind its gradients); the first non-finite one stops it and every
+    later update of the step, so a non-finite loss skips the whole step and a gradient
+    overflow keeps every layer from the faulty one down unchanged.
+    """
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values
+        """Host copy: squared gradient norm per layer, then the loss."""
+        self.bad = False
+        self.applied = 0
+
+    def allows(self, layer: int) -> bool:
+        self.bad = self.bad or not (math.isfinite(float(self.values[layer]))
+                                    and math.isfinite(float(self.values[-1])))
+        return not self.bad
 
 
 class _Sync:
@@ -93,6 +117,10 @@ class SlidingExecutor:
         self.store = store(backend, L, shape.n_micro,
                            (shape.micro_batch, shape.seq_len, spec.hidden_size), compute_dtype)
         self.norm_sq = backend.alloc((), torch.float32)
+        self.health = backend.alloc(L + 1, torch.float32)
+        self.health_host = backend.host_alloc(L + 1, torch.float32)
+        self.step_updates = 0
+        """Updates submitted by the current step so far (0 until its updates may start)."""
         self.updater = ThreadPoolExecutor(1, "cpu-adam") if backend.is_cuda else _Sync()
         self.workspace = AdamWorkspace()
         self.pending: dict[str, Future] = {}
@@ -140,6 +168,7 @@ class SlidingExecutor:
             max_grad_norm: exact global-norm clipping threshold; 0 disables clipping.
         """
         tl = StepTimeline(self.backend, timeline)
+        self.step_updates = 0
         tokens = sum(int((mb.labels != -100).sum()) for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)
         inp = [self._inputs(mb) for mb in micro_batches]
@@ -149,7 +178,13 @@ class SlidingExecutor:
         loss, gys = self.head_step(xs, inp, scale, tl)
         del xs  # the last hidden states are not needed in the backward
         clip = max_grad_norm > 0
-        self.backward_window(gys, inp, tl, None if clip else hyper(1.0))
+        guard = None
+        if not clip:
+            guard = _Guard(self.health_host)
+            self.health[-1:].copy_(loss.reshape(1))
+            self.backend.start_d2h(self.health_host[-1:], self.health[-1:],
+                                   after=[self.backend.mark()])
+        self.backward_window(gys, inp, tl, None if clip else hyper(1.0), guard)
         norm = math.sqrt(float(self.norm_sq))  # the clip barrier: backward finished
         coef = min(1.0, max_grad_norm / (norm + 1e-6)) if clip else 1.0
         skipped = not (math.isfinite(norm) and math.isfinite(loss.item()))
@@ -162,7 +197,8 @@ class SlidingExecutor:
             for name in names:
                 self._submit_update(name, hyper(coef), tl)
         self.pool.invalidate_all()
-        return StepOutput(float(loss), norm, tokens, skipped, tl)
+        applied = guard.applied if skipped and guard is not None else 0
+        return StepOutput(float(loss), norm, tokens, skipped, tl, applied)
 
     def _inputs(self, mb):
         dev = self.backend.device
@@ -230,8 +266,13 @@ class SlidingExecutor:
         self.head_g.zero_()
         self.norm_sq.zero_()
 
-    def backward_window(self, gys, inp, tl: StepTimeline, hyper_now: AdamHyper | None) -> None:
-        """Layer-wise backward with recompute; gradients leave for the host one layer at a time."""
+    def backward_window(self, gys, inp, tl: StepTimeline, hyper_now: AdamHyper | None,
+                        guard: _Guard | None = None) -> None:
+        """Layer-wise backward with recompute; gradients leave for the host one layer at a time.
+
+        With ``hyper_now`` (no clipping) each layer's update is submitted at once, behind
+        ``guard``'s check of its gradient norm.
+        """
         spec, L, k = self.spec, self.spec.num_layers, self.k
         n = spec.params_per_layer
         for i in reversed(range(L)):
@@ -247,17 +288,23 @@ class SlidingExecutor:
             t0 = self.backend.mark()
             for mb, (_, _, rope, mask) in enumerate(inp):
                 gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask)
-            self.norm_sq += torch.linalg.vector_norm(g).square()
+            sq = torch.linalg.vector_norm(g).square()
+            self.norm_sq += sq
+            if guard is not None:
+                self.health[i].copy_(sq)
             t1 = self.backend.mark()
             tl.device_span("compute", f"layer{i}", t0, t1)
             h = self.backend.start_d2h(self.host[f"layer{i}"].g, g, after=[t1])
             tl.device_span("d2h", f"layer{i}", h.start, h)
             self.gslot_free[slot] = [h]
             self.grads_out[f"layer{i}"] = [h]
+            if guard is not None:
+                self.grads_out[f"layer{i}"].append(self.backend.start_d2h(
+                    self.health_host[i:i + 1], self.health[i:i + 1], after=[t1]))
             self.store.done_with(i)
             self.pool.release(i, evict=True)
             if hyper_now is not None:
-                self._submit_update(f"layer{i}", hyper_now, tl)
+                self._submit_update(f"layer{i}", hyper_now, tl, guard, i)
         self._embed_backward(gys, inp, tl)
 
     def _layer_backward(self, w, g, x, gy, rope, mask) -> torch.Tensor:
@@ -287,18 +334,25 @@ class SlidingExecutor:
             tl.device_span("d2h", name, h.start, h)
             self.grads_out[name] = [h]
 
-    def _submit_update(self, name: str, hp: AdamHyper, tl: StepTimeline) -> None:
+    def _submit_update(self, name: str, hp: AdamHyper, tl: StepTimeline,
+                       guard: _Guard | None = None, layer: int = 0) -> None:
         handles = self.grads_out.get(name, [])
         if name in ("embed", "head"):
             self.resident_stale[name] = True
-        self.pending[name] = self.updater.submit(self._update, name, handles, hp, tl)
+        self.step_updates += 1
+        self.pending[name] = self.updater.submit(self._update, name, handles, hp, tl, guard, layer)
 
-    def _update(self, name: str, handles, hp: AdamHyper, tl: StepTimeline) -> None:
+    def _update(self, name: str, handles, hp: AdamHyper, tl: StepTimeline,
+                guard: _Guard | None, layer: int) -> None:
         for h in handles:
             h.wait()
+        if guard is not None and not guard.allows(layer):
+            return
         t0 = time.perf_counter()
         adam_update(self.host[name], hp, self.workspace)
         tl.host_span("optimizer", name, t0, time.perf_counter())
+        if guard is not None:
+            guard.applied += 1
 
     def eval_loss(self, mb) -> tuple[float, int]:
         """(summed loss, labelled tokens) of one micro-batch, forward only."""

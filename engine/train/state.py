@@ -2,17 +2,16 @@
 
 ``build_host_state`` allocates every item's :class:`HostItem` and fills the masters from the
 model's safetensors, one item at a time. Training checkpoints store the exact state (weights,
-remainders, moments) per item in safetensors files; the final export writes a Hugging Face
-folder of the master weights.
+remainders, moments) of every item (:func:`state_tensors`; the files are engine.train.checkpoint's
+business); the final export writes a Hugging Face folder of the master weights.
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from engine.errors import UserError
 from engine.models.spec import ModelSpec
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names, write_hf_folder
 from engine.runtime.host_state import HostItem
@@ -54,29 +53,17 @@ def master_tensors(host: dict[str, HostItem], spec: ModelSpec):
 
 def export_model(host, spec: ModelSpec, out_dir: Path | str, tokenizer_dir: Path | str,
                  dtype: torch.dtype, shard_bytes: int) -> Path:
-    """Write the master weights as a Hugging Face folder (atomic)."""
-    return write_hf_folder(out_dir, spec, master_tensors(host, spec), dtype=dtype,
-                           max_shard_bytes=shard_bytes, tokenizer_dir=tokenizer_dir)
+    """Write the master weights as a Hugging Face folder (atomic; a failed write leaves no
+    partial folder behind, and an existing ``out_dir`` as it was)."""
+    out_dir = Path(out_dir)
+    try:
+        return write_hf_folder(out_dir, spec, master_tensors(host, spec), dtype=dtype,
+                               max_shard_bytes=shard_bytes, tokenizer_dir=tokenizer_dir)
+    except BaseException:
+        shutil.rmtree(out_dir.with_name(out_dir.name + ".partial"), ignore_errors=True)
+        raise
 
 
-def save_state(host: dict[str, HostItem], folder: Path) -> None:
-    """Write every item's exact state into ``folder`` (one safetensors file per item)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, item in host.items():
-        save_file({k: v.contiguous() for k, v in item.state_tensors().items()},
-                  str(folder / f"{name}.safetensors"))
-
-
-def load_state(host: dict[str, HostItem], folder: Path) -> None:
-    """Restore every item's exact state from :func:`save_state`'s files."""
-    for name, item in host.items():
-        path = folder / f"{name}.safetensors"
-        if not path.is_file():
-            raise UserError(path, "is missing from the checkpoint",
-                            "resume from another checkpoint, or start a new run")
-        saved = load_file(str(path))
-        for key, dst in item.state_tensors().items():
-            if key not in saved or saved[key].shape != dst.shape or saved[key].dtype != dst.dtype:
-                raise UserError(path, f"'{key}' does not match this run's model or precision",
-                                "resume with the run's own config, or start a new run")
-            dst.copy_(saved[key])
+def state_tensors(host: dict[str, HostItem]) -> dict[str, dict[str, torch.Tensor]]:
+    """What a training checkpoint stores, per item (engine.train.checkpoint writes and reads it)."""
+    return {name: item.state_tensors() for name, item in host.items()}

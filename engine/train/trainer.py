@@ -3,14 +3,20 @@
 Front ends call :meth:`Trainer.pause`, :meth:`Trainer.resume` and :meth:`Trainer.stop` from
 another thread; they take effect between steps. Everything the run reports goes through events
 (``engine.events``) to the callbacks and to ``<run dir>/events.jsonl``.
+
+A run ends in one of three states: ``finished``; ``stopped`` (asked to; saved unless told not
+to); ``failed``: the engine stopped it because it could not go on -- a checkpoint or the export
+could not be written (disk full), the GPU ran out of memory, or three steps in a row had a
+non-finite loss or gradients. A failed run says why and what to change, keeps every complete
+checkpoint, saves its state when that state is sound, exports nothing, and continues with
+``--resume``.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
+import re
 import resource
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -23,11 +29,26 @@ from engine.errors import UserError
 from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
 from engine.models.spec import load_spec
 from engine.models.tokenizer import load_tokenizer
+from engine.models.weights import Checkpoint
 from engine.runtime.backend import make_backend
 from engine.runtime.executor import ExecShape, SlidingExecutor
 from engine.runtime.host_state import AdamHyper
+from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
+                                     set_rng_state, write_checkpoint, write_error)
 from engine.train.schedule import lr_at
-from engine.train.state import DTYPES, build_host_state, export_model, load_state, load_weights, save_state
+from engine.train.state import (DTYPES, build_host_state, export_model, load_weights,
+                                state_tensors)
+
+GiB = 1 << 30
+RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints"}
+"""What a run leaves in its folder before its first complete checkpoint: with nothing else
+there (and no complete checkpoint), the folder may start a new run."""
+NONFINITE_LIMIT = 3
+"""Steps in a row with a non-finite loss or gradients before the run stops."""
+MEMORY_FIX = ("set budget.checkpoints = \"host\" or a smaller budget.slots (the run stays "
+              "resumable), or a smaller train.micro_batch (a new run); close other programs "
+              "that use the GPU")
+RESUME = "then continue with --resume"
 
 
 def peak_rss() -> int:
@@ -46,6 +67,9 @@ class Trainer:
         self._pause = threading.Event()
         self._stop = threading.Event()
         self._stop_save = True
+        self._failure: tuple[str, bool] | None = None
+        """Why the run cannot go on (message with its fix), and whether to save first."""
+        self._saved_step = -1
         self.executor = None
         self.sink = None
 
@@ -67,28 +91,38 @@ class Trainer:
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self, resume: bool = False, data=None) -> None:
-        """Load the model, data and state; ``data`` (prepared, stream) overrides engine.data."""
+        """Load the model, data and state; ``data`` (prepared, stream) overrides engine.data.
+
+        Everything that can be checked without loading comes first: the run folder, the
+        settings, the plan (a run whose host state cannot fit host RAM is refused here).
+        """
         cfg = self.cfg
         self._check_run_dir(resume)
+        self._check_settings()
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
-        (self.run_dir / "config.toml").write_text(config_mod.dumps(cfg))
         self.spec = load_spec(cfg.model.path)
-        self.tok = load_tokenizer(cfg.model.path)
         self.backend = make_backend(cfg.train.device)
         self.dtype = self._compute_dtype()
-        self.prepared, self.stream = data if data is not None else self._prepare_data()
-        self.total_steps = cfg.train.max_steps or max(1, math.ceil(
-            cfg.train.epochs * self.stream.steps_per_epoch))
         moments = DTYPES.get(cfg.optim.moments_dtype)
         if moments not in (torch.float32, torch.bfloat16):
             raise UserError("optim.moments_dtype", f"{cfg.optim.moments_dtype!r} is not supported",
                             "use \"float32\" (exact) or \"bfloat16\"")
+        shape = self.exec_shape()
+        self._check_host_memory()
+        self.tok = load_tokenizer(cfg.model.path)
+        self.prepared, self.stream = data if data is not None else self._prepare_data()
+        self.total_steps = cfg.train.max_steps or max(1, math.ceil(
+            cfg.train.epochs * self.stream.steps_per_epoch))
         self.host = build_host_state(self.spec, self.backend, self.dtype, moments)
-        load_weights(self.host, self.spec, cfg.model.path, self.emit)
-        self.executor = SlidingExecutor(self.spec, self.backend, self.host, self.exec_shape(), self.dtype)
+        if resume:  # the checkpoint holds the whole state: only check the model folder
+            Checkpoint(cfg.model.path).check(self.spec)
+        else:
+            load_weights(self.host, self.spec, cfg.model.path, self.emit)
+        self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype)
         if resume:
-            self._restore(self._latest_checkpoint())
+            self._restore()
+        _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
                               f"{self.dtype}, {self.total_steps} steps"))
@@ -117,14 +151,49 @@ class Trainer:
         return DTYPES[name]
 
     def _check_run_dir(self, resume: bool) -> None:
-        used = self.run_dir.is_dir() and any(self.run_dir.iterdir())
-        if used and not resume:
-            raise UserError(self.run_dir, "already holds a run",
-                            "resume it (--resume) or choose another output.run_dir")
-        if resume and not (self.run_dir / "checkpoints").is_dir():
-            raise UserError(self.run_dir, "has no checkpoints to resume from",
-                            "start a new run without --resume")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        d = self.run_dir
+        if d.exists() and not d.is_dir():
+            raise UserError(d, "is a file, not a run folder", "choose another output.run_dir")
+        has_checkpoint = bool(checkpoints(d / "checkpoints"))
+        if resume and not has_checkpoint:
+            raise UserError(d, "has no checkpoint to resume from",
+                            "start a new run without --resume (into an unused output.run_dir)")
+        foreign = {p.name for p in d.iterdir()} - RUN_FILES if d.is_dir() else set()
+        if not resume and (has_checkpoint or foreign):
+            raise UserError(d, "already holds a run", "resume it (--resume) or choose another "
+                            "output.run_dir" if has_checkpoint else "choose another output.run_dir")
+        d.mkdir(parents=True, exist_ok=True)
+
+    def _check_settings(self) -> None:
+        """The run-loop and output settings (the planner and engine.data check the rest)."""
+        t = self.cfg.train
+        for key, value, low in (("train.save_every", t.save_every, 0),
+                                ("train.eval_every", t.eval_every, 0),
+                                ("train.max_steps", t.max_steps, 0),
+                                ("train.keep_checkpoints", t.keep_checkpoints, 1)):
+            if value < low:
+                raise UserError(key, f"is {value}", f"give an integer >= {low}")
+        if not t.max_steps and not t.epochs > 0:
+            raise UserError("train.epochs", f"is {t.epochs} and train.max_steps is 0",
+                            "give a positive number of epochs, or set train.max_steps")
+        dev = t.device
+        if dev not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", dev):
+            raise UserError("train.device", f"{dev!r} is not a device",
+                            "use auto, cuda, cuda:N or cpu")
+        lr_at(1, 1, self.cfg.optim)  # an unknown schedule is an error now, not at the first step
+        if parse_bytes(self.cfg.output.shard_size, "output.shard_size") <= 0:
+            raise UserError("output.shard_size", "is not a positive size", "e.g. 5GiB")
+
+    def _check_host_memory(self) -> None:
+        """Refuse a run the plan says cannot fit host RAM, before anything is loaded."""
+        host = self.plan.tier("host")
+        if host.budget is not None and host.peak > host.budget:
+            fixes = [f.change for f in self.plan.fixes if f.tier == "host" and f.fits]
+            raise UserError("budget.ram", f"the run needs {host.peak / GiB:.2f} GiB of host RAM "
+                            f"and {host.budget / GiB:.2f} GiB is available (budget.ram: "
+                            f"{self.plan.budgets.ram_source})",
+                            (fixes[0] if fixes else "use optim.moments_dtype = \"bfloat16\" or a "
+                             "smaller model") + ", free host memory, or raise budget.ram")
 
     def _prepare_data(self):
         from engine.data import BatchStream, prepare_data
@@ -154,10 +223,15 @@ class Trainer:
                     break
                 self.emit(RunState("running", step=self.step))
             out = self._one_step()
+            if out is None:
+                break
             skipped_in_row = skipped_in_row + 1 if out.skipped else 0
-            if skipped_in_row >= 3:
-                self.emit(Log("error", "3 steps in a row had non-finite loss or gradients"))
-                self._stop_save, _ = True, self._stop.set()
+            if skipped_in_row >= NONFINITE_LIMIT:
+                self._fail(f"{NONFINITE_LIMIT} steps in a row had a non-finite loss or gradients; "
+                           f"the state before them is kept", "lower optim.lr, raise "
+                           "optim.warmup_steps or keep optim.max_grad_norm > 0, and check the "
+                           f"data for broken records; {RESUME}", save=True)
+                break
             every = cfg.train.save_every
             if every and self.step % every == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
@@ -166,10 +240,16 @@ class Trainer:
         return self._finish()
 
     def _one_step(self):
+        """One optimizer step; None when the GPU ran out of memory (the run then fails)."""
         self.backend.reset_peak()
         t0 = time.perf_counter()
+        position = self.stream.state_dict()
         mbs = self.stream.next_step()
-        out = self.executor.train_step(mbs, self.hyper, self.cfg.optim.max_grad_norm)
+        try:
+            out = self.executor.train_step(mbs, self.hyper, self.cfg.optim.max_grad_norm)
+        except torch.cuda.OutOfMemoryError:
+            self._out_of_memory(position)
+            return None
         dt = time.perf_counter() - t0
         if not out.skipped:
             self.step += 1
@@ -180,8 +260,14 @@ class Trainer:
                               tokens=out.tokens, tokens_per_s=seen / dt, step_time=dt,
                               peak_vram=self.backend.peak_memory(), peak_ram=peak_rss(),
                               skipped=out.skipped))
-        if out.skipped:
-            self.emit(Log("warning", "non-finite loss or gradients: step skipped"))
+        if out.skipped and out.applied:
+            self.emit(Log("warning", f"non-finite gradients: step skipped, but {out.applied} layer "
+                                     "updates had already been applied (without clipping, updates "
+                                     "overlap the backward; optim.max_grad_norm > 0 skips whole "
+                                     "steps)"))
+        elif out.skipped:
+            self.emit(Log("warning", "non-finite loss or gradients: step skipped, weights "
+                                     "unchanged"))
         if self._last_timeline is not None:
             self.emit(Timeline(self._last_timeline[0], self._last_timeline[1].resolve()))
         self._last_timeline = (self.step, out.timeline)
@@ -189,15 +275,51 @@ class Trainer:
 
     _last_timeline = None
 
+    def _out_of_memory(self, position: dict) -> None:
+        """Roll the failed step back: its batch is put back, the state is the previous step's.
+
+        With clipping no update of a step starts before its backward ends, so the host state is
+        untouched; without it, updates overlap the backward and some may have been applied.
+        """
+        self.executor.drain()  # the previous step's updates (they belong to it)
+        self.stream.load_state_dict(position)
+        plan = getattr(self, "plan", None)
+        fixes = [f.change for f in getattr(plan, "fixes", ()) if f.available][:2]
+        fix = "; or ".join(fixes + [MEMORY_FIX])
+        applied = self.executor.step_updates
+        if applied:
+            self._fail(f"out of GPU memory in step {self.step + 1} after {applied} of its updates "
+                       f"were applied (without clipping, updates overlap the backward): this state "
+                       f"is not saved, the newest checkpoint is where to continue",
+                       f"{fix}; {RESUME}", save=False)
+        else:
+            self._fail(f"out of GPU memory in step {self.step + 1}; the step was rolled back",
+                       f"{fix}; {RESUME}", save=True)
+
+    def _fail(self, message: str, fix: str, save: bool) -> None:
+        """Stop the run as failed after this step, saving its state first if ``save``.
+
+        The run's last event (RunState "failed") carries the message; an earlier failure that
+        a later one replaces (the save after it failed too) is kept as an error log line.
+        """
+        if self._failure is not None:
+            self.emit(Log("error", self._failure[0]))
+        self._failure = (f"{message}\n  fix: {fix}", save)
+        self._stop.set()
+
     def evaluate(self) -> float | None:
         """Mean validation loss over the validation split (None without one)."""
         if getattr(self.prepared, "val", None) is None:
             return None
         from engine.data import iterate_eval
         total = count = 0.0
-        for mb in iterate_eval(self.prepared.val, self.cfg.train.micro_batch):
-            loss_sum, n = self.executor.eval_loss(mb)
-            total, count = total + loss_sum, count + n
+        try:
+            for mb in iterate_eval(self.prepared.val, self.cfg.train.micro_batch):
+                loss_sum, n = self.executor.eval_loss(mb)
+                total, count = total + loss_sum, count + n
+        except torch.cuda.OutOfMemoryError:
+            self.emit(Log("warning", "validation skipped: out of GPU memory"))
+            return None
         if not count:
             return None
         val = total / count
@@ -209,17 +331,31 @@ class Trainer:
         if self._last_timeline is not None:
             self.emit(Timeline(self._last_timeline[0], self._last_timeline[1].resolve()))
             self._last_timeline = None
-        if self._stop.is_set() and not self._stop_save:
+        if self._failure is None and self._stop.is_set() and not self._stop_save:
             self.emit(RunState("stopped", "stopped without saving", self.step))
             return "stopped"
-        self.evaluate()
-        if self.step < self.total_steps:
+        if self._failure is None:
+            self.evaluate()
+        if (self._failure is None or self._failure[1]) and self.step < self.total_steps:
             self.save_checkpoint()
-        self.emit(RunState("saving", "exporting the final model", self.step))
-        out = self.export(self.run_dir / "final")
-        state = "stopped" if self.step < self.total_steps else "finished"
-        self.emit(RunState(state, f"model saved to {out}", self.step))
-        return state
+        if self._failure is None:
+            self.emit(RunState("saving", "exporting the final model", self.step))
+            out = self.run_dir / "final"
+            try:
+                self.export(out)
+            except OSError as e:
+                self._fail(f"could not write the final model to {out}: "
+                           f"{write_error(e, self.run_dir)}", "free disk space, then continue "
+                           "with --resume (it repeats the steps after the newest checkpoint)",
+                           save=False)
+        if self._failure is not None:
+            self.emit(RunState("failed", self._failure[0], self.step))
+            return "failed"
+        done = self.step >= self.total_steps
+        hint = "" if done else f"; {RESUME} to train on"
+        self.emit(RunState("finished" if done else "stopped", f"model saved to {out}{hint}",
+                           self.step))
+        return "finished" if done else "stopped"
 
     def export(self, out_dir: Path) -> Path:
         self.executor.drain()
@@ -228,41 +364,51 @@ class Trainer:
                             parse_bytes(self.cfg.output.shard_size, "output.shard_size"))
 
     # ---- checkpoints ------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        """Write checkpoints/step-N atomically (temp folder, fsync, rename); keep the last N."""
+    def save_checkpoint(self) -> Path | None:
+        """Write checkpoints/step-N crash-safely (engine.train.checkpoint) and keep the last N.
+
+        Returns None when it cannot be written (e.g. the disk is full): every earlier
+        checkpoint is left intact and the run stops as failed, saying so.
+        """
         self.executor.drain()
         root = self.run_dir / "checkpoints"
-        final, tmp = root / f"step-{self.step}", root / f".step-{self.step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_state(self.host, tmp)
-        meta = {"step": self.step, "total_steps": self.total_steps,
-                "data": self.stream.state_dict(), "torch_rng": torch.get_rng_state().tolist()}
-        (tmp / "trainer.json").write_text(json.dumps(meta))
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        done = sorted((p for p in root.glob("step-*") if p.is_dir()), key=lambda p: int(p.name[5:]))
-        for old in done[:-max(1, self.cfg.train.keep_checkpoints)]:
-            shutil.rmtree(old, ignore_errors=True)
-        self.emit(CheckpointSaved(self.step, str(final)))
-        return final
+        if self._saved_step == self.step:
+            return root / f"step-{self.step}"
+        items = state_tensors(self.host)
+        try:
+            path = write_checkpoint(root, self.step, items, self._trainer_state(),
+                                    self.cfg.train.keep_checkpoints)
+        except OSError as e:
+            newest = checkpoints(root)
+            kept = f"the newest complete checkpoint is {newest[0].name}" if newest else \
+                "there is no complete checkpoint yet"
+            self._fail(f"could not write checkpoint step-{self.step} in {root}: "
+                       f"{write_error(e, root, checkpoint_bytes(items))}; {kept}",
+                       "free disk space (or lower train.keep_checkpoints, or move "
+                       f"output.run_dir to a larger disk), {RESUME}", save=False)
+            return None
+        self._saved_step = self.step
+        self.emit(CheckpointSaved(self.step, str(path)))
+        return path
 
-    def _latest_checkpoint(self) -> Path:
-        done = sorted((p for p in (self.run_dir / "checkpoints").glob("step-*")
-                       if (p / "trainer.json").is_file()), key=lambda p: int(p.name[5:]))
-        if not done:
-            raise UserError(self.run_dir / "checkpoints", "holds no complete checkpoint",
-                            "start a new run without --resume")
-        return done[-1]
+    def _trainer_state(self) -> dict:
+        """Everything but the tensors that a resume needs to continue exactly."""
+        return {"step": self.step, "total_steps": self.total_steps,
+                "next_lr": self.hyper(1.0).lr, "data": self.stream.state_dict(),
+                "rng": rng_state(), "config": config_mod.to_dict(self.cfg)}
 
-    def _restore(self, folder: Path) -> None:
-        meta = json.loads((folder / "trainer.json").read_text())
-        load_state(self.host, folder)
-        self.step = int(meta["step"])
-        self.stream.load_state_dict(meta["data"])
-        torch.set_rng_state(torch.tensor(meta["torch_rng"], dtype=torch.uint8))
+    def _restore(self) -> None:
+        """Load the newest checkpoint that verifies (a damaged one falls back to the previous)."""
+        folder, meta = load_newest(self.run_dir / "checkpoints", state_tensors(self.host),
+                                   lambda m: self.stream.load_state_dict(m["data"]),
+                                   lambda text: self.emit(Log("warning", text)))
+        self.step = self._saved_step = int(meta["step"])
+        set_rng_state(meta["rng"])
+        old, new = meta["config"], config_mod.to_dict(self.cfg)
+        changed = [f"{s}.{k} {old[s][k]!r} -> {v!r}" for s, values in new.items()
+                   for k, v in values.items() if k in old.get(s, {}) and old[s][k] != v]
+        if changed:
+            self.emit(Log("warning", "resuming with changed settings: " + ", ".join(changed)))
         self.emit(Log("info", f"resumed from {folder.name}"))
 
     def cleanup(self) -> None:
@@ -272,3 +418,10 @@ class Trainer:
             self.backend.release_host()
         if self.sink is not None:
             self.sink.close()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace a small text file so that a reader sees the old or the new one, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
