@@ -163,6 +163,9 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
     """
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
+    old = out_dir.with_name(out_dir.name + ".old")
+    if old.is_dir() and not out_dir.exists():  # a crash between the two renames below
+        os.replace(old, out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     # Each shard is written as soon as it is full (peak memory: one shard), under a temporary
@@ -203,14 +206,14 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
             if src.is_file():
                 shutil.copy2(src, tmp / f)
     _fsync_dir(tmp)
-    if out_dir.exists():
-        old = out_dir.with_name(out_dir.name + ".old")
+    if out_dir.exists():  # the previous export stays whole until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out_dir, old)
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out_dir)
+    _fsync(out_dir.parent)
     return out_dir
 
 
@@ -228,6 +231,15 @@ def _sharded(tensors, dtype, limit) -> Iterator[tuple[str | None, torch.Tensor |
 
 
 def _fsync_dir(path: Path) -> None:
+    """Flush every file of a folder, then the folder itself."""
     for p in path.iterdir():
-        with open(p, "rb") as f:
-            os.fsync(f.fileno())
+        _fsync(p)
+    _fsync(path)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
