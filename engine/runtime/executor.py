@@ -14,6 +14,10 @@ parameter slots (DESIGN §3.3):
               update starts as soon as its gradients reach the host (overlapping the backward);
               with exact clipping all updates wait for the global norm, then run in order
               embed, 0 .. L-1, head, overlapping the next step's forward, which waits per item.
+    disk      layers in the NVMe tier (engine.runtime.nvme) have their moments read ahead in
+              update order as soon as the step's updates are known (after the clip barrier; at
+              the step's start without clipping) and written behind after their update;
+              the update waits for its read, the next forward only for the update.
 """
 from __future__ import annotations
 
@@ -168,6 +172,8 @@ class SlidingExecutor:
             max_grad_norm: exact global-norm clipping threshold; 0 disables clipping.
         """
         tl = StepTimeline(self.backend, timeline)
+        if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
+            self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
         self.step_updates = 0
         tokens = sum(int((mb.labels != -100).sum()) for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)
@@ -194,6 +200,7 @@ class SlidingExecutor:
             self.pending.clear()
         else:
             names = ["embed"] + ([f"layer{i}" for i in range(self.spec.num_layers)] if clip else []) + ["head"]
+            self._prefetch_disk(names, tl)
             for name in names:
                 self._submit_update(name, hyper(coef), tl)
         self.pool.invalidate_all()
@@ -334,6 +341,12 @@ class SlidingExecutor:
             tl.device_span("d2h", name, h.start, h)
             self.grads_out[name] = [h]
 
+    def _prefetch_disk(self, names, tl: StepTimeline) -> None:
+        """Start reading the moments of the disk items among ``names`` (in update order)."""
+        for name in names:
+            if self.host[name].disk is not None:
+                self.host[name].disk.prefetch(tl)
+
     def _submit_update(self, name: str, hp: AdamHyper, tl: StepTimeline,
                        guard: _Guard | None = None, layer: int = 0) -> None:
         handles = self.grads_out.get(name, [])
@@ -348,9 +361,15 @@ class SlidingExecutor:
             h.wait()
         if guard is not None and not guard.allows(layer):
             return
-        t0 = time.perf_counter()
-        adam_update(self.host[name], hp, self.workspace)
-        tl.host_span("optimizer", name, t0, time.perf_counter())
+        item = self.host[name]
+        staged = None if item.disk is None else item.disk.acquire(tl)
+        try:
+            t0 = time.perf_counter()
+            adam_update(item, hp, self.workspace, staged=staged)
+            tl.host_span("optimizer", name, t0, time.perf_counter())
+        finally:
+            if item.disk is not None:
+                item.disk.release(True, tl)
         if guard is not None:
             guard.applied += 1
 
@@ -373,9 +392,12 @@ class SlidingExecutor:
         return float(loss), int((mb.labels != -100).sum())
 
     def drain(self) -> None:
-        """Wait for every update in flight (before saving or reading the weights)."""
+        """Wait for every update in flight and its disk writes (before saving or reading the state)."""
         for name in list(self.pending):
             self._wait_update(name)
+        for item in self.host.values():
+            if item.disk is not None:
+                item.disk.flush()
 
     def close(self) -> None:
         self.drain()

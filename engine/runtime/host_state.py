@@ -6,7 +6,10 @@ Per parameter, for bf16 compute (DESIGN §3.2):
        fp32 master is exact and w is the master rounded to nearest
   m, v AdamW moments, fp32 (or bf16 as a named option)
   g    fp32 gradient, written by the device->host copy of the item's accumulated gradient
-For fp32 compute, ``w`` is the master itself and there is no remainder.
+For fp32 compute, ``w`` is the master itself and there is no remainder. For an item in the NVMe
+tier (engine.runtime.nvme), m and v (and optionally rem) live in its file instead: the update
+gets them in a staging buffer (``staged``), a checkpoint as a mapping of the file
+(:meth:`HostItem.state_tensors`); those attributes are then None.
 
 Adding half a bf16 ulp (0x8000) to the bit pattern before taking the high half rounds to nearest
 (ties away from zero; PyTorch's cast rounds ties to even, which differs only on exact ties), and
@@ -19,6 +22,7 @@ caches (reconstruct -> fused AdamW -> split), so memory is streamed once, as by 
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import sys
@@ -64,40 +68,70 @@ def decay_runs(layout: Layout) -> list[tuple[int, int, bool]]:
 
 
 class HostItem:
-    """Host state (weights, remainder, moments, gradient) of one window item."""
+    """Host state (weights, remainder, moments, gradient) of one window item.
+
+    ``tier``: an NVMe tier (engine.runtime.nvme.NvmeTier) that keeps this item's moments (and
+    remainder) on disk if it chose the item.
+    """
 
     def __init__(self, name: str, layout: Layout, compute_dtype: torch.dtype,
-                 moments_dtype: torch.dtype, alloc_pinned, alloc):
+                 moments_dtype: torch.dtype, alloc_pinned, alloc, tier=None):
         self.name, self.layout, self.numel = name, layout, layout.numel
+        self.has_rem = compute_dtype == torch.bfloat16
+        fields = {"rem": torch.int16} if self.has_rem else {}
+        fields.update(m=moments_dtype, v=moments_dtype)
+        self.disk = None if tier is None else tier.place(name, self.numel, fields)
+        """The item's file in the NVMe tier, holding the fields it names; None: all in RAM."""
+        on_disk = () if self.disk is None else self.disk.fields
         self.w = alloc_pinned(self.numel, compute_dtype)
-        self.rem = alloc(self.numel, torch.int16) if compute_dtype == torch.bfloat16 else None
-        self.m = alloc(self.numel, moments_dtype)
-        self.v = alloc(self.numel, moments_dtype)
+        ram = {k: alloc(self.numel, d) for k, d in fields.items() if k not in on_disk}
+        self.rem, self.m, self.v = ram.get("rem"), ram.get("m"), ram.get("v")
         self.g = alloc_pinned(self.numel, torch.float32)
         self.runs = decay_runs(layout)
 
+    def fields(self, staged: dict[str, torch.Tensor] | None = None):
+        """(rem, m, v): the RAM tensors, or for the fields on disk those of ``staged``."""
+        staged = staged or {}
+        return tuple(staged.get(k, getattr(self, k)) for k in ("rem", "m", "v"))
+
+    @contextmanager
+    def _remainder(self, write: bool):
+        """The remainder for the block (read from the tier, and written back if ``write``)."""
+        if self.rem is not None or not self.has_rem:
+            yield self.rem
+        else:
+            with self.disk.staged(write) as staged:
+                yield staged["rem"]
+
     def set_master(self, master: torch.Tensor) -> None:
         """Set the state from fp32 (or any float) values; moments untouched."""
-        for s in range(0, self.numel, CHUNK):
-            e = min(s + CHUNK, self.numel)
-            if self.rem is None:
-                self.w[s:e].copy_(master[s:e])
-            else:  # split works in place: give it a private fp32 copy
-                split_master(master[s:e].to(torch.float32, copy=True), self.w[s:e], self.rem[s:e])
+        with self._remainder(write=True) as rem:
+            for s in range(0, self.numel, CHUNK):
+                e = min(s + CHUNK, self.numel)
+                if rem is None:
+                    self.w[s:e].copy_(master[s:e])
+                else:  # split works in place: give it a private fp32 copy
+                    split_master(master[s:e].to(torch.float32, copy=True), self.w[s:e], rem[s:e])
 
     def master(self) -> torch.Tensor:
         """The exact fp32 master weights (a new tensor)."""
-        if self.rem is None:
+        if not self.has_rem:
             return self.w.float().clone()
         out = torch.empty(self.numel, dtype=torch.float32)
-        join_master(self.w, self.rem, out)
+        with self._remainder(write=False) as rem:
+            join_master(self.w, rem, out)
         return out
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint stores (gradients are transient)."""
-        d = {"w": self.w, "m": self.m, "v": self.v}
-        if self.rem is not None:
-            d["rem"] = self.rem
+        """What a checkpoint stores (gradients are transient), the same for RAM and disk items.
+
+        Fields on disk come as tensors over a mapping of the item's file: the checkpoint writer
+        reads them from the file, the reader writes them into it (call with no update running).
+        """
+        rem, m, v = self.fields(None if self.disk is None else self.disk.mapped())
+        d = {"w": self.w, "m": m, "v": v}
+        if rem is not None:
+            d["rem"] = rem
         return d
 
 
@@ -134,36 +168,38 @@ class AdamWorkspace:
         self.v = torch.empty(CHUNK, dtype=torch.float32)
 
 
-def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool | None = None) -> None:
+def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool | None = None,
+                staged: dict[str, torch.Tensor] | None = None) -> None:
     """One AdamW step on the item's master weights from ``item.g``; refreshes ``item.w``.
 
     bf16 weights with fp32 moments go through the one-pass compiled kernel when it is
     available (``native``: None = when available); everything else, and the reference, through
-    a chunked chain of PyTorch ops.
+    a chunked chain of PyTorch ops. ``staged``: the item's disk fields in a tier buffer.
     """
+    rem, mom1, mom2 = item.fields(staged)
     native = cpu_adam.native_available() if native is None else native and cpu_adam.native_available()
-    if native and item.rem is not None and item.m.dtype == torch.float32:
+    if native and rem is not None and mom1.dtype == torch.float32:
         for start, end, decay in item.runs:
-            cpu_adam.fused_update(item.w[start:end], item.rem[start:end], item.g[start:end],
-                                  item.m[start:end], item.v[start:end], hp.lr, hp.beta1,
+            cpu_adam.fused_update(item.w[start:end], rem[start:end], item.g[start:end],
+                                  mom1[start:end], mom2[start:end], hp.lr, hp.beta1,
                                   hp.beta2, hp.eps, hp.weight_decay if decay else 0.0, hp.step,
                                   hp.grad_scale)
         return
     step = torch.tensor(float(hp.step))
     scale = None if hp.grad_scale == 1.0 else torch.tensor(1.0 / hp.grad_scale)
-    exact_moments = item.m.dtype == torch.float32
+    exact_moments = mom1.dtype == torch.float32
     for start, end, decay in item.runs:
         for s in range(start, end, CHUNK):
             e, n = min(s + CHUNK, end), min(CHUNK, end - s)
-            p = item.w[s:e] if item.rem is None else join_master(item.w[s:e], item.rem[s:e], ws.p[:n])
-            m, v = (item.m[s:e], item.v[s:e]) if exact_moments else (
-                ws.m[:n].copy_(item.m[s:e]), ws.v[:n].copy_(item.v[s:e]))
+            p = item.w[s:e] if rem is None else join_master(item.w[s:e], rem[s:e], ws.p[:n])
+            m, v = (mom1[s:e], mom2[s:e]) if exact_moments else (
+                ws.m[:n].copy_(mom1[s:e]), ws.v[:n].copy_(mom2[s:e]))
             torch._fused_adamw_([p], [item.g[s:e]], [m], [v], [], [step], lr=hp.lr,
                                 beta1=hp.beta1, beta2=hp.beta2,
                                 weight_decay=hp.weight_decay if decay else 0.0, eps=hp.eps,
                                 amsgrad=False, maximize=False, grad_scale=scale)
-            if item.rem is not None:
-                split_master(p, item.w[s:e], item.rem[s:e])
+            if rem is not None:
+                split_master(p, item.w[s:e], rem[s:e])
             if not exact_moments:
-                item.m[s:e].copy_(m)
-                item.v[s:e].copy_(v)
+                mom1[s:e].copy_(m)
+                mom2[s:e].copy_(v)

@@ -19,10 +19,14 @@ from engine.runtime.host_state import HostItem
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype) -> dict[str, HostItem]:
-    """Allocate the host state of every item (zero moments, uninitialised weights)."""
+def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
+                     tier=None) -> dict[str, HostItem]:
+    """Allocate the host state of every item (zero moments, uninitialised weights).
+
+    ``tier``: an engine.runtime.nvme.NvmeTier; the items it chose keep their moments on disk.
+    """
     return {name: HostItem(name, item_layout(spec, name), compute_dtype, moments_dtype,
-                           backend.host_alloc, _alloc)
+                           backend.host_alloc, _alloc, tier)
             for name in item_names(spec)}
 
 
