@@ -2,7 +2,9 @@
 
 Pages never call each other. The Model page calls :meth:`AppContext.set_model`; any page that
 needs the model (Plan, Data, Train) connects to :attr:`AppContext.model_changed` and reads
-:attr:`AppContext.model_path` when it is built.
+:attr:`AppContext.model_path` when it is built. Likewise the data settings
+(:meth:`AppContext.set_data_config`, :attr:`AppContext.data_changed`: Data and Train pages) and
+runs to show (:meth:`AppContext.request_run`, :attr:`AppContext.run_requested`: Runs -> Train).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from pathlib import Path
 import platformdirs
 from PySide6.QtCore import QObject, Signal
 
+from engine.config import DataConfig
 from slideformer_gui.settings import Settings
 
 
@@ -24,6 +27,12 @@ class AppContext(QObject):
 
     model_changed = Signal(str)
     """A valid model folder was chosen (its path)."""
+    data_changed = Signal()
+    """The data settings (:attr:`data_config`) changed."""
+    theme_changed = Signal(str)
+    """The main window switched to the "light" or "dark" theme."""
+    run_requested = Signal(str, bool)
+    """Show a run on the Train page: (run folder, resume it); False follows it as it is."""
 
     def __init__(self, settings: Settings, data_dir: Path | None = None, gpu_source: str = "nvml"):
         super().__init__()
@@ -34,11 +43,26 @@ class AppContext(QObject):
         self.model_path: str | None = None
         self.model_report: dict | None = None
         """The engine's summary of the chosen model (``engine.models.commands.model_report``)."""
+        self.data_config = DataConfig()
+        """The [data] section of the next run (``train`` is empty until a file is chosen)."""
 
     @property
     def demo_model_dir(self) -> Path:
         return self.data_dir / "models" / "tiny-llama"
 
+    @property
+    def runs_dir(self) -> Path:
+        """Where new runs go, and the folder the Runs page lists."""
+        return self.data_dir / "runs"
+
     def set_model(self, path: str, report: dict) -> None:
         self.model_path, self.model_report = path, report
         self.model_changed.emit(path)
+
+    def set_data_config(self, cfg: DataConfig) -> None:
+        if cfg != self.data_config:
+            self.data_config = cfg
+            self.data_changed.emit()
+
+    def request_run(self, run_dir: str, resume: bool) -> None:
+        self.run_requested.emit(run_dir, resume)

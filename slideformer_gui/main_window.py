@@ -15,15 +15,21 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFrame, QHBoxLayout, Q
 
 from slideformer_gui.about import AboutDialog
 from slideformer_gui.context import AppContext
+from slideformer_gui.data_page import DataPage
 from slideformer_gui.formatting import short_path
 from slideformer_gui.model_page import ModelPage
 from slideformer_gui.monitor_panel import MonitorPanel
 from slideformer_gui.monitor_sampler import MonitorSampler
+from slideformer_gui.runs_page import RunsPage
 from slideformer_gui.theme import PLOT_COLORS, icon, style_sheet
+from slideformer_gui.train_page import TrainPage
 
 # The sidebar, top to bottom: (title, icon in resources/icons, page class built as Page(ctx)).
 PAGES = (
     ("Model", "model.svg", ModelPage),
+    ("Data", "data.svg", DataPage),
+    ("Train", "train.svg", TrainPage),
+    ("Runs", "runs.svg", RunsPage),
 )
 
 
@@ -86,6 +92,7 @@ class MainWindow(QMainWindow):
         self.statusBar().addWidget(self.model_label)
         ctx.model_changed.connect(
             lambda path: self.model_label.setText(f"Model: {short_path(path)}"))
+        ctx.run_requested.connect(lambda *_: self.show_page("Train"))
 
         self._build_menus()
         self.set_theme(ctx.settings.theme())
@@ -130,6 +137,7 @@ class MainWindow(QMainWindow):
         """Switch to the "light" or "dark" style sheet and plot colours, and remember it."""
         QApplication.instance().setStyleSheet(style_sheet(name))
         self.monitor.set_colors(*PLOT_COLORS[name])
+        self.ctx.theme_changed.emit(name)
         self.dark_action.blockSignals(True)
         self.dark_action.setChecked(name == "dark")
         self.dark_action.blockSignals(False)
@@ -146,6 +154,12 @@ class MainWindow(QMainWindow):
         self.sampler.start()
 
     def closeEvent(self, event) -> None:
+        # A page with work in progress (a training run) may ask the user, or refuse.
+        for page in self.pages.values():
+            confirm = getattr(page, "confirm_close", None)
+            if confirm is not None and not confirm():
+                event.ignore()
+                return
         self.sampler.stop()
         self.ctx.settings.save_window(self.saveGeometry(), self.saveState())
         self.ctx.settings.sync()

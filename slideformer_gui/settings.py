@@ -1,4 +1,5 @@
-"""What the app remembers between sessions: window layout, theme, recent model folders.
+"""What the app remembers between sessions: window layout, theme, recent model folders, run
+folders added to the Runs page.
 
 A thin typed layer over ``QSettings`` (organisation "SlideFormer", application "SlideFormer
 Studio"). Tests pass a ``QSettings`` on a file of their own.
@@ -38,6 +39,18 @@ class Settings:
         recent = [p for p in self.recent_models() if p != path]
         self.q.setValue("models/recent", recent)
         return recent
+
+    # ---- runs ----------------------------------------------------------------------------
+    def extra_runs(self) -> list[str]:
+        """Run folders outside the app's runs folder that the Runs page lists."""
+        value = self.q.value("runs/extra", [])
+        if isinstance(value, str):
+            value = [value]
+        return [str(v) for v in value or []]
+
+    def add_extra_run(self, path: str) -> None:
+        if path not in self.extra_runs():
+            self.q.setValue("runs/extra", self.extra_runs() + [path])
 
     # ---- appearance ----------------------------------------------------------------------
     def theme(self) -> str:

@@ -1,7 +1,7 @@
 """Small pieces every page uses: the page header and state-styled labels."""
 from __future__ import annotations
 
-from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 
 def page_header(title: str, subtitle: str) -> QWidget:
@@ -25,3 +25,15 @@ def set_state(widget: QWidget, state: str) -> None:
     widget.setProperty("state", state)
     widget.style().unpolish(widget)
     widget.style().polish(widget)
+
+
+def fixed_width(label: QLabel) -> QLabel:
+    """Let ``label`` take the width its layout gives it, whatever its text.
+
+    A label that changes its text many times a second (a live value) would otherwise ask for a
+    new layout each time, and the whole page around it would be laid out and repainted.
+    """
+    policy = label.sizePolicy()
+    policy.setHorizontalPolicy(QSizePolicy.Policy.Ignored)
+    label.setSizePolicy(policy)
+    return label

@@ -86,8 +86,10 @@ class ProgressPrinter:
 
 def run_training(cfg, resume: bool = False, callbacks=()) -> str:
     """Set up and run a Trainer; Ctrl-C stops and saves, a second Ctrl-C aborts."""
+    from engine.train.control import RunControl
     from engine.train.trainer import Trainer
-    trainer = Trainer(cfg, callbacks=list(callbacks))
+    control = RunControl(cfg.output.run_dir)  # pause/resume/stop from other processes
+    trainer = Trainer(cfg, callbacks=[*callbacks, control.on_event])
     hits = []
 
     def on_signal(signum, frame):
@@ -100,8 +102,9 @@ def run_training(cfg, resume: bool = False, callbacks=()) -> str:
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        trainer.setup(resume=resume)
-        return trainer.train()
+        with control.attached(trainer):
+            trainer.setup(resume=resume)
+            return trainer.train()
     finally:
         for s, h in old.items():
             signal.signal(s, h)

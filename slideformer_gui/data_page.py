@@ -1,0 +1,464 @@
+"""The Data page: choose a dataset, see what the model will be trained on.
+
+Every figure comes from the engine (:func:`engine.data.prepare_data` and
+:func:`engine.data.preview`), run on a worker thread with the chosen model's tokenizer and chat
+template: the detected format, record and token counts, truncation, the validation split, the
+record-length histogram, and the first records as the model sees them, with the tokens that carry
+a loss marked. Tokenising fills the same cache the run reads, so Start does not tokenise again.
+The settings here are the run's ``[data]`` section (:meth:`AppContext.set_data_config`).
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import pyqtgraph as pg
+from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout,
+                               QGridLayout, QGroupBox, QHBoxLayout, QLabel, QProgressBar,
+                               QPushButton, QSpinBox, QTextBrowser, QVBoxLayout, QWidget)
+
+from engine.config import DataConfig
+from engine.data import DataStats, prepare_data, preview
+from engine.data.formats import FORMATS
+from engine.events import Log, Progress
+from engine.models.tokenizer import load_tokenizer
+from engine.train.demo import write_task
+from slideformer_gui.context import AppContext
+from slideformer_gui.formatting import human_count, short_path
+from slideformer_gui.tasks import run_task
+from slideformer_gui.widgets import page_header, set_state
+
+SAMPLES = 4
+DEBOUNCE_MS = 300
+"""A setting changed: wait this long for the next change before preparing the data again."""
+DEMO_RECORDS = 4000
+FILE_FILTER = "Datasets (*.jsonl *.json *.txt);;All files (*)"
+FORMAT_NAMES = {"auto": "auto-detect", "text": "plain text", "alpaca": "Alpaca (instruction / "
+                "output)", "messages": "chat (OpenAI messages)", "sharegpt": "chat (ShareGPT)"}
+VALIDATION_MODES = ("none", "fraction", "file")
+TRAINED_COLOR, MASKED_COLOR, TRUNCATED_COLOR = "#16a34a", "#9ca3af", "#f59e0b"
+
+
+@dataclass(frozen=True)
+class DataReport:
+    """The engine's answer for one set of data settings."""
+
+    cfg: DataConfig
+    stats: DataStats
+    samples: list
+    """:data:`engine.data.Sample` lists: (text piece, trained)."""
+    warnings: list[str]
+
+
+class _Progress(QObject):
+    """Carries the engine's Progress events from the worker thread to the page."""
+
+    changed = Signal(str, int, int)
+
+
+def analyse(cfg: DataConfig, model_path: str, cache_dir: Path, progress: _Progress) -> DataReport:
+    """Prepare ``cfg`` with the model's tokenizer (cached) and preview its first records."""
+    warnings = []
+
+    def emit(ev) -> None:
+        if isinstance(ev, Progress):
+            progress.changed.emit(ev.task, ev.done, ev.total or 0)
+        elif isinstance(ev, Log) and ev.level != "info":
+            warnings.append(ev.message)
+
+    tok = load_tokenizer(model_path)
+    stats = prepare_data(cfg, tok, cache_dir, emit).stats
+    return DataReport(cfg, stats, preview(cfg, tok, SAMPLES), warnings)
+
+
+def make_demo_dataset(path: Path) -> str:
+    """The letter-reversal chat dataset of ``slideformer demo`` (kept when it exists)."""
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_task(path, DEMO_RECORDS, seed=1)
+    return str(path)
+
+
+def sample_html(samples: list) -> str:
+    """The preview as HTML: trained pieces on green, masked ones grey."""
+    parts = []
+    for i, sample in enumerate(samples, 1):
+        spans = []
+        for piece, trained in sample:
+            text = html.escape(piece).replace("\n", "⏎<br>")
+            style = ("background-color:#dcfce7; color:#065f46;" if trained else
+                     f"color:{MASKED_COLOR};")
+            spans.append(f'<span style="{style}">{text}</span>')
+        parts.append(f'<p style="margin:0 0 2px 0; color:#6b7280; font-size:8pt;">record {i}</p>'
+                     f'<p style="font-family:monospace; margin:0 0 12px 0;">{"".join(spans)}</p>')
+    return "".join(parts)
+
+
+def dropped_file(urls) -> str | None:
+    if len(urls) != 1 or not urls[0].isLocalFile():
+        return None
+    p = Path(urls[0].toLocalFile())
+    return str(p) if p.exists() else None
+
+
+class LengthHistogram(pg.PlotWidget):
+    """Record lengths in tokens: bars from DataStats, the sequence length as a line."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self.setMouseEnabled(x=False, y=False)
+        self.hideButtons()
+        self.setMenuEnabled(False)
+        self.setBackground("#ffffff")
+        item = self.getPlotItem()
+        item.showGrid(y=True, alpha=0.15)
+        item.setLabel("bottom", "record length (tokens, before truncation)")
+        item.setLabel("left", "records")
+        self.bars = pg.BarGraphItem(x0=[], x1=[], height=[], brush=TRAINED_COLOR)
+        self.addItem(self.bars)
+        self.limit = pg.InfiniteLine(angle=90, movable=False,
+                                     pen=pg.mkPen(TRUNCATED_COLOR, width=2, style=Qt.DashLine),
+                                     label="sequence length", labelOpts={
+                                         "position": 0.9, "color": TRUNCATED_COLOR,
+                                         "anchors": [(1, 0), (1, 0)]})
+        self.addItem(self.limit)
+
+    def show_stats(self, stats: DataStats) -> None:
+        edges, counts = stats.hist_edges, stats.hist_counts
+        brushes = [pg.mkBrush(TRUNCATED_COLOR if lo >= stats.seq_len else "#3b82f6")
+                   for lo in edges[:-1]]
+        self.bars.setOpts(x0=list(edges[:-1]), x1=list(edges[1:]), height=list(counts),
+                          brushes=brushes, pen=pg.mkPen("#ffffff", width=1))
+        self.limit.setPos(stats.seq_len)
+        right = max(edges[-1], stats.seq_len) * 1.05
+        self.getPlotItem().setXRange(0, right, padding=0)
+        self.getPlotItem().setYRange(0, max(counts, default=1) * 1.1, padding=0)
+
+    def set_colors(self, background: str, foreground: str) -> None:
+        self.setBackground(background)
+        for name in ("left", "bottom"):
+            axis = self.getPlotItem().getAxis(name)
+            axis.setPen(pg.mkPen(foreground))
+            axis.setTextPen(pg.mkPen(foreground))
+
+
+class DataPage(QWidget):
+    """Dataset file, its [data] settings, and what the engine makes of it."""
+
+    analysed = Signal(object)
+    """A :class:`DataReport` for the current settings arrived."""
+
+    def __init__(self, ctx: AppContext, parent=None):
+        super().__init__(parent)
+        self.ctx = ctx
+        self.setAcceptDrops(True)
+        self.report: DataReport | None = None
+        self._wanted: DataConfig | None = None
+        """The settings being prepared; answers for any other settings are stale."""
+        self._progress = _Progress(self)
+        self._progress.changed.connect(self._on_progress)
+        self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
+        self._debounce.timeout.connect(self.analyse)
+
+        self.choose_button = QPushButton("Choose file…")
+        self.choose_button.setObjectName("primary")
+        self.choose_button.clicked.connect(self.choose_file)
+        self.demo_button = QPushButton("Use demo dataset")
+        self.demo_button.setToolTip("4,000 chat records of a letter-reversal task that the demo "
+                                    "model learns in a minute, written into\n"
+                                    f"{ctx.data_dir / 'datasets'}")
+        self.demo_button.clicked.connect(self.use_demo)
+        hint = QLabel("or drop a .jsonl, .json or .txt file here")
+        hint.setObjectName("hint")
+        self.busy = QProgressBar()
+        self.busy.setMaximumWidth(160)
+        self.busy.setTextVisible(False)
+        self.busy.hide()
+        actions = QHBoxLayout()
+        for w in (self.choose_button, self.demo_button, hint):
+            actions.addWidget(w)
+        actions.addStretch(1)
+        actions.addWidget(self.busy)
+
+        self.file_label = QLabel("")
+        self.file_label.setObjectName("folder")
+        self.file_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status = QLabel("")
+        self.status.setObjectName("status")
+        self.status.setWordWrap(True)
+        self.status.setTextFormat(Qt.TextFormat.PlainText)
+        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+
+        self._build_settings()
+        self._build_summary()
+        self.histogram = LengthHistogram()
+        self.histogram.setMinimumHeight(170)
+        hist_box = QGroupBox("Record lengths")
+        QVBoxLayout(hist_box).addWidget(self.histogram)
+        self.preview = QTextBrowser()
+        self.preview.setOpenLinks(False)
+        legend = QLabel(f'<span style="background-color:#dcfce7; color:#065f46;">&nbsp;trained '
+                        f'(has a loss)&nbsp;</span>&nbsp;&nbsp;<span style="color:{MASKED_COLOR};">'
+                        f'masked (prompt, template)</span>&nbsp;&nbsp;⏎ line break')
+        legend.setObjectName("hint")
+        preview_box = QGroupBox("What the model sees: the first records, templated")
+        pv = QVBoxLayout(preview_box)
+        pv.addWidget(legend)
+        pv.addWidget(self.preview, 1)
+
+        left = QVBoxLayout()
+        left.addWidget(self.settings_box)
+        left.addWidget(self.summary_box, 1)
+        right = QVBoxLayout()
+        right.addWidget(hist_box, 2)
+        right.addWidget(preview_box, 3)
+        body = QHBoxLayout()
+        body.addLayout(left, 0)
+        body.addLayout(right, 1)
+        lay = QVBoxLayout(self)
+        lay.addWidget(page_header("Data", "The training data: a JSONL/JSON file (text, Alpaca, "
+                                          "chat messages or ShareGPT) or plain text. It is "
+                                          "templated and tokenised with the model's own "
+                                          "tokenizer, exactly as the run will see it."))
+        lay.addLayout(actions)
+        lay.addWidget(self.file_label)
+        lay.addWidget(self.status)
+        lay.addLayout(body, 1)
+
+        ctx.model_changed.connect(lambda _path: self.schedule())
+        ctx.data_changed.connect(self._on_context_changed)
+        self._show_config(ctx.data_config)
+        self._show_idle()
+
+    # ---- settings ----------------------------------------------------------------------------
+    def _build_settings(self) -> None:
+        d = DataConfig()
+        self.format = QComboBox()
+        for f in FORMATS:
+            self.format.addItem(FORMAT_NAMES[f], f)
+        self.detected = QLabel("")
+        self.detected.setObjectName("hint")
+        self.seq_len = QSpinBox(minimum=16, maximum=1 << 20, singleStep=128, value=d.max_seq_len)
+        self.seq_len.setSuffix(" tokens")
+        self.train_on = QComboBox()
+        self.train_on.addItem("assistant replies only", "assistant")
+        self.train_on.addItem("every token", "all")
+        self.packing = QCheckBox("pack several records per sequence")
+        self.truncation = QComboBox()
+        for value, text in (("truncate", "cut to the sequence length"), ("drop", "leave out"),
+                            ("error", "stop with an error")):
+            self.truncation.addItem(text, value)
+        self.val_mode = QComboBox()
+        for value, text in zip(VALIDATION_MODES, ("none", "hold out a share", "separate file")):
+            self.val_mode.addItem(text, value)
+        self.val_fraction = QDoubleSpinBox(minimum=0.5, maximum=50.0, singleStep=1.0, value=5.0,
+                                           decimals=1)
+        self.val_fraction.setSuffix(" % of records")
+        self.val_file = QPushButton("Choose validation file…")
+        self.val_file.clicked.connect(self.choose_validation_file)
+        self._val_path = ""
+
+        form = QFormLayout()
+        form.addRow("Format", self.format)
+        form.addRow("", self.detected)
+        form.addRow("Sequence length", self.seq_len)
+        form.addRow("Loss on", self.train_on)
+        form.addRow("Packing", self.packing)
+        form.addRow("Longer records", self.truncation)
+        form.addRow("Validation", self.val_mode)
+        form.addRow("", self.val_fraction)
+        form.addRow("", self.val_file)
+        self.settings_box = QGroupBox("Settings")
+        self.settings_box.setLayout(form)
+        self.settings_box.setMinimumWidth(330)
+        for combo in (self.format, self.train_on, self.truncation, self.val_mode):
+            combo.currentIndexChanged.connect(self._settings_edited)
+        self.seq_len.valueChanged.connect(self._settings_edited)
+        self.val_fraction.valueChanged.connect(self._settings_edited)
+        self.packing.toggled.connect(self._settings_edited)
+
+    def _build_summary(self) -> None:
+        self.fields: dict[str, QLabel] = {}
+        grid = QGridLayout()
+        for row, name in enumerate(("Records", "Validation", "Tokens", "Trained tokens",
+                                    "Sequences", "Truncated", "Left out")):
+            label = QLabel(name)
+            value = QLabel("—")
+            value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+            grid.addWidget(label, row, 0)
+            grid.addWidget(value, row, 1)
+            self.fields[name] = value
+        grid.setColumnStretch(1, 1)
+        grid.setRowStretch(len(self.fields), 1)
+        self.summary_box = QGroupBox("Summary")
+        self.summary_box.setLayout(grid)
+
+    def config(self) -> DataConfig:
+        """The [data] section the widgets describe."""
+        mode = self.val_mode.currentData()
+        return replace(self.ctx.data_config,
+                       format=self.format.currentData(), max_seq_len=self.seq_len.value(),
+                       train_on=self.train_on.currentData(), packing=self.packing.isChecked(),
+                       truncation=self.truncation.currentData(),
+                       val_fraction=self.val_fraction.value() / 100 if mode == "fraction" else 0.0,
+                       validation=self._val_path if mode == "file" else "")
+
+    def _show_config(self, cfg: DataConfig) -> None:
+        widgets = (self.format, self.seq_len, self.train_on, self.packing, self.truncation,
+                   self.val_mode, self.val_fraction)
+        for w in widgets:
+            w.blockSignals(True)
+        self.format.setCurrentIndex(self.format.findData(cfg.format))
+        self.seq_len.setValue(cfg.max_seq_len)
+        self.train_on.setCurrentIndex(self.train_on.findData(cfg.train_on))
+        self.packing.setChecked(cfg.packing)
+        self.truncation.setCurrentIndex(self.truncation.findData(cfg.truncation))
+        self._val_path = cfg.validation or self._val_path
+        mode = "file" if cfg.validation else "fraction" if cfg.val_fraction else "none"
+        self.val_mode.setCurrentIndex(self.val_mode.findData(mode))
+        if cfg.val_fraction:
+            self.val_fraction.setValue(cfg.val_fraction * 100)
+        for w in widgets:
+            w.blockSignals(False)
+        self.val_fraction.setVisible(mode == "fraction")
+        self.val_file.setVisible(mode == "file")
+        self.val_file.setText(Path(self._val_path).name if self._val_path else
+                              "Choose validation file…")
+        self.file_label.setText(short_path(cfg.train) if cfg.train else "")
+
+    @Slot()
+    def _settings_edited(self) -> None:
+        cfg = self.config()
+        self._show_config(cfg)
+        self.ctx.set_data_config(cfg)
+        self.schedule()
+
+    @Slot()
+    def _on_context_changed(self) -> None:
+        """Another page (Train: sequence length, presets) changed the data settings."""
+        if self.ctx.data_config != self.config() or self.report is None:
+            self._show_config(self.ctx.data_config)
+            self.schedule()
+
+    # ---- choosing files ----------------------------------------------------------------------
+    @Slot()
+    def choose_file(self) -> None:
+        start = self.ctx.data_config.train or str(Path.home())
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a dataset", start, FILE_FILTER)
+        if path:
+            self.set_file(path)
+
+    @Slot()
+    def choose_validation_file(self) -> None:
+        start = self._val_path or self.ctx.data_config.train or str(Path.home())
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a validation file", start,
+                                              FILE_FILTER)
+        if path:
+            self._val_path = path
+            self._settings_edited()
+
+    def set_file(self, path: str) -> None:
+        """Use ``path`` as the training data and prepare it."""
+        path = str(Path(path).expanduser().absolute())
+        self.ctx.set_data_config(replace(self.config(), train=path))
+        self._show_config(self.ctx.data_config)
+        self.analyse()
+
+    @Slot()
+    def use_demo(self) -> None:
+        self.demo_button.setEnabled(False)
+        target = self.ctx.data_dir / "datasets" / "reverse-letters.jsonl"
+        run_task(make_demo_dataset, target, name="demo-data",
+                 done=lambda path: (self.demo_button.setEnabled(True), self.set_file(path)),
+                 failed=lambda msg: (self.demo_button.setEnabled(True),
+                                     self._show_status("error", msg)))
+
+    def dragEnterEvent(self, event) -> None:
+        if dropped_file(event.mimeData().urls()) is not None:
+            event.acceptProposedAction()
+
+    def dropEvent(self, event) -> None:
+        path = dropped_file(event.mimeData().urls())
+        if path is not None:
+            event.acceptProposedAction()
+            self.set_file(path)
+
+    # ---- preparing ---------------------------------------------------------------------------
+    def schedule(self) -> None:
+        """Prepare the data again shortly (several quick edits make one preparation)."""
+        self._debounce.start()
+
+    @Slot()
+    def analyse(self) -> None:
+        """Prepare the current settings on a worker thread; the page updates when done."""
+        self._debounce.stop()
+        cfg = self.ctx.data_config
+        if not cfg.train:
+            self._show_idle()
+            return
+        if not self.ctx.model_path:
+            self._show_status("info", "Choose a model first (Model page): the data is "
+                                      "templated and tokenised with its tokenizer.")
+            return
+        self._wanted = cfg
+        self._show_status("busy", "Tokenising and laying out the data…")
+        self.busy.setRange(0, 0)
+        run_task(analyse, cfg, self.ctx.model_path, self.ctx.runs_dir / ".token-cache",
+                 self._progress, name="data-prepare",
+                 done=lambda report: self._on_report(cfg, report),
+                 failed=lambda message: self._on_error(cfg, message))
+
+    @Slot(str, int, int)
+    def _on_progress(self, task: str, done: int, total: int) -> None:
+        if total:
+            self.busy.setRange(0, total)
+            self.busy.setValue(done)
+
+    def _on_report(self, cfg: DataConfig, report: DataReport) -> None:
+        if cfg != self._wanted:
+            return
+        self.report = report
+        s = report.stats
+        template = f", chat template: {s.template}" if s.template else ""
+        detected = "detected" if cfg.format == "auto" else "set"
+        self.detected.setText(f"{detected}: {FORMAT_NAMES[s.format]}{template}")
+        self.fields["Records"].setText(f"{s.records:,} read, {s.train_records:,} for training")
+        self.fields["Validation"].setText(f"{s.val_records:,} records" if s.val_records else
+                                          "none")
+        self.fields["Tokens"].setText(f"{s.tokens:,}  ({human_count(s.tokens)})")
+        share = s.trained_tokens / max(1, s.tokens)
+        self.fields["Trained tokens"].setText(f"{s.trained_tokens:,}  ({share:.0%} of tokens)")
+        self.fields["Sequences"].setText(f"{s.train_sequences:,} × {s.seq_len} tokens, "
+                                         f"{'packed' if s.packing else 'padded'}, "
+                                         f"{s.fill:.0%} filled")
+        self.fields["Truncated"].setText(f"{s.truncated:,} records longer than {s.seq_len}")
+        self.fields["Left out"].setText(f"{s.dropped:,} too long, {s.no_target:,} with nothing "
+                                        f"to train")
+        self.histogram.show_stats(s)
+        self.preview.setHtml(sample_html(report.samples))
+        cached = " (from the token cache)" if s.from_cache else ""
+        text = f"Ready: {s.records:,} records, {s.tokens:,} tokens{cached}."
+        if report.warnings:
+            text += "\n" + "\n".join(report.warnings)
+        self._show_status("info" if report.warnings else "ok", text)
+        self.analysed.emit(report)
+
+    def _on_error(self, cfg: DataConfig, message: str) -> None:
+        if cfg != self._wanted:
+            return
+        self.report = None
+        self._show_status("error", message)
+
+    def _show_idle(self) -> None:
+        self._show_status("info", "No dataset chosen yet. Choose a file, drop one here, or use "
+                                  "the demo dataset (a letter-reversal chat task).")
+
+    def _show_status(self, state: str, text: str) -> None:
+        self.status.setText(text)
+        set_state(self.status, state)
+        self.busy.setVisible(state == "busy")
+
+    def set_colors(self, background: str, foreground: str) -> None:
+        self.histogram.set_colors(background, foreground)
