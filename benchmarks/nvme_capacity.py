@@ -2,31 +2,26 @@
 and a host-RAM budget, its step time and the disk throughput it reaches.
 
 NOT RUN YET. This program has not been run on the reference GPU machine; no figure from it is in
-benchmarks/RESULTS.md. Until it has run there, the sizes below are arithmetic, not measurements.
+benchmarks/RESULTS.md, and none should be quoted until it has run there.
 
 What it does, on the reference GPU machine:
-1. Size search (arithmetic only, engine.runtime.nvme.tier_bytes): for the width of a published
-   Llama shape (hidden, intermediate, heads, vocabulary), the largest layer count L for which the
-   host state fits ``--ram`` less ``--ram-reserve`` (runtime, activations, page tables) with some
-   fraction of the layers' moments on disk (nvme_fraction), and those moments fit ``--nvme-size``
-   (default: the free space of ``--disk-dir`` less 2 GiB). Printed for RAM only and with the tier.
-2. Run (unless ``--plan-only``): that model with random weights, VRAM capped in-process at
-   ``--vram-cap`` GiB, the chosen layers' moments in the tier (O_DIRECT where the filesystem
-   allows), ``--warmup`` + ``--steps`` steps on random tokens. If a run fails (out of memory,
-   disk full), the next smaller L is tried.
-3. One JSON line per run: parameters, layers on disk, step time (median), tokens/s, peak VRAM
-   allocated / reserved, peak host RSS, bytes read and written per step, achieved disk GB/s
-   (bytes moved / step time, and bytes moved / time the disk lane was busy), per-lane busy time
-   of the last timed step.
+1. Size search (the planner, nothing allocated): for the width of a published Llama shape
+   (hidden, intermediate, heads, vocabulary) and the run's tokens per step, the largest layer
+   count L that the planner says fits ``--vram`` and ``--ram`` (default: 24 GiB and the RAM the
+   machine has available less the planner's margin) -- once with all the state in RAM, once with
+   the NVMe tier in ``--disk-dir`` (budget ``--nvme-size``, default its free space less 5%), where
+   the planner moves the moments of the fewest layers that make host RAM fit.
+2. Run (unless ``--plan-only``): that model with random weights, VRAM capped in-process, the
+   plan's executor shape and disk layers (O_DIRECT where the filesystem allows), ``--warmup`` +
+   ``--steps`` steps on random tokens. A run that fails (out of memory, disk full) is reported
+   and the next smaller L is tried.
+3. One JSON line per run: parameters, layers on disk, step time (median) and tokens/s against the
+   plan's prediction, peak VRAM allocated / reserved and peak host RSS against the plan's, bytes
+   the tier read and wrote per step, achieved disk GB/s (bytes moved / step time, and bytes
+   moved / time the disk lane was busy), per-lane busy time of the last timed step.
 
-    python benchmarks/nvme_capacity.py --disk-dir /path/on/nvme --ram 128GiB --vram-cap 24
-
-What the size search says (``--plan-only``, arithmetic, not a measurement): every item keeps its
-bf16 weights, remainder and fp32 gradient in RAM (8 bytes/param), so at 128 GiB less 10 GiB the
-Llama-3.1-8B width reaches 31 layers (7.8 G params) in RAM alone, 59 layers (13.9 G) with every
-layer's moments on disk, 78 (18.1 G) with the remainders there too; with a 50 GiB disk budget,
-44 layers (10.6 G). The run is what checks that these sizes train under the VRAM cap, and at what
-speed.
+    python benchmarks/nvme_capacity.py --disk-dir /path/on/nvme
+    python benchmarks/nvme_capacity.py --disk-dir /tmp --ram 120GiB --nvme-size 50GiB --plan-only
 """
 from __future__ import annotations
 
@@ -45,12 +40,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import parse_bytes  # noqa: E402
+from engine.config import BudgetConfig  # noqa: E402
 from engine.models.spec import spec_from_config  # noqa: E402
+from engine.plan import REFERENCE, Knobs, Precision, make_plan, resolve_budgets  # noqa: E402
+from engine.plan.machine import gpu_memory, host_memory  # noqa: E402
 from engine.runtime.backend import make_backend  # noqa: E402
-from engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
+from engine.runtime.executor import SlidingExecutor  # noqa: E402
 from engine.runtime.host_state import AdamHyper  # noqa: E402
-from engine.runtime.nvme import NvmeTier, disk_layers, nvme_fraction, tier_bytes  # noqa: E402
+from engine.runtime.nvme import NvmeTier, disk_layers  # noqa: E402
 from engine.train.state import build_host_state  # noqa: E402
 
 GiB = 1 << 30
@@ -73,24 +70,14 @@ def make_spec(width: str, layers: int):
     return spec_from_config(cfg)
 
 
-def largest(width: str, ram: int, disk: int, moments, remainders: bool, buffers: int,
-            tier: bool) -> tuple[int, float] | None:
-    """(layers, fraction on disk) of the largest model of this width that fits (None: none)."""
+def largest(width: str, knobs: Knobs, budgets) -> tuple[int, object] | None:
+    """(layers, plan) of the largest model of this width that fits (None: not even one layer)."""
     best = None
     for layers in range(1, 257):
-        spec = make_spec(width, layers)
-        if not tier:
-            ram_need, _ = tier_bytes(spec, 0, torch.bfloat16, moments)
-            fits = (layers, 0.0) if ram_need <= ram else None
-        else:
-            f = nvme_fraction(spec, ram, torch.bfloat16, moments, remainders=remainders,
-                              buffers=buffers)
-            n = len(disk_layers(layers, f)) if f is not None else None
-            fits = None if n is None or tier_bytes(spec, n, torch.bfloat16, moments, remainders,
-                                                   buffers)[1] > disk else (layers, f)
-        if fits is None and best is not None:
+        plan = make_plan(make_spec(width, layers), knobs, "cuda", budgets, REFERENCE)
+        if plan.verdict == "does not fit":
             break
-        best = fits or best
+        best = layers, plan
     return best
 
 
@@ -105,12 +92,12 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run(spec, fraction: float, args, moments) -> dict:
+def run(spec, plan, args, moments) -> dict:
     backend = make_backend("cuda")
     folder = Path(tempfile.mkdtemp(prefix="nvme-bench-", dir=args.disk_dir))
-    names = [f"layer{i}" for i in disk_layers(spec.num_layers, fraction)]
-    tier = NvmeTier(folder, names, remainders=args.remainders, buffers=args.buffers,
-                    threads=args.io_threads, direct=not args.buffered)
+    names = [f"layer{i}" for i in disk_layers(spec.num_layers, plan.disk_layers)]
+    tier = NvmeTier(folder, names, buffers=args.buffers, threads=args.io_threads,
+                    direct=not args.buffered)
     try:
         host = build_host_state(spec, backend, torch.bfloat16, moments, tier)
         g = torch.Generator().manual_seed(0)
@@ -118,12 +105,11 @@ def run(spec, fraction: float, args, moments) -> dict:
         for item in host.values():
             item.set_master(buf[:item.numel].normal_(0.0, 0.02, generator=g))
         del buf
-        shape = ExecShape(micro_batch=args.micro_batch, seq_len=args.seq, n_micro=args.grad_accum,
-                          slots=args.slots, checkpoints=args.checkpoints, head_chunk=args.head_chunk)
+        shape = plan.exec_shape
         ex = SlidingExecutor(spec, backend, host, shape, torch.bfloat16)
         mbs = []
-        for _ in range(args.grad_accum):
-            ids = torch.randint(0, spec.vocab_size, (args.micro_batch, args.seq), generator=g)
+        for _ in range(shape.n_micro):
+            ids = torch.randint(0, spec.vocab_size, (shape.micro_batch, shape.seq_len), generator=g)
             mbs.append(MB(ids, torch.roll(ids, -1, 1)))
         hyper = lambda coef: AdamHyper(1e-5, 0.9, 0.999, 1e-8, 0.0, 1, coef)  # noqa: E731
         torch.cuda.reset_peak_memory_stats()
@@ -140,16 +126,19 @@ def run(spec, fraction: float, args, moments) -> dict:
                 for lane in ("compute", "h2d", "d2h", "optimizer", "disk")}
         disk_busy = _union([(s.start, s.end) for s in spans if s.lane == "disk"])
         med, per_step = statistics.median(times[args.warmup:]), statistics.median(moved[args.warmup:])
-        tokens = args.grad_accum * args.micro_batch * args.seq
+        tokens = shape.n_micro * shape.micro_batch * shape.seq_len
         ex.close()
         return dict(params=spec.num_params, layers=spec.num_layers, layers_on_disk=len(names),
-                    remainders_on_disk=args.remainders, o_direct=tier.direct,
-                    disk_file_gib=round(tier.bytes / GiB, 2), vram_cap_gib=args.vram_cap,
-                    tokens_per_step=tokens, clip=args.clip, step_time_s=round(med, 3),
-                    tokens_per_s=round(tokens / med, 1),
+                    o_direct=tier.direct, disk_file_gib=round(tier.bytes / GiB, 2),
+                    vram_budget_gib=round(plan.budgets.vram / GiB, 2), slots=shape.slots,
+                    checkpoints=shape.checkpoints, tokens_per_step=tokens, clip=args.clip,
+                    step_time_s=round(med, 3), predicted_step_time_s=round(plan.speed.step_time, 3),
+                    tokens_per_s=round(tokens / med, 1), predicted_bound=plan.speed.bound,
                     peak_vram_alloc_gib=round(torch.cuda.max_memory_allocated() / GiB, 2),
                     peak_vram_reserved_gib=round(torch.cuda.max_memory_reserved() / GiB, 2),
+                    predicted_vram_gib=round(plan.tier("gpu").peak / GiB, 2),
                     peak_rss_gib=round(peak_rss() / GiB, 2),
+                    predicted_host_gib=round(plan.tier("host").peak / GiB, 2),
                     disk_gb_per_step=round(per_step / 1e9, 2),
                     disk_gbs_over_step=round(per_step / med / 1e9, 2),
                     disk_gbs_while_busy=round(moved[-1] / max(disk_busy, 1e-9) / 1e9, 2),
@@ -173,11 +162,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", choices=WIDTHS, default="llama-3.1-8b")
     ap.add_argument("--disk-dir", required=True, help="folder on the disk for the tier")
-    ap.add_argument("--nvme-size", default="", help="disk budget; default: free space - 2 GiB")
-    ap.add_argument("--ram", default="128GiB")
-    ap.add_argument("--ram-reserve", default="10GiB",
-                    help="RAM kept out of the host state: runtime, activations, OS")
-    ap.add_argument("--remainders", action="store_true", help="remainders on disk too")
+    ap.add_argument("--nvme-size", default="auto", help="disk budget (auto: free space less 5%%)")
+    ap.add_argument("--vram", default="24GiB")
+    ap.add_argument("--ram", default="auto", help="host RAM budget (auto: available less a margin)")
     ap.add_argument("--buffers", type=int, default=3)
     ap.add_argument("--io-threads", type=int, default=4)
     ap.add_argument("--buffered", action="store_true", help="no O_DIRECT")
@@ -185,43 +172,46 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--grad-accum", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--slots", type=int, default=3)
-    ap.add_argument("--checkpoints", choices=["gpu", "host"], default="gpu")
-    ap.add_argument("--head-chunk", type=int, default=2048)
     ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--vram-cap", type=float, default=24.0, help="GiB")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--plan-only", action="store_true", help="only the size search")
     args = ap.parse_args()
     moments = torch.bfloat16 if args.moments == "bfloat16" else torch.float32
-    ram = parse_bytes(args.ram, "--ram") - parse_bytes(args.ram_reserve, "--ram-reserve")
-    disk = (parse_bytes(args.nvme_size, "--nvme-size") if args.nvme_size
-            else shutil.disk_usage(args.disk_dir).free - 2 * GiB)
-    ram_only = largest(args.width, ram, disk, moments, args.remainders, args.buffers, tier=False)
-    with_tier = largest(args.width, ram, disk, moments, args.remainders, args.buffers, tier=True)
-    for name, found in (("ram_only", ram_only), ("with_tier", with_tier)):
-        spec = make_spec(args.width, found[0]) if found else None
-        print(json.dumps(dict(event="size_search", placement=name, width=args.width,
-                              ram_for_state_gib=round(ram / GiB, 1), disk_gib=round(disk / GiB, 1),
-                              layers=found and found[0], fraction_on_disk=found and found[1],
-                              params=spec and spec.num_params)), flush=True)
-    if args.plan_only or with_tier is None:
+    knobs = Knobs(seq_len=args.seq, micro_batch=args.micro_batch, grad_accum=args.grad_accum,
+                  precision=Precision(torch.bfloat16, moments), clip=args.clip > 0, packed=False)
+    cfg = BudgetConfig(vram=args.vram, ram=args.ram, nvme_dir=args.disk_dir, nvme_size=args.nvme_size)
+    with_disk = resolve_budgets(cfg, "cuda", REFERENCE, gpu_memory(), host_memory())
+    ram_only = resolve_budgets(BudgetConfig(vram=args.vram, ram=args.ram), "cuda", REFERENCE,
+                               gpu_memory(), host_memory())
+    found = {}
+    for name, budgets in (("ram_only", ram_only), ("with_tier", with_disk)):
+        found[name] = largest(args.width, knobs, budgets)
+        row = dict(event="size_search", placement=name, width=args.width,
+                   vram_gib=round(budgets.vram / GiB, 1), ram_gib=round(budgets.ram / GiB, 1),
+                   disk_gib=round(budgets.disk / GiB, 1), layers=None)
+        if found[name]:
+            layers, plan = found[name]
+            row.update(layers=layers, params=plan.total_params, layers_on_disk=plan.disk_layers,
+                       verdict=plan.verdict, predicted_tokens_per_s=round(plan.speed.tokens_per_s),
+                       predicted_bound=plan.speed.bound)
+        print(json.dumps(row), flush=True)
+    if args.plan_only or found["with_tier"] is None:
         return
     total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(args.vram_cap * GiB / total)
-    layers = with_tier[0]
+    torch.cuda.set_per_process_memory_fraction(with_disk.vram / total)
+    layers = found["with_tier"][0]
     while layers > 0:
         spec = make_spec(args.width, layers)
-        fraction = nvme_fraction(spec, ram, torch.bfloat16, moments, remainders=args.remainders,
-                                 buffers=args.buffers) or 0.0
+        plan = make_plan(spec, knobs, "cuda", with_disk, REFERENCE)
         try:
-            print(json.dumps(run(spec, fraction, args, moments)), flush=True)
+            print(json.dumps(run(spec, plan, args, moments)), flush=True)
             return
         except (torch.cuda.OutOfMemoryError, OSError, MemoryError) as e:
             print(json.dumps(dict(event="failed", layers=layers, error=str(e)[:300])), flush=True)
             torch.cuda.empty_cache()
             layers -= 1
+
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from engine.runtime import nvme
 from engine.runtime.backend import CpuBackend
 from engine.runtime.executor import ExecShape, SlidingExecutor
 from engine.runtime.host_state import AdamHyper
-from engine.runtime.nvme import NvmeTier, disk_layers, nvme_fraction, tier_bytes
+from engine.runtime.nvme import NvmeTier, disk_layers, file_bytes
 from engine.train.state import build_host_state, load_weights
 
 STEPS = 3
@@ -89,7 +89,8 @@ class Run:
 
 
 def tier_for(folder, spec, fraction, **kw):
-    return NvmeTier(folder, [f"layer{i}" for i in disk_layers(spec.num_layers, fraction)], **kw)
+    layers = disk_layers(spec.num_layers, round(fraction * spec.num_layers))
+    return NvmeTier(folder, [f"layer{i}" for i in layers], **kw)
 
 
 def assert_bitwise(a, b):
@@ -100,22 +101,13 @@ def assert_bitwise(a, b):
             assert torch.equal(a[name][k].view(torch.uint8), b[name][k].view(torch.uint8)), f"{name}.{k}"
 
 
-def test_disk_layer_rule(tiny_model_factory):
-    assert disk_layers(4, 0.0) == [] and disk_layers(4, 1.0) == [0, 1, 2, 3]
-    assert disk_layers(4, 0.5) == [1, 3]  # spread: a RAM layer's update hides each read
-    assert disk_layers(10, 0.3) == [3, 6, 9]
-    spec = load_spec(tiny_model_factory("llama"))
-    f32, bf16 = torch.float32, torch.bfloat16
-    ram_all, _ = tier_bytes(spec, 0, bf16, f32)
-    ram_half, disk_half = tier_bytes(spec, 2, bf16, f32, buffers=1)
-    assert disk_half == 2 * 2 * (-(-spec.params_per_layer * 4 // 4096) * 4096)  # m, v padded
-    assert ram_half < ram_all
-    assert nvme_fraction(spec, ram_all, bf16, f32) == 0.0
-    assert nvme_fraction(spec, ram_half, bf16, f32, buffers=1) == 0.5
-    assert nvme_fraction(spec, ram_half + 10, bf16, f32, other_ram=10, buffers=1) == 0.5
-    ram_min, _ = tier_bytes(spec, 4, bf16, f32, remainders=True)
-    assert nvme_fraction(spec, ram_min, bf16, f32, remainders=True) == 1.0
-    assert nvme_fraction(spec, ram_min - 1, bf16, f32, remainders=True) is None
+def test_disk_layers_are_spread_and_files_aligned():
+    assert disk_layers(4, 0) == [] and disk_layers(4, 4) == [0, 1, 2, 3]
+    assert disk_layers(4, 2) == [1, 3]  # spread: a RAM layer's update hides each read
+    assert disk_layers(10, 3) == [3, 6, 9]
+    assert file_bytes(1000, torch.bfloat16, torch.float32) == 2 * 4096
+    assert file_bytes(1000, torch.bfloat16, torch.float32, remainders=True) == 3 * 4096
+    assert file_bytes(1000, torch.float32, torch.bfloat16, remainders=True) == 2 * 4096  # no rem
 
 
 @pytest.mark.parametrize("dtype,clip,full", [

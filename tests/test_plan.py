@@ -58,8 +58,8 @@ def test_llama_8b_fits_the_gpu_but_host_ram_is_tight(tmp_path):
     assert plan.verdict == "tight" and "host RAM" in plan.reason
     names = [f.name for f in plan.fixes]
     assert names[0] == "bf16 moments" and plan.fixes[0].fits and not plan.fixes[0].exact
-    disk = next(f for f in plan.fixes if f.name == "optimizer state on disk")
-    assert not disk.available and disk.saves == 2 * 4 * plan.total_params
+    # a tight host stays in RAM (a disk layer costs a read and a write per step): tests/test_nvme_plan.py
+    assert plan.disk_layers == 0 and "optimizer state on disk" not in names
     assert plan.max_micro_batch >= 1 and plan.max_global_batch >= 2
     assert plan.speed.bound == "cpu optimizer"  # 8 G params of AdamW vs 2 x 2048 tokens of compute
 

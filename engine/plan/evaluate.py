@@ -5,7 +5,11 @@
 - K parameter slots: as many as fit the budgets with 10% to spare, at least 2, at most the
   layer count;
 - head_chunk: tokens per LM-head chunk, the largest power of two up to 4096 whose fp32 logits
-  stay within 512 MiB (a 1024 x 128k-vocab chunk already runs the GEMM at full speed).
+  stay within 512 MiB (a 1024 x 128k-vocab chunk already runs the GEMM at full speed);
+- NVMe tier (with a disk budget): when the host state exceeds the RAM budget, the moments of the
+  fewest decoder layers that bring it within go to disk (every disk layer costs a read and a
+  write per step; a "tight" host is left alone). The first layers moved save nothing while
+  each still gets its own staging buffer (engine.runtime.nvme.BUFFERS of them).
 Slots and checkpoints set in the config override the choice.
 """
 from __future__ import annotations
@@ -40,6 +44,9 @@ class Knobs:
     """Exact global-norm clipping (updates overlap the next forward instead of the backward)."""
     packed: bool = True
     """Packed sequences (attention masks exist)."""
+    disk_layers: int | None = None
+    """Layers whose moments the NVMe tier holds; None: as many as host RAM needs (0 without a
+    disk budget)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class Evaluation:
     allocs: tuple[Allocation, ...]
     tiers: tuple[TierUse, ...]
     fits: bool
+    disk_layers: int = 0
+    """Decoder layers whose moments the NVMe tier holds."""
 
 
 class Evaluator:
@@ -80,13 +89,28 @@ class Evaluator:
         self.spec, self.device, self.budgets, self.hw = spec, device, budgets, hw
 
     def evaluate(self, k: Knobs, shape: ExecShape) -> Evaluation:
-        allocs = allocations(self.spec, shape, k.precision, self.device, k.packed)
+        if k.disk_layers is not None:
+            return self._evaluate(k, shape, k.disk_layers)
+        e = self._evaluate(k, shape, 0)
+        if not self.budgets.disk or e.tiers[1].peak <= e.tiers[1].budget:
+            return e
+        def host_fits(n: int) -> bool:
+            return self._evaluate(k, shape, n).tiers[1].peak <= e.tiers[1].budget
+
+        lo, hi = 1, self.spec.num_layers  # RAM falls with more layers on disk: the fewest that fit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if host_fits(mid) else (mid + 1, hi)
+        return self._evaluate(k, shape, lo)  # all layers when even that does not fit
+
+    def _evaluate(self, k: Knobs, shape: ExecShape, disk_layers: int) -> Evaluation:
+        allocs = allocations(self.spec, shape, k.precision, self.device, k.packed, disk_layers)
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),
                  TierUse("host", peak(allocs, host_t), self.budgets.ram, peak_phase(allocs, host_t)),
                  TierUse("disk", peak(allocs, ("disk",)), self.budgets.disk, "run"))
-        return Evaluation(shape, allocs, tiers, _within(tiers, 1.0))
+        return Evaluation(shape, allocs, tiers, _within(tiers, 1.0), disk_layers)
 
     def _shape(self, k: Knobs, slots: int, ckpt: str) -> ExecShape:
         return ExecShape(micro_batch=k.micro_batch, seq_len=k.seq_len, n_micro=k.grad_accum,
@@ -119,10 +143,10 @@ class Evaluator:
         fitting = [e for e in evals if e.fits]
         if not fitting:
             return min(evals, key=lambda e: _overshoot(e.tiers))
-        return max(fitting, key=lambda e: self.speed(k, e.shape).tokens_per_s)
+        return max(fitting, key=lambda e: self.speed(k, e).tokens_per_s)
 
-    def speed(self, k: Knobs, shape: ExecShape) -> SpeedEstimate:
-        return estimate(self.spec, shape, k.precision, self.device, k.clip, self.hw)
+    def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
+        return estimate(self.spec, e.shape, k.precision, self.device, k.clip, self.hw, e.disk_layers)
 
     @staticmethod
     def largest(fits_at) -> int:

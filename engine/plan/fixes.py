@@ -3,7 +3,7 @@
 Each fix changes one setting and is evaluated by the same memory model as the plan itself:
 smaller micro-batch; the same global batch through more accumulation; checkpoints to host;
 fewer parameter slots; bf16 moments (changes the numerics: opt-in); optimizer state on disk
-(the NVMe tier, not implemented yet: shown with what it would save). They come cheapest first:
+(the NVMe tier: the moments of the fewest layers that make host RAM fit). They come cheapest first:
 those that make the run fit, exact ones before numerics-changing ones, faster ones first.
 """
 from __future__ import annotations
@@ -14,6 +14,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from engine.plan.evaluate import Evaluation, Evaluator, Knobs
+
+_NO_LIMIT = 1 << 62
+"""A disk budget that holds anything (what the NVMe-tier fix would need)."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +61,7 @@ def _fix(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal, name: str, chan
         return None
     ok = goal.met(e)
     return Fix(name, change, tuple(settings.items()), tier, saved[tier], ok,
-               tokens_per_s=ev.speed(k, e.shape).tokens_per_s if ok else None, **kw)
+               tokens_per_s=ev.speed(k, e).tokens_per_s if ok else None, **kw)
 
 
 def _smaller_micro_batch(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
@@ -108,15 +111,22 @@ def _bf16_moments(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> lis
 
 
 def _states_to_disk(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
-    """What moving the moments to the NVMe tier would save (the tier is a later issue)."""
-    if "host" not in goal.tiers:
+    """The NVMe tier with room for what host RAM needs moved (the planner then moves exactly
+    that: the fewest layers that fit, see engine.plan.evaluate). Only for a host over its
+    budget: a tight one stays in RAM (disk layers cost a read and a write per step)."""
+    if "host" not in goal.tiers or goal.share < 1.0 or base.disk_layers == ev.spec.num_layers:
         return []
-    moments = sum(a.bytes for a in base.allocs if a.purpose == "AdamW moments m, v")
-    moved = tuple(replace(t, peak=t.peak - moments) if t.tier == "host" else t for t in base.tiers)
-    ok = goal.met(replace(base, tiers=moved)) and ev.budgets.disk >= moments
-    return [Fix("optimizer state on disk", f"AdamW moments ({moments / 2**30:.1f} GiB) on the NVMe tier",
-                (("budget.nvme_dir", ev.budgets.disk_path or "<folder on an NVMe disk>"),),
-                "host", moments, ok, available=False)]
+    roomy = Evaluator(ev.spec, ev.device, replace(ev.budgets, disk=_NO_LIMIT), ev.hw)
+    e = roomy.choose(k)
+    need = e.tiers[2].peak
+    if not e.disk_layers or need <= ev.budgets.disk:
+        return []
+    size = f"{math.ceil(need / 2**30)}GiB"
+    fix = _fix(roomy, base, k, goal, "optimizer state on disk",
+               f"AdamW moments of {e.disk_layers} of {ev.spec.num_layers} layers on the NVMe tier "
+               f"({size} of disk)", {"budget.nvme_dir": ev.budgets.disk_path or "<folder on an NVMe disk>",
+                                     "budget.nvme_size": size})
+    return [fix] if fix is not None else []
 
 
 def find_fixes(ev: Evaluator, base: Evaluation, k: Knobs, tiers: tuple[str, ...],

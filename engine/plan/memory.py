@@ -29,6 +29,7 @@ from engine.kernels.linear_ce import GW_ROWS
 from engine.models.spec import ModelSpec
 from engine.runtime.executor import ExecShape
 from engine.runtime.host_state import CHUNK
+from engine.runtime.nvme import BUFFERS, file_bytes
 
 MiB = 1 << 20
 TIERS = ("gpu", "host", "disk")
@@ -103,22 +104,32 @@ def _dt(dtype: torch.dtype) -> str:
 
 
 # ---- host state and loading -----------------------------------------------------------------
-def host_state(spec: ModelSpec, prec: Precision, device: str) -> list[Allocation]:
-    """HostItem.w / rem / m / v / g of every item (embed, L layers, head), and the runtime."""
+def host_state(spec: ModelSpec, prec: Precision, device: str, disk_layers: int = 0) -> list[Allocation]:
+    """HostItem.w / rem / m / v / g of every item (embed, L layers, head), and the runtime.
+
+    The moments of ``disk_layers`` decoder layers live in the NVMe tier (engine.runtime.nvme)
+    instead, and pass through its staging buffers (one layer's m and v each).
+    """
     n, c = spec.num_params, prec.c
+    in_ram = n - disk_layers * spec.params_per_layer
     pinned = " (pinned)" if device == "cuda" else ""
     out = [Allocation("host", f"{_dt(prec.compute)} weights", n * c,  # HostItem.w
                       f"{n:,} params x {c} B{pinned}", "state")]
     if prec.compute == torch.bfloat16:  # HostItem.rem: the low 16 bits of the fp32 master
         out.append(Allocation("host", "weight remainders", n * 2, f"{n:,} params x 2 B (int16)", "state"))
-    out += [Allocation("host", "AdamW moments m, v", 2 * n * prec.mo,  # HostItem.m, HostItem.v
-                       f"2 x {n:,} params x {prec.mo} B ({_dt(prec.moments)})", "state"),
+    out += [Allocation("host", "AdamW moments m, v", 2 * in_ram * prec.mo,  # HostItem.m, HostItem.v
+                       f"2 x {in_ram:,} params x {prec.mo} B ({_dt(prec.moments)})"
+                       + (f"; {disk_layers} layers' moments on disk" if disk_layers else ""), "state"),
             Allocation("host", "gradient buffers", n * 4,  # HostItem.g, fp32
                        f"{n:,} params x 4 B (fp32){pinned}", "state"),
             Allocation("host", "runtime baseline", HOST_RUNTIME[device],
                        "Python, torch" + (" and the CUDA runtime" if device == "cuda" else ""), "state"),
             Allocation("host", "runtime working memory", RUNTIME_WORKING,
                        "heap and library buffers kept across steps", "run")]
+    if disk_layers:  # NvmeTier._take_buffer: at most BUFFERS, one per disk layer at most
+        k, b = min(disk_layers, BUFFERS), file_bytes(spec.params_per_layer, prec.compute, prec.moments)
+        out.append(Allocation("host", "NVMe staging buffers", k * b,
+                              f"{k} x one layer's m, v ({_gib(b)})", "run"))
     return out
 
 
@@ -285,19 +296,23 @@ def allocator_reserve(allocs: list[Allocation], shape: ExecShape, spec: ModelSpe
 
 
 def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
-                packed: bool) -> tuple[Allocation, ...]:
+                packed: bool, disk_layers: int = 0) -> tuple[Allocation, ...]:
     """Every allocation of a run with this model, executor shape and precision.
 
     Args:
         device: ``cuda`` or ``cpu`` (the CPU backend has no CUDA context or allocator reserve,
             and its "gpu" buffers are host memory).
         packed: sequences are packed (attention masks exist).
+        disk_layers: decoder layers whose moments the NVMe tier holds.
     """
-    out = host_state(spec, prec, device) + loading(spec, prec)
+    out = host_state(spec, prec, device, disk_layers) + loading(spec, prec)
     out += device_buffers(spec, shape, prec, device) + step_transients(spec, shape, prec, packed)
     if device == "cuda":
         out.append(allocator_reserve(out, shape, spec, prec))
-    out.append(Allocation("disk", "NVMe tier", 0, "optimizer state on disk: a later issue", "state"))
+    b = file_bytes(spec.params_per_layer, prec.compute, prec.moments)  # NvmeTier.place
+    out.append(Allocation("disk", "NVMe tier", disk_layers * b,
+                          f"AdamW moments of {disk_layers} of {spec.num_layers} layers ({_gib(b)} each)",
+                          "state"))
     return tuple(out)
 
 

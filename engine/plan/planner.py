@@ -60,6 +60,9 @@ class Plan:
     tokens_per_step: int
     notes: tuple[str, ...] = ()
     """What no single fix can change (the least each short tier needs)."""
+    disk_layers: int = 0
+    """Decoder layers whose AdamW moments live in the NVMe tier (engine.runtime.nvme.disk_layers
+    says which)."""
 
     def tier(self, name: str) -> TierUse:
         return next(t for t in self.tiers if t.tier == name)
@@ -120,8 +123,9 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
                 allocations=base.allocs, tiers=base.tiers,
                 peak_rss=peak(base.allocs, rss_tiers, with_reclaimable=True), budgets=budgets,
                 verdict=verdict, reason=reason, fixes=fixes, max_micro_batch=m_max,
-                max_global_batch=g_max, speed=ev.speed(knobs, base.shape), hardware=hardware,
-                tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes)
+                max_global_batch=g_max, speed=ev.speed(knobs, base), hardware=hardware,
+                tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
+                disk_layers=base.disk_layers)
 
 
 # ---- from a run config --------------------------------------------------------------------------

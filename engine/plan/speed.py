@@ -13,6 +13,10 @@ backward  a pipeline over L layers: H2D of the L-K layers no longer resident (an
           the CPU update of the layer; a pipeline phase takes L * max(stages) plus the other
           stages once (filling and draining).
 Without clipping the next forward waits for the embedding's update, queued after the layers'.
+disk      the NVMe tier reads and writes the moments of its layers once per step; an update
+          waits for its layer's read, and the disk layers are spread evenly over the depth, so
+          the update chain advances at the slower of the CPU update and the disk's share per
+          layer (its reads and writes spread over all L layers).
 
 FLOPs: each layer does 2 P N in the forward, again in the recompute and 4 P N in the backward
 (8 P N in all), plus attention (2 B T^2 q per pass, causal; backward twice the forward); the LM
@@ -26,6 +30,7 @@ from engine.models.spec import ModelSpec
 from engine.plan.hardware import HardwareProfile
 from engine.plan.memory import Precision
 from engine.runtime.executor import ExecShape
+from engine.runtime.nvme import file_bytes
 
 # Share of the 8192^3 bf16 matmul rate a decoder layer's forward / recompute / backward reaches
 # (norms, RoPE, attention, elementwise ops included): 0.54-0.57 of 730 TFLOP/s, measured from
@@ -91,7 +96,8 @@ class _Times:
     grads_eh: float
 
 
-def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfile) -> _Times:
+def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfile,
+           disk: float) -> _Times:
     L, P, c, k = spec.num_layers, spec.params_per_layer, prec.c, max(1, min(shape.slots, spec.num_layers))
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     f_fwd, f_bwd = layer_flops(spec, shape)
@@ -103,7 +109,7 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     u = 1.0 / hw.adam_params_per_s
     head = 6.0 * tokens * spec.vocab_size * spec.hidden_size / rate
     return _Times(f=f_fwd / rate, b=f_bwd / rate, head=head,
-                  upd=P * u, load_f=P * c / (both if host_ck else one),  # D2H busy only for host checkpoints
+                  upd=max(P * u, disk / L), load_f=P * c / (both if host_ck else one),  # D2H busy only for host checkpoints
                   load_b=((L - k) / L) * P * c / both + ck / both, grad=P * 4 / both, ck_d2h=ck / both,
                   embed_upd=E * u, head_upd=Hd * u, refresh_e=E * c / one, refresh_h=Hd * c / one,
                   grads_eh=(E + Hd) * 4 / both)
@@ -134,15 +140,17 @@ def _forward(L: int, k: int, ready: list[float], t0: float, t: _Times) -> float:
 
 
 def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, clip: bool,
-             hw: HardwareProfile) -> SpeedEstimate:
+             hw: HardwareProfile, disk_layers: int = 0) -> SpeedEstimate:
     """Step time, tokens/s and the bounding resource of one optimizer step."""
     L, k = spec.num_layers, max(1, min(shape.slots, spec.num_layers))
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
     f_fwd, f_bwd = layer_flops(spec, shape)
     flops = L * (f_fwd + f_bwd) + 6.0 * tokens * spec.vocab_size * spec.hidden_size
+    moved = disk_layers * file_bytes(spec.params_per_layer, prec.compute, prec.moments)
+    disk = moved / (hw.disk_read_gbs * 1e9) + moved / (hw.disk_write_gbs * 1e9)
     if device != "cuda":
-        return _cpu_estimate(spec, shape, prec, hw, tokens, flops)
-    t = _times(spec, shape, prec, hw)
+        return _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk)
+    t = _times(spec, shape, prec, hw, disk)
     if clip:  # updates embed, 0 .. L-1, head from the step's start, overlapping the forward
         ready = [t.embed_upd + (j + 1) * t.upd for j in range(L)]
         fwd_end = _forward(L, k, ready, t.embed_upd + t.refresh_e, t)
@@ -156,7 +164,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     busy = {"gpu compute": L * (t.f + t.b) + t.head,
             "pcie h2d": L * (t.load_f + t.load_b) + t.refresh_e + t.refresh_h,
             "pcie d2h": L * (t.grad + t.ck_d2h) + t.grads_eh,
-            "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": 0.0}
+            "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": disk}
     note = ""
     if step > SERIAL * max(busy.values()):
         note = ("the forward waits for the CPU updates (exact clipping), so the optimizer and "
@@ -165,13 +173,13 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     return _result(step, tokens, busy, flops, note)
 
 
-def _cpu_estimate(spec, shape, prec, hw, tokens, flops) -> SpeedEstimate:
+def _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk) -> SpeedEstimate:
     """The CPU backend is synchronous: compute, copies and updates add up."""
     L, P, c = spec.num_layers, spec.params_per_layer, prec.c
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     copies = (2 * L * P * c + L * P * 4 + (E + Hd) * (c + 4)) / (CPU_COPY_GBS * 1e9)
     busy = {"gpu compute": flops / (hw.cpu_tflops * 1e12), "pcie h2d": copies, "pcie d2h": 0.0,
-            "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": 0.0}
+            "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": disk}
     return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")
 
 

@@ -1,9 +1,9 @@
 """The NVMe tier: the AdamW moments (and optionally the remainders) of chosen layers live on disk.
 
-Which layers (:func:`disk_layers`, :func:`nvme_fraction`): only decoder layers, so every staging
-buffer has one layer's size (the embedding and the head can be the largest items and stay in
-RAM). Of the L layers, n = the smallest count that makes the host state fit the RAM budget go
-to disk, spread evenly over the depth (layers 1 and 3 of 4 for 50%). In the update order
+Which layers (:func:`disk_layers`): only decoder layers, so every staging buffer has one layer's
+size (the embedding and the head can be the largest items and stay in RAM). The planner
+(engine.plan.evaluate) picks n, the fewest layers that bring the host state within the RAM
+budget; they are spread evenly over the depth (layers 1 and 3 of 4 for n = 2). In the update order
 (embed, 0 .. L-1, head) a disk layer then follows RAM layers whose updates hide its read, and
 the next forward, which waits for each layer's update in turn, meets the disk layers one at a
 time rather than in one block at the end.
@@ -58,8 +58,6 @@ from typing import Iterable, Iterator
 import torch
 
 from engine.errors import UserError
-from engine.models.spec import ModelSpec
-from engine.models.weights import item_layout, item_names
 
 GiB = 1 << 30
 ALIGN = 4096
@@ -74,57 +72,20 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def disk_fields(remainders: bool) -> tuple[str, ...]:
-    """HostItem fields a disk item keeps in its file (those it has: rem only with bf16 compute)."""
-    return ("rem", "m", "v") if remainders else ("m", "v")
+# ---- which layers, and their size ---------------------------------------------------------------
+def disk_layers(num_layers: int, count: int) -> list[int]:
+    """The ``count`` decoder layers whose state goes to disk, spread evenly over the depth."""
+    count = min(max(count, 0), num_layers)
+    return [i for i in range(num_layers) if (i + 1) * count // num_layers > i * count // num_layers]
 
 
-# ---- which layers --------------------------------------------------------------------------------
-def disk_layers(num_layers: int, fraction: float) -> list[int]:
-    """The round(fraction * L) decoder layers whose state goes to disk, spread evenly."""
-    n = round(min(max(fraction, 0.0), 1.0) * num_layers)
-    return [i for i in range(num_layers) if (i + 1) * n // num_layers > i * n // num_layers]
-
-
-def _item_bytes(numel: int, compute_dtype, moments_dtype, on_disk: tuple[str, ...]) -> tuple[int, int]:
-    """(RAM bytes, file bytes) of one item whose fields ``on_disk`` live in the tier."""
-    sizes = {"w": compute_dtype.itemsize, "g": 4, "m": moments_dtype.itemsize,
-             "v": moments_dtype.itemsize}
-    if compute_dtype == torch.bfloat16:
+def file_bytes(numel: int, compute_dtype: torch.dtype, moments_dtype: torch.dtype,
+               remainders: bool = False) -> int:
+    """Bytes of one item's file in the tier, and of one staging buffer (fields padded)."""
+    sizes = {"m": moments_dtype.itemsize, "v": moments_dtype.itemsize}
+    if remainders and compute_dtype == torch.bfloat16:
         sizes["rem"] = 2
-    ram = sum(numel * b for k, b in sizes.items() if k not in on_disk)
-    return ram, sum(_padded(numel * b) for k, b in sizes.items() if k in on_disk)
-
-
-def tier_bytes(spec: ModelSpec, n_disk: int, compute_dtype, moments_dtype, remainders: bool = False,
-               buffers: int = BUFFERS) -> tuple[int, int]:
-    """(host RAM of the whole host state, disk bytes) with ``n_disk`` layers on disk.
-
-    RAM: w, g (and rem) of every item, the moments of the RAM items, and the staging pool
-    (min(n_disk, buffers) buffers of one layer's disk fields).
-    """
-    fields = disk_fields(remainders)
-    ram = sum(_item_bytes(item_layout(spec, name).numel, compute_dtype, moments_dtype, ())[0]
-              for name in item_names(spec))
-    full, _ = _item_bytes(spec.params_per_layer, compute_dtype, moments_dtype, ())
-    part, file = _item_bytes(spec.params_per_layer, compute_dtype, moments_dtype, fields)
-    return ram - n_disk * (full - part) + min(n_disk, buffers) * file, n_disk * file
-
-
-def nvme_fraction(spec: ModelSpec, ram_budget: int, compute_dtype: torch.dtype,
-                  moments_dtype: torch.dtype, other_ram: int = 0, remainders: bool = False,
-                  buffers: int = BUFFERS) -> float | None:
-    """The fraction of decoder layers to put on disk so that host RAM fits ``ram_budget``.
-
-    The smallest n / L for which :func:`tier_bytes`' RAM + ``other_ram`` (runtime, activation
-    store, ... from the planner) fits; 0.0 when all fits in RAM; None when it does not fit even
-    with every layer on disk.
-    """
-    for n in range(spec.num_layers + 1):
-        ram, _ = tier_bytes(spec, n, compute_dtype, moments_dtype, remainders, buffers)
-        if ram + other_ram <= ram_budget:
-            return n / spec.num_layers
-    return None
+    return sum(_padded(numel * b) for b in sizes.values())
 
 
 # ---- the tier ------------------------------------------------------------------------------------
@@ -246,7 +207,7 @@ class NvmeTier:
         """The item's file holding those of ``fields`` the tier keeps, if the item is chosen."""
         if name not in self.items:
             return None
-        keep = disk_fields(self.remainders)
+        keep = ("rem", "m", "v") if self.remainders else ("m", "v")
         item = DiskItem(self, name, numel, {k: d for k, d in fields.items() if k in keep})
         if self._allocated:
             raise RuntimeError("NVMe tier: items are placed before the first staging")

@@ -33,6 +33,7 @@ from engine.models.weights import Checkpoint
 from engine.runtime.backend import make_backend
 from engine.runtime.executor import ExecShape, SlidingExecutor
 from engine.runtime.host_state import AdamHyper
+from engine.runtime.nvme import NvmeTier, disk_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from engine.train.schedule import lr_at
@@ -71,6 +72,7 @@ class Trainer:
         """Why the run cannot go on (message with its fix), and whether to save first."""
         self._saved_step = -1
         self.executor = None
+        self.tier = None
         self.sink = None
 
     # ---- control from other threads ---------------------------------------------------------
@@ -114,7 +116,8 @@ class Trainer:
         self.prepared, self.stream = data if data is not None else self._prepare_data()
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
-        self.host = build_host_state(self.spec, self.backend, self.dtype, moments)
+        self.tier = self._open_tier()
+        self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier)
         if resume:  # the checkpoint holds the whole state: only check the model folder
             Checkpoint(cfg.model.path).check(self.spec)
         else:
@@ -140,6 +143,16 @@ class Trainer:
             self.emit(Log("warning", f"the planner predicts this run does not fit: "
                                      f"{self.plan.reason}{fix}"))
         return self.plan.exec_shape
+
+    def _open_tier(self) -> NvmeTier | None:
+        """The NVMe tier for the layers whose moments the plan put on disk (None: none)."""
+        n, L = self.plan.disk_layers, self.spec.num_layers
+        if not n:
+            return None
+        self.emit(Log("info", f"NVMe tier: AdamW moments of {n} of {L} layers in "
+                              f"{self.cfg.budget.nvme_dir}"))
+        return NvmeTier(self.cfg.budget.nvme_dir, [f"layer{i}" for i in disk_layers(L, n)],
+                        size_limit=self.plan.budgets.disk)
 
     def _compute_dtype(self) -> torch.dtype:
         name = self.cfg.train.compute_dtype
@@ -416,6 +429,9 @@ class Trainer:
             self.executor.close()
             self.executor = None
             self.backend.release_host()
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
         if self.sink is not None:
             self.sink.close()
 
