@@ -16,8 +16,9 @@ from pathlib import Path
 import pyqtgraph as pg
 from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout,
-                               QGridLayout, QGroupBox, QHBoxLayout, QLabel, QProgressBar,
-                               QPushButton, QSpinBox, QTextBrowser, QVBoxLayout, QWidget)
+                               QFrame, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QProgressBar,
+                               QPushButton, QScrollArea, QSpinBox, QTextBrowser, QVBoxLayout,
+                               QWidget)
 
 from engine.config import DataConfig
 from engine.data import DataStats, prepare_data, preview
@@ -28,12 +29,14 @@ from engine.train.demo import write_task
 from slideformer_gui.context import AppContext
 from slideformer_gui.formatting import human_count, short_path
 from slideformer_gui.tasks import run_task
+from slideformer_gui.train_settings import narrow
 from slideformer_gui.widgets import page_header, set_state
 
 SAMPLES = 4
 DEBOUNCE_MS = 300
 """A setting changed: wait this long for the next change before preparing the data again."""
 DEMO_RECORDS = 4000
+LEFT_COLUMN_PX = 380
 FILE_FILTER = "Datasets (*.jsonl *.json *.txt);;All files (*)"
 FORMAT_NAMES = {"auto": "auto-detect", "text": "plain text", "alpaca": "Alpaca (instruction / "
                 "output)", "messages": "chat (OpenAI messages)", "sharegpt": "chat (ShareGPT)"}
@@ -132,6 +135,7 @@ class LengthHistogram(pg.PlotWidget):
         self.bars.setOpts(x0=list(edges[:-1]), x1=list(edges[1:]), height=list(counts),
                           brushes=brushes, pen=pg.mkPen("#ffffff", width=1))
         self.limit.setPos(stats.seq_len)
+        self.limit.label.setFormat(f"sequence length {stats.seq_len}")
         right = max(edges[-1], stats.seq_len) * 1.05
         self.getPlotItem().setXRange(0, right, padding=0)
         self.getPlotItem().setYRange(0, max(counts, default=1) * 1.1, padding=0)
@@ -170,7 +174,7 @@ class DataPage(QWidget):
                                     "model learns in a minute, written into\n"
                                     f"{ctx.data_dir / 'datasets'}")
         self.demo_button.clicked.connect(self.use_demo)
-        hint = QLabel("or drop a .jsonl, .json or .txt file here")
+        hint = QLabel("or drop a file here")
         hint.setObjectName("hint")
         self.busy = QProgressBar()
         self.busy.setMaximumWidth(160)
@@ -194,7 +198,7 @@ class DataPage(QWidget):
         self._build_settings()
         self._build_summary()
         self.histogram = LengthHistogram()
-        self.histogram.setMinimumHeight(170)
+        self.histogram.setMinimumHeight(120)
         hist_box = QGroupBox("Record lengths")
         QVBoxLayout(hist_box).addWidget(self.histogram)
         self.preview = QTextBrowser()
@@ -203,19 +207,29 @@ class DataPage(QWidget):
                         f'(has a loss)&nbsp;</span>&nbsp;&nbsp;<span style="color:{MASKED_COLOR};">'
                         f'masked (prompt, template)</span>&nbsp;&nbsp;⏎ line break')
         legend.setObjectName("hint")
+        legend.setWordWrap(True)
         preview_box = QGroupBox("What the model sees: the first records, templated")
         pv = QVBoxLayout(preview_box)
         pv.addWidget(legend)
         pv.addWidget(self.preview, 1)
 
-        left = QVBoxLayout()
+        left_box = QWidget()
+        left = QVBoxLayout(left_box)
+        left.setContentsMargins(0, 0, 0, 0)
         left.addWidget(self.settings_box)
         left.addWidget(self.summary_box, 1)
+        left_scroll = QScrollArea()  # a short window scrolls the settings, not the page
+        left_scroll.setWidget(left_box)
+        left_scroll.setWidgetResizable(True)
+        left_scroll.setFrameShape(QFrame.Shape.NoFrame)
+        left_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+        left_scroll.setMinimumWidth(max(LEFT_COLUMN_PX, left_box.minimumSizeHint().width()
+                                        + left_scroll.verticalScrollBar().sizeHint().width()))
         right = QVBoxLayout()
         right.addWidget(hist_box, 2)
         right.addWidget(preview_box, 3)
         body = QHBoxLayout()
-        body.addLayout(left, 0)
+        body.addWidget(left_scroll, 0)
         body.addLayout(right, 1)
         lay = QVBoxLayout(self)
         lay.addWidget(page_header("Data", "The training data: a JSONL/JSON file (text, Alpaca, "
@@ -240,12 +254,15 @@ class DataPage(QWidget):
             self.format.addItem(FORMAT_NAMES[f], f)
         self.detected = QLabel("")
         self.detected.setObjectName("hint")
+        self.detected.setWordWrap(True)
         self.seq_len = QSpinBox(minimum=16, maximum=1 << 20, singleStep=128, value=d.max_seq_len)
         self.seq_len.setSuffix(" tokens")
         self.train_on = QComboBox()
         self.train_on.addItem("assistant replies only", "assistant")
         self.train_on.addItem("every token", "all")
-        self.packing = QCheckBox("pack several records per sequence")
+        self.packing = QCheckBox("pack records together")
+        self.packing.setToolTip("Several records per sequence (no attention across them); "
+                                "off: one record per sequence, padded")
         self.truncation = QComboBox()
         for value, text in (("truncate", "cut to the sequence length"), ("drop", "leave out"),
                             ("error", "stop with an error")):
@@ -272,8 +289,8 @@ class DataPage(QWidget):
         form.addRow("", self.val_file)
         self.settings_box = QGroupBox("Settings")
         self.settings_box.setLayout(form)
-        self.settings_box.setMinimumWidth(330)
         for combo in (self.format, self.train_on, self.truncation, self.val_mode):
+            narrow(combo)
             combo.currentIndexChanged.connect(self._settings_edited)
         self.seq_len.valueChanged.connect(self._settings_edited)
         self.val_fraction.valueChanged.connect(self._settings_edited)
@@ -287,7 +304,8 @@ class DataPage(QWidget):
             label = QLabel(name)
             value = QLabel("—")
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-            grid.addWidget(label, row, 0)
+            value.setWordWrap(True)
+            grid.addWidget(label, row, 0, Qt.AlignmentFlag.AlignTop)
             grid.addWidget(value, row, 1)
             self.fields[name] = value
         grid.setColumnStretch(1, 1)

@@ -31,7 +31,8 @@ def parse_preset(text: str, source: str) -> Preset:
             break
         comment.append(line.lstrip("# ").strip())
     name, _, description = " ".join(comment).partition(":")
-    return Preset(name.strip() or source, description.strip(), values)
+    description = description.strip()
+    return Preset(name.strip() or source, description[:1].upper() + description[1:], values)
 
 
 def load_presets() -> list[Preset]:

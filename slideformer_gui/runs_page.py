@@ -216,7 +216,7 @@ class RunsPage(QWidget):
         final = f"; model in {short_path(s.path / 'final')}" if s.has_final else ""
         self.details_title.setText(f"{short_path(s.path)}\n{status_text(s)} at step {s.step}"
                                    f"{resumable}{final}")
-        config = read_config_text(s.path)
+        config = read_config_text(s.path).replace(str(Path.home()), "~")  # as paths read here
         if config != self.config_view.toPlainText():
             self.config_view.setPlainText(config)
         self.log_view.setPlainText(text_tail(engine_log(s.path), 30))

@@ -92,13 +92,15 @@ class TrainPage(QWidget):
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        scroll.setMinimumWidth(330)
+        # As wide as the form needs: the column scrolls vertically, never clips sideways.
+        scroll.setMinimumWidth(settings_box.minimumSizeHint().width()
+                               + scroll.verticalScrollBar().sizeHint().width())
 
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(scroll)
         splitter.addWidget(self._build_dashboard())
         splitter.setStretchFactor(1, 1)
-        splitter.setSizes([340, 900])
+        splitter.setSizes([scroll.minimumWidth(), 1000])
         splitter.setChildrenCollapsible(False)
         lay = QVBoxLayout(self)
         lay.addWidget(page_header("Train", "Fine-tune the chosen model on the chosen data. The "
@@ -137,9 +139,11 @@ class TrainPage(QWidget):
         self.detach_button = QPushButton("Stop following")
         self.detach_button.setToolTip("Let the run carry on without the app showing it")
         self.detach_button.clicked.connect(self.detach)
-        self.resume_button = QPushButton("Resume from checkpoint")
+        self.resume_button = QPushButton("Resume run")
+        self.resume_button.setToolTip("Continue from the newest checkpoint")
         self.resume_button.clicked.connect(lambda: self.resume_run(self.run_dir))
-        self.open_button = QPushButton("Open run folder")
+        self.open_button = QPushButton("Open folder")
+        self.open_button.setToolTip("Open the run folder in the file manager")
         self.open_button.clicked.connect(
             lambda: QDesktopServices.openUrl(QUrl.fromLocalFile(str(self.run_dir))))
         controls = QHBoxLayout()
@@ -206,7 +210,12 @@ class TrainPage(QWidget):
     def fresh_run_dir(self) -> Path:
         """A new run folder under the app's runs folder, named after the model and the time."""
         name = Path(self.ctx.model_path).name if self.ctx.model_path else "run"
-        return self.ctx.runs_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        base = self.ctx.runs_dir / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        path, n = base, 1
+        while path.exists():  # two runs started within a second
+            n += 1
+            path = base.with_name(f"{base.name}-{n}")
+        return path
 
     def _new_output(self) -> None:
         self._auto_output = str(self.fresh_run_dir())
@@ -478,7 +487,7 @@ class TrainPage(QWidget):
         else:
             checkpoint = latest_checkpoint(self.run_dir)
             resume = ("It can continue from its checkpoint at step "
-                      f"{checkpoint}: Resume from checkpoint." if checkpoint is not None else
+                      f"{checkpoint}: Resume run." if checkpoint is not None else
                       "It has no checkpoint to continue from.")
             self._show_status("error", f"The run stopped unexpectedly at step {step}. "
                                        f"{end.message}\n{resume}")

@@ -20,8 +20,10 @@ from slideformer_gui.widgets import fixed_width
 BLUE, ORANGE, GREEN, RED, PURPLE, TEAL, GREY = (
     "#3b82f6", "#f59e0b", "#22c55e", "#ef4444", "#a855f7", "#14b8a6", "#9ca3af")
 GIB = float(1 << 30)
-MAX_LABELS = 24
-"""Compute bars are named only up to this many (beyond, the names would not fit)."""
+MIN_LABEL_PX = 22
+"""A compute bar is named (L0, head...) only when it is at least this wide on screen."""
+LANE_AXIS_PX = 170
+"""Room for the lane names and busy times; a name wider than its axis is not drawn at all."""
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ def _small_axes(item: pg.PlotItem) -> None:
     for name in ("left", "bottom"):
         item.getAxis(name).setStyle(maxTickLevel=0, tickFont=QFont(QFont().family(), 8))
     item.getAxis("left").setWidth(46)
-    item.getAxis("bottom").setHeight(20)
+    item.getAxis("bottom").setHeight(32)  # tick values and the axis name below them
 
 
 class MetricPlot(QWidget):
@@ -136,8 +138,8 @@ class MetricPlot(QWidget):
 
 
 # Lanes of the timeline, top to bottom: (lane name in the Timeline event, label, colour).
-LANES = (("compute", "GPU compute", BLUE), ("h2d", "upload (CPU→GPU)", GREEN),
-         ("d2h", "download (GPU→CPU)", ORANGE), ("optimizer", "CPU optimizer", PURPLE),
+LANES = (("compute", "compute", BLUE), ("h2d", "upload to GPU", GREEN),
+         ("d2h", "download to CPU", ORANGE), ("optimizer", "CPU optimizer", PURPLE),
          ("disk", "disk", GREY))
 
 
@@ -158,7 +160,7 @@ class TimelineView(QWidget):
         item.showGrid(x=True, alpha=0.15)
         item.setLabel("bottom", "milliseconds from the start of the step")
         _small_axes(item)
-        item.getAxis("left").setWidth(130)
+        item.getAxis("left").setWidth(LANE_AXIS_PX)
         item.invertY(True)
         self.bars = pg.BarGraphItem(x0=[], x1=[], y0=[], y1=[], pen=None)
         self.plot.addItem(self.bars)
@@ -206,21 +208,21 @@ class TimelineView(QWidget):
         end = max(x1, default=1.0)
         item.setXRange(0, end * 1.02, padding=0)
         item.setYRange(-0.6, len(lanes) - 0.4, padding=0)
-        self._label_items(timeline, row)
+        self._label_items(timeline, row, end * 1.02)
         total = step_time if step_time is not None else end / 1e3
         self.caption.setText(
             f"Pipeline of step {timeline.step} ({format_seconds(total)}): what each resource "
             f"did, one bar per layer; the busiest row bounds the speed.")
 
-    def _label_items(self, timeline: Timeline, row: dict) -> None:
-        """Name the compute bars (L0, L1, head...) when there are few enough to read.
+    def _label_items(self, timeline: Timeline, row: dict, end_ms: float) -> None:
+        """Name the compute bars (L0, L1, head...) that are wide enough to read a name in.
 
         The text items are made once and reused: creating and removing them at every step
         cost the GUI thread 10-20 ms per timeline on the CI machine.
         """
-        compute = [s for s in timeline.spans if s.lane == "compute"]
-        if "compute" not in row or len(compute) > MAX_LABELS:
-            compute = []
+        px_per_s = 1e3 * max(self.plot.getPlotItem().vb.width(), 1.0) / max(end_ms, 1e-9)
+        compute = [s for s in timeline.spans if s.lane == "compute"
+                   and (s.end - s.start) * px_per_s >= MIN_LABEL_PX]
         while len(self.labels) < len(compute):
             text = pg.TextItem("", color="#ffffff", anchor=(0.5, 0.5))
             text.setFont(QFont(QFont().family(), 7))

@@ -15,7 +15,8 @@ from PySide6.QtCore import Signal
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
                                QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
-                               QPlainTextEdit, QPushButton, QSpinBox, QVBoxLayout, QWidget)
+                               QPlainTextEdit, QPushButton, QSpinBox, QToolButton, QVBoxLayout,
+                               QWidget)
 
 from engine import config as config_mod
 from engine.config import RunConfig
@@ -66,6 +67,13 @@ def dspin(lo: float, hi: float, step: float, decimals: int, special: str = "") -
     if special:
         box.setSpecialValueText(special)
     return box
+
+
+def narrow(combo: QComboBox) -> QComboBox:
+    """Let ``combo`` be narrower than its longest item (the form sits in a narrow column)."""
+    combo.setSizeAdjustPolicy(QComboBox.SizeAdjustPolicy.AdjustToMinimumContentsLengthWithIcon)
+    combo.setMinimumContentsLength(10)
+    return combo
 
 
 def cli_command(config_file: Path, resume: bool = False) -> str:
@@ -119,8 +127,8 @@ class RunSettings(QWidget):
                             ("cpu", "CPU")):
             self.device.addItem(text, value)
         self.output = QLineEdit()
-        browse = QPushButton("…")
-        browse.setFixedWidth(32)
+        browse = QToolButton()
+        browse.setText("…")
         browse.setToolTip("Choose the run folder")
         browse.clicked.connect(self._browse_output)
         out_row = QHBoxLayout()
@@ -153,6 +161,9 @@ class RunSettings(QWidget):
         for w in (self.schedule, self.device):
             w.currentIndexChanged.connect(self._edited)
         self.output.textChanged.connect(self._edited)
+        for combo in (self.preset, self.schedule, self.device):
+            narrow(combo)
+        self.preset.setMinimumContentsLength(16)
         self.show_config(self.base)
 
     # ---- the config ------------------------------------------------------------------------
