@@ -20,6 +20,7 @@ from slideformer_gui.formatting import short_path
 from slideformer_gui.model_page import ModelPage
 from slideformer_gui.monitor_panel import MonitorPanel
 from slideformer_gui.monitor_sampler import MonitorSampler
+from slideformer_gui.plan_page import PlanPage
 from slideformer_gui.runs_page import RunsPage
 from slideformer_gui.theme import PLOT_COLORS, icon, style_sheet
 from slideformer_gui.train_page import TrainPage
@@ -28,6 +29,7 @@ from slideformer_gui.train_page import TrainPage
 PAGES = (
     ("Model", "model.svg", ModelPage),
     ("Data", "data.svg", DataPage),
+    ("Plan", "plan.svg", PlanPage),
     ("Train", "train.svg", TrainPage),
     ("Runs", "runs.svg", RunsPage),
 )
