@@ -202,3 +202,37 @@ def test_a_terminal_run_is_followed_live_and_stopped_from_the_app(qtbot, window,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_closing_the_app_can_leave_a_run_training_and_a_new_window_follows_it(
+        qtbot, window, tiny_llama, ctx, monkeypatch):
+    from slideformer_gui.main_window import MainWindow
+    from slideformer_gui.train_page import TrainPage
+    from engine.train.control import engine_alive
+    choose_model_and_demo_data(qtbot, window, tiny_llama)
+    page = window.pages["Train"]
+    fill_settings(page, **dict(RUN_SETTINGS, max_steps=400, save_every=0, eval_every=0))
+    qtbot.mouseClick(page.start_button, Qt.MouseButton.LeftButton)
+    run_dir = page.run_dir
+    qtbot.waitUntil(lambda: page.history.last is not None, timeout=60000)
+    pid = page.bridge.pid
+    monkeypatch.setattr(TrainPage, "ask_close", lambda self: "background")
+    assert window.close()
+    try:
+        assert engine_alive(run_dir) == pid  # it trains on without the app
+        again = MainWindow(ctx)
+        qtbot.addWidget(again)
+        again.show()
+        runs = again.pages["Runs"]
+        qtbot.waitUntil(lambda: runs.select(run_dir) and runs.selected().live, timeout=20000)
+        qtbot.mouseClick(runs.show_button, Qt.MouseButton.LeftButton)
+        follow = again.pages["Train"]
+        qtbot.waitUntil(lambda: follow.phase == "running" and follow.history.last is not None,
+                        timeout=20000)
+        qtbot.mouseClick(follow.stop_button, Qt.MouseButton.LeftButton)
+        qtbot.waitUntil(lambda: follow.end is not None, timeout=60000)
+        assert follow.end.outcome == "stopped"
+        assert (run_dir / "final" / "config.json").is_file()
+    finally:
+        if engine_alive(run_dir) is not None:
+            os.kill(pid, signal.SIGKILL)

@@ -1,0 +1,77 @@
+"""The Data page shows the engine's own figures for a dataset, and its errors word for word."""
+import json
+from dataclasses import replace
+
+import pytest
+from PySide6.QtCore import QMimeData, QPointF, Qt, QUrl
+from PySide6.QtGui import QDropEvent
+
+from engine.config import DataConfig
+from engine.data import prepare_data, preview
+from engine.models.tokenizer import load_tokenizer
+from slideformer_gui.data_page import DataPage
+
+
+@pytest.fixture
+def page(qtbot, ctx, tiny_llama):
+    ctx.set_model(str(tiny_llama), {})
+    p = DataPage(ctx)
+    qtbot.addWidget(p)
+    p.show()
+    return p
+
+
+def alpaca_file(path, n=60):
+    with open(path, "w") as f:
+        for i in range(n):
+            long = " ".join(["word"] * (5 + 30 * (i % 3)))
+            f.write(json.dumps({"instruction": f"say {i}", "input": "", "output": long}) + "\n")
+    return path
+
+
+def analysed(qtbot, page, action):
+    with qtbot.waitSignal(page.analysed, timeout=30000) as got:
+        action()
+    return got.args[0]
+
+
+def test_figures_and_preview_are_the_engines(qtbot, page, ctx, tiny_llama, tmp_path):
+    path = alpaca_file(tmp_path / "alpaca.jsonl")
+    page.seq_len.setValue(32)
+    report = analysed(qtbot, page, lambda: page.set_file(str(path)))
+    cfg = DataConfig(train=str(path), max_seq_len=32)
+    assert ctx.data_config == cfg
+    tok = load_tokenizer(tiny_llama)
+    stats = prepare_data(cfg, tok, tmp_path / "cache").stats
+    assert replace(report.stats, from_cache=stats.from_cache) == stats
+    assert report.samples == preview(cfg, tok, 4)
+    assert page.detected.text().startswith("detected: Alpaca")
+    assert page.fields["Truncated"].text().startswith(f"{stats.truncated:,} records")
+    assert stats.truncated > 0
+    x0, heights = page.histogram.bars.opts["x0"], page.histogram.bars.opts["height"]
+    assert list(heights) == list(stats.hist_counts) and list(x0) == list(stats.hist_edges[:-1])
+    assert page.histogram.limit.value() == 32  # the line marks where truncation starts
+    html = page.preview.toHtml()
+    assert "say 0" in html and "#dcfce7" in html  # trained text is marked
+
+
+def test_a_forced_format_that_does_not_fit_shows_the_engines_message(qtbot, page, tmp_path):
+    path = alpaca_file(tmp_path / "alpaca.jsonl")
+    analysed(qtbot, page, lambda: page.set_file(str(path)))
+    page.format.setCurrentIndex(page.format.findData("messages"))
+    qtbot.waitUntil(lambda: page.status.property("state") == "error", timeout=30000)
+    assert "messages" in page.status.text() and "fix" in page.status.text()
+
+
+def test_validation_share_and_dropped_file(qtbot, page, ctx, tmp_path):
+    path = alpaca_file(tmp_path / "drop.jsonl")
+    mime = QMimeData()
+    mime.setUrls([QUrl.fromLocalFile(str(path))])
+    drop = QDropEvent(QPointF(5, 5), Qt.DropAction.CopyAction, mime, Qt.MouseButton.LeftButton,
+                      Qt.KeyboardModifier.NoModifier)
+    analysed(qtbot, page, lambda: page.dropEvent(drop))
+    assert ctx.data_config.train == str(path)
+    page.val_mode.setCurrentIndex(page.val_mode.findData("fraction"))
+    report = analysed(qtbot, page, lambda: page.val_fraction.setValue(10.0))
+    assert ctx.data_config.val_fraction == pytest.approx(0.10)
+    assert report.stats.val_records == 6 and page.fields["Validation"].text() == "6 records"
