@@ -29,6 +29,7 @@ from engine.train.demo import write_task
 from slideformer_gui.context import AppContext
 from slideformer_gui.formatting import human_count, short_path
 from slideformer_gui.tasks import run_task
+from slideformer_gui.theme import PLOT_COLORS
 from slideformer_gui.train_settings import narrow
 from slideformer_gui.widgets import page_header, set_state
 
@@ -127,6 +128,9 @@ class LengthHistogram(pg.PlotWidget):
                                          "position": 0.9, "color": TRUNCATED_COLOR,
                                          "anchors": [(1, 0), (1, 0)]})
         self.addItem(self.limit)
+        self.limit.hide()  # until there is data to compare it with
+        self.getPlotItem().setXRange(0, DataConfig().max_seq_len, padding=0)
+        self.getPlotItem().setYRange(0, 1, padding=0)
 
     def show_stats(self, stats: DataStats) -> None:
         edges, counts = stats.hist_edges, stats.hist_counts
@@ -135,6 +139,7 @@ class LengthHistogram(pg.PlotWidget):
         self.bars.setOpts(x0=list(edges[:-1]), x1=list(edges[1:]), height=list(counts),
                           brushes=brushes, pen=pg.mkPen("#ffffff", width=1))
         self.limit.setPos(stats.seq_len)
+        self.limit.show()
         self.limit.label.setFormat(f"sequence length {stats.seq_len}")
         right = max(edges[-1], stats.seq_len) * 1.05
         self.getPlotItem().setXRange(0, right, padding=0)
@@ -243,6 +248,8 @@ class DataPage(QWidget):
 
         ctx.model_changed.connect(lambda _path: self.schedule())
         ctx.data_changed.connect(self._on_context_changed)
+        ctx.theme_changed.connect(lambda name: self.set_colors(*PLOT_COLORS[name]))
+        self.set_colors(*PLOT_COLORS[ctx.settings.theme()])
         self._show_config(ctx.data_config)
         self._show_idle()
 

@@ -22,7 +22,7 @@ from slideformer_gui.monitor_panel import MonitorPanel
 from slideformer_gui.monitor_sampler import MonitorSampler
 from slideformer_gui.plan_page import PlanPage
 from slideformer_gui.runs_page import RunsPage
-from slideformer_gui.theme import PLOT_COLORS, icon, style_sheet
+from slideformer_gui.theme import PLOT_COLORS, icon, palette, style_sheet
 from slideformer_gui.train_page import TrainPage
 
 # The sidebar, top to bottom: (title, icon in resources/icons, page class built as Page(ctx)).
@@ -137,7 +137,9 @@ class MainWindow(QMainWindow):
 
     def set_theme(self, name: str) -> None:
         """Switch to the "light" or "dark" style sheet and plot colours, and remember it."""
-        QApplication.instance().setStyleSheet(style_sheet(name))
+        app = QApplication.instance()
+        app.setPalette(palette(name, app.style().standardPalette()))
+        app.setStyleSheet(style_sheet(name))
         self.monitor.set_colors(*PLOT_COLORS[name])
         self.ctx.theme_changed.emit(name)
         self.dark_action.blockSignals(True)
