@@ -78,11 +78,11 @@ def _shoot(window: MainWindow, out: Path) -> list[Path]:
     train.settings.device.setCurrentIndex(train.settings.device.findData("cpu"))
     wait_until(lambda: data.report is not None and data.report.cfg == ctx.data_config, 60000)
     train.start()
-    wait_until(lambda: train.history.last is not None
-               and train.history.last.step >= STEPS_SHOWN and len(train.history.val_steps) >= 2,
+    wait_until(lambda: train.dashboard.history.last is not None
+               and train.dashboard.history.last.step >= STEPS_SHOWN and len(train.dashboard.history.val_steps) >= 2,
                300000)
     run_loop(600)
-    train.repaint_all()
+    train.dashboard.repaint_all()
     written.append(save(window, out / "train-during-run.png"))
 
     window.show_page("Data")

@@ -1,11 +1,10 @@
-"""The Train page: settings and presets, start / pause / resume / stop-and-save, and a live
-dashboard of the run (progress and ETA, loss, learning rate, gradient norm, throughput, memory,
-the pipeline timeline of the latest step, the engine's messages).
+"""The Train page: settings and presets, start / pause / resume / stop-and-save, and the run's
+dashboard (:mod:`train_dashboard`).
 
-The run is an engine process owned by an :class:`~slideformer_gui.engine_bridge.EngineBridge`;
-its events land in a :class:`~slideformer_gui.train_metrics.StepHistory`, and the charts repaint
-from it on a :data:`REPAINT_HZ` clock. The page can also show a run it did not start (the Runs
-page's "Follow"), or resume a stopped or crashed one from its last checkpoint.
+The run is an engine process owned by an :class:`~slideformer_gui.engine_bridge.EngineBridge`,
+whose events the page hands to the dashboard; the page keeps the run's phase and what the
+buttons may do in it. The page can also show a run it did not start (the Runs page's "Follow"),
+or resume a stopped or crashed one from its last checkpoint.
 """
 from __future__ import annotations
 
@@ -13,29 +12,21 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer, QUrl, Signal, Slot
-from PySide6.QtGui import QDesktopServices, QFont
-from PySide6.QtWidgets import (QFrame, QGridLayout, QGroupBox, QHBoxLayout, QLabel,
-                               QMessageBox, QPlainTextEdit, QProgressBar, QPushButton,
-                               QScrollArea, QSplitter, QTabWidget, QVBoxLayout, QWidget)
+from PySide6.QtCore import Qt, QUrl, Signal, Slot
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
+                               QScrollArea, QSplitter, QVBoxLayout, QWidget)
 
-from engine.events import (CheckpointSaved, EvalMetrics, Log, Progress, RunState, StepMetrics,
-                           Timeline)
+from engine.events import RunState
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_bridge import EngineBridge, RunEnd, launch_argv
 from slideformer_gui.formatting import short_path
-from slideformer_gui.run_files import CONFIG_FILE, LOG_FILE, latest_checkpoint
+from slideformer_gui.run_files import CONFIG_FILE, latest_checkpoint
 from slideformer_gui.theme import PLOT_COLORS
-from slideformer_gui.train_metrics import StepHistory, format_seconds, now, progress, \
-    stall_seconds
-from slideformer_gui.train_plots import METRICS, MetricPlot, TimelineView
+from slideformer_gui.train_dashboard import Dashboard
 from slideformer_gui.train_settings import CommandDialog, RunSettings, write_config
-from slideformer_gui.widgets import fixed_width, page_header, set_state
+from slideformer_gui.widgets import page_header
 
-REPAINT_HZ = 20
-"""Repaint clock. Each tick repaints at most one chart whose data changed, in turn: painting
-all six at once took 35 ms of the GUI thread on the 2-core CI machine, one takes 2-3 ms."""
-LOG_LINES = 500
 ACTIVE = ("starting", "setup", "running", "pausing", "paused", "resuming", "stopping", "saving")
 STATE_TEXT = {
     "starting": "Starting the engine…",
@@ -63,15 +54,8 @@ class TrainPage(QWidget):
         self.bridge: EngineBridge | None = None
         self.run_dir: Path | None = None
         self.phase = "idle"
-        self.history = StepHistory()
         self.end: RunEnd | None = None
-        self._timeline: Timeline | None = None
-        self._shown_timeline: Timeline | None = None
-        self._step_times: dict[int, float] = {}
-        self._painted: dict[str, int] = {}
-        """Chart name -> history version it shows."""
-        self._turn = 0
-        self._last_event_at = now()
+        self.dashboard = Dashboard()
 
         self.settings = RunSettings()
         self.settings.changed.connect(self._settings_changed)
@@ -98,7 +82,7 @@ class TrainPage(QWidget):
 
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(scroll)
-        splitter.addWidget(self._build_dashboard())
+        splitter.addWidget(self._build_run_side())
         splitter.setStretchFactor(1, 1)
         splitter.setSizes([scroll.minimumWidth(), 1000])
         splitter.setChildrenCollapsible(False)
@@ -108,25 +92,18 @@ class TrainPage(QWidget):
                                            "responsive, and the run survives the app."))
         lay.addWidget(splitter, 1)
 
-        self._repaint_timer = QTimer(self, interval=1000 // REPAINT_HZ)
-        self._repaint_timer.timeout.connect(self._repaint)
-        self._repaint_timer.start()
-        self._stall_timer = QTimer(self, interval=1000)
-        self._stall_timer.timeout.connect(self._check_stall)
-        self._stall_timer.start()
-
         ctx.model_changed.connect(self._inputs_changed)
         ctx.data_changed.connect(self._inputs_changed)
-        ctx.theme_changed.connect(lambda name: self.set_colors(*PLOT_COLORS[name]))
+        ctx.theme_changed.connect(lambda name: self.dashboard.set_colors(*PLOT_COLORS[name]))
         ctx.run_requested.connect(self.open_run)
-        self.set_colors(*PLOT_COLORS[ctx.settings.theme()])
+        self.dashboard.set_colors(*PLOT_COLORS[ctx.settings.theme()])
         self._auto_output = ""
         """The run folder the page proposed; a folder the user typed is left alone."""
         self._new_output()
         self._inputs_changed()
         self._show_status("info", "Choose a model and a dataset, pick a preset, then Start.")
 
-    def _build_dashboard(self) -> QWidget:
+    def _build_run_side(self) -> QWidget:
         self.start_button = QPushButton("Start")
         self.start_button.setObjectName("primary")
         self.start_button.clicked.connect(self.start)
@@ -152,58 +129,11 @@ class TrainPage(QWidget):
             controls.addWidget(w)
         controls.addStretch(1)
         controls.addWidget(self.open_button)
-
-        self.status = QLabel("")
-        self.status.setObjectName("status")
-        self.status.setWordWrap(True)
-        self.status.setTextFormat(Qt.TextFormat.PlainText)
-        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.failure_log = QPlainTextEdit()
-        self.failure_log.setReadOnly(True)
-        self.failure_log.setFont(QFont("monospace", 8))
-        self.failure_log.setMaximumHeight(130)
-        self.failure_log.hide()
-        self.progress_bar = QProgressBar()
-        self.progress_bar.setTextVisible(False)
-        self.progress_bar.setRange(0, 1000)
-        self.progress_text = QLabel("")
-        self.progress_text.setObjectName("progressText")
-        fixed_width(self.progress_text)
-        self.stall = QLabel("")
-        self.stall.setObjectName("notice")
-        self.stall.setWordWrap(True)
-        self.stall.hide()
-
-        self.plots = {name: MetricPlot(metric) for name, metric in METRICS.items()}
-        grid = QGridLayout()
-        grid.setSpacing(8)
-        grid.addWidget(self.plots["loss"], 0, 0, 1, 2)
-        grid.addWidget(self.plots["lr"], 0, 2)
-        grid.addWidget(self.plots["grad_norm"], 1, 0)
-        grid.addWidget(self.plots["tokens_per_s"], 1, 1)
-        grid.addWidget(self.plots["memory"], 1, 2)
-        for plot in self.plots.values():
-            plot.plot.getPlotItem().setLabel("bottom", "step")
-
-        self.timeline = TimelineView()
-        self.log_view = QPlainTextEdit()
-        self.log_view.setReadOnly(True)
-        self.log_view.setMaximumBlockCount(LOG_LINES)
-        self.tabs = QTabWidget()
-        self.tabs.addTab(self.timeline, "Pipeline of the latest step")
-        self.tabs.addTab(self.log_view, "Engine messages")
-
         box = QWidget()
         lay = QVBoxLayout(box)
         lay.setContentsMargins(4, 0, 0, 0)
         lay.addLayout(controls)
-        lay.addWidget(self.status)
-        lay.addWidget(self.failure_log)
-        lay.addWidget(self.progress_bar)
-        lay.addWidget(self.progress_text)
-        lay.addWidget(self.stall)
-        lay.addLayout(grid, 3)
-        lay.addWidget(self.tabs, 2)
+        lay.addWidget(self.dashboard, 1)
         return box
 
     # ---- inputs and settings ---------------------------------------------------------------
@@ -334,24 +264,12 @@ class TrainPage(QWidget):
 
     def _launch(self, run_dir: Path, argv: list[str] | None) -> None:
         self.run_dir = run_dir
-        self.history = StepHistory()
-        self._timeline = self._shown_timeline = None
-        self._step_times.clear()
-        self._painted.clear()
         self.end = None
-        for plot in self.plots.values():
-            plot.clear()
-        self.timeline.clear()
-        self.log_view.clear()
-        self.failure_log.hide()
-        self.stall.hide()
-        self.progress_bar.setValue(0)
-        self.progress_text.setText("")
+        self.dashboard.reset(run_dir)
         self.bridge = EngineBridge(run_dir, argv, parent=self)
         self.bridge.events.connect(self._on_events)
         self.bridge.ended.connect(self._on_ended)
         self.bridge.finished.connect(self.bridge.deleteLater)
-        self._last_event_at = now()
         self._set_phase("starting" if argv is not None else "setup")
         self._show_status("busy", f"{STATE_TEXT['starting']}  {short_path(run_dir)}")
         self.bridge.start()
@@ -437,45 +355,21 @@ class TrainPage(QWidget):
     # ---- events ----------------------------------------------------------------------------
     @Slot(list)
     def _on_events(self, events: list) -> None:
-        self._last_event_at = now()
+        self.dashboard.add_events(events)
         for ev in events:
-            if isinstance(ev, (StepMetrics, EvalMetrics)):
-                self.history.add(ev)
-                if isinstance(ev, StepMetrics):
-                    self._step_times[ev.step] = ev.step_time
-            elif isinstance(ev, Timeline):
-                self._timeline = ev
-            elif isinstance(ev, RunState):
-                self._on_state(ev)
-            elif isinstance(ev, Log):
-                self._log(f"{ev.level}: {ev.message}" if ev.level != "info" else ev.message, ev)
-            elif isinstance(ev, Progress) and self.phase == "setup":
-                total = f" / {ev.total:,}" if ev.total else ""
-                self.progress_text.setText(f"{ev.task}: {ev.done:,}{total}")
-            elif isinstance(ev, CheckpointSaved):
-                self._log(f"checkpoint saved at step {ev.step}", ev)
-        if len(self._step_times) > 64:
-            for step in sorted(self._step_times)[:-8]:
-                del self._step_times[step]
-
-    def _on_state(self, ev: RunState) -> None:
-        self._log(f"[{ev.state}] {ev.message}".rstrip(), ev)
-        if ev.state in STATE_TEXT:
-            self._set_phase(ev.state)
-            self._show_status("busy" if ev.state != "paused" else "info",
-                              f"{STATE_TEXT[ev.state]}  {short_path(self.run_dir)}")
-
-    def _log(self, text: str, ev) -> None:
-        stamp = time.strftime("%H:%M:%S", time.localtime(ev.time))
-        self.log_view.appendPlainText(f"{stamp}  {text}")
+            if isinstance(ev, RunState) and ev.state in STATE_TEXT:
+                self._set_phase(ev.state)
+                self._show_status("info" if ev.state == "paused" else "busy",
+                                  f"{STATE_TEXT[ev.state]}  {short_path(self.run_dir)}")
 
     @Slot(object)
     def _on_ended(self, end: RunEnd) -> None:
         self.bridge = None
         self.end = end
-        self.repaint_all()
-        self.stall.hide()
-        step = self.history.last.step if self.history.last else 0
+        self._set_phase("ended")
+        self.dashboard.repaint_all()
+        last = self.dashboard.history.last
+        step = last.step if last is not None else 0
         if end.outcome in ("finished", "stopped"):
             final = self.run_dir / "final"
             where = f" The fine-tuned model is in {short_path(final)}." if final.is_dir() else ""
@@ -492,14 +386,13 @@ class TrainPage(QWidget):
             self._show_status("error", f"The run stopped unexpectedly at step {step}. "
                                        f"{end.message}\n{resume}")
             if end.log_tail:
-                self.failure_log.setPlainText(
-                    f"Last lines of {short_path(self.run_dir / LOG_FILE)}:\n{end.log_tail}")
-                self.failure_log.show()
-        self._set_phase("ended")
+                self.dashboard.show_failure_log(end.log_tail)
         self.run_ended.emit(end)
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
+        self.dashboard.running = phase == "running"
+        self.dashboard.check_stall()
         self._update_buttons()
 
     def _update_buttons(self) -> None:
@@ -520,58 +413,5 @@ class TrainPage(QWidget):
         self.settings.setEnabled(not active)
         self.command_button.setEnabled(not active)
 
-    # ---- painting --------------------------------------------------------------------------
-    def _repaint(self) -> None:
-        """One tick of the repaint clock: the progress line, then the next stale chart."""
-        if not self.isVisible():
-            return
-        version = self.history.version
-        if self._painted.get("progress") != version:
-            self._painted["progress"] = version
-            shown = progress(self.history)
-            if shown is not None:
-                self.progress_bar.setValue(round(1000 * shown.fraction))
-                self.progress_text.setText(shown.text)
-        names = list(self.plots) + ["timeline"]
-        for i in range(len(names)):
-            name = names[(self._turn + i) % len(names)]
-            if name == "timeline":
-                if self._timeline is not self._shown_timeline:
-                    self._shown_timeline = self._timeline
-                    self.timeline.show_timeline(self._timeline, self._step_times.get(self._timeline.step))
-                    break
-            elif self._painted.get(name) != version:
-                self._painted[name] = version
-                self.plots[name].repaint_from(self.history)
-                break
-        self._turn = (self._turn + i + 1) % len(names)
-
-    def repaint_all(self) -> None:
-        """Bring every chart up to date now (screenshots, the end of a run)."""
-        for _ in range(len(self.plots) + 2):
-            self._repaint()
-
-    def _check_stall(self) -> None:
-        if self.phase != "running":
-            self.stall.hide()
-            return
-        since = now() - self._last_event_at
-        stalled = stall_seconds(self.history, since)
-        if stalled is None:
-            self.stall.hide()
-            return
-        usual = self.history.usual_step_time()
-        self.stall.setText(f"No progress for {format_seconds(stalled)}, against "
-                           f"{format_seconds(usual)} per step until now. The engine may be "
-                           f"stuck (or writing a large checkpoint). Its log: "
-                           f"{short_path(self.run_dir / LOG_FILE)}")
-        self.stall.show()
-
     def _show_status(self, state: str, text: str) -> None:
-        self.status.setText(text)
-        set_state(self.status, state)
-
-    def set_colors(self, background: str, foreground: str) -> None:
-        for plot in self.plots.values():
-            plot.set_colors(background, foreground)
-        self.timeline.set_colors(background, foreground)
+        self.dashboard.show_status(state, text)

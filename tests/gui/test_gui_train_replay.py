@@ -12,7 +12,7 @@ from engine import config as config_mod
 from engine.events import (CheckpointSaved, EvalMetrics, Log, RunState, Span, StepMetrics,
                            Timeline, to_json)
 from engine.train.control import CONTROL_FILE
-from slideformer_gui import train_page as train_page_mod
+from slideformer_gui import train_dashboard
 from slideformer_gui.presets import apply_preset, load_presets
 from slideformer_gui.run_files import EventReader, scan_runs, summarize
 from slideformer_gui.train_metrics import StepHistory, stall_seconds
@@ -56,25 +56,26 @@ def page(qtbot, ctx, tmp_path):
     qtbot.addWidget(p)
     p.show()
     p.run_dir = tmp_path / "run"  # what a bridge would be following
+    p.dashboard.reset(p.run_dir)
     return p
 
 
 def test_a_recorded_run_fills_every_chart_the_timeline_and_the_progress(qtbot, page):
     page._on_events(recorded_run())
-    page.repaint_all()
-    x, y = page.plots["loss"].curves[0].getData()
+    page.dashboard.repaint_all()
+    x, y = page.dashboard.plots["loss"].curves[0].getData()
     assert list(x) == list(range(1, 21)) and y[-1] == pytest.approx(3.0)
-    vx, vy = page.plots["loss"].curves[2].getData()
+    vx, vy = page.dashboard.plots["loss"].curves[2].getData()
     assert list(vx) == [10, 20] and vy[-1] == pytest.approx(3.0)
-    smooth = page.plots["loss"].curves[1].getData()[1]
+    smooth = page.dashboard.plots["loss"].curves[1].getData()[1]
     assert smooth[-1] > y[-1]  # the moving average lags a falling loss
-    assert "validation 3.000" in page.plots["loss"].value.text()
-    assert "step 20 / 40" in page.progress_text.text() and "10 s left" in page.progress_text.text()
-    assert page.progress_bar.value() == 500
-    assert page.timeline.step == 19
-    ticks = page.timeline.plot.getPlotItem().getAxis("left")._tickLevels[0]
+    assert "validation 3.000" in page.dashboard.plots["loss"].value.text()
+    assert "step 20 / 40" in page.dashboard.progress_text.text() and "10 s left" in page.dashboard.progress_text.text()
+    assert page.dashboard.progress_bar.value() == 500
+    assert page.dashboard.timeline.step == 19
+    ticks = page.dashboard.timeline.plot.getPlotItem().getAxis("left")._tickLevels[0]
     assert [t[1].split()[0] for t in ticks] == ["compute", "upload", "download", "CPU"]
-    log = page.log_view.toPlainText()
+    log = page.dashboard.log_view.toPlainText()
     assert "checkpoint saved at step 20" in log and "warning: the planner predicts" in log
     assert page.phase == "running"
 
@@ -84,10 +85,10 @@ def test_a_resumed_run_replaces_the_steps_it_repeats(qtbot, page):
     resumed = [RunState("setup", time=2000.0), Log("info", "resumed from step-10", time=2000.0),
                RunState("running", step=10, time=2000.0)] + [step(n, loss=1.0) for n in (11, 12)]
     page._on_events(resumed)
-    page.repaint_all()
-    x, y = page.plots["loss"].curves[0].getData()
+    page.dashboard.repaint_all()
+    x, y = page.dashboard.plots["loss"].curves[0].getData()
     assert list(x) == list(range(1, 13)) and list(y[-2:]) == [1.0, 1.0]
-    assert list(page.plots["loss"].curves[2].getData()[0]) == [10]
+    assert list(page.dashboard.plots["loss"].curves[2].getData()[0]) == [10]
 
 
 def test_history_keeps_a_long_run_by_halving_and_restarts_after_a_rewind():
@@ -103,19 +104,19 @@ def test_history_keeps_a_long_run_by_halving_and_restarts_after_a_rewind():
 
 def test_a_stall_is_shown_after_ten_usual_steps_without_news(qtbot, page, monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr(train_page_mod, "now", lambda: clock[0])
+    monkeypatch.setattr(train_dashboard, "now", lambda: clock[0])
     page._on_events(recorded_run(steps=5))
-    page._check_stall()
-    assert page.stall.isHidden()
+    page.dashboard.check_stall()
+    assert page.dashboard.stall.isHidden()
     clock[0] += 29.0  # 10 x 0.5 s has passed, but less than the 30 s floor
-    page._check_stall()
-    assert page.stall.isHidden()
+    page.dashboard.check_stall()
+    assert page.dashboard.stall.isHidden()
     clock[0] += 2.0
-    page._check_stall()
-    assert page.stall.isVisible() and "No progress for 31 s" in page.stall.text()
+    page.dashboard.check_stall()
+    assert page.dashboard.stall.isVisible() and "No progress for 31 s" in page.dashboard.stall.text()
     page._on_events([step(6)])
-    page._check_stall()
-    assert page.stall.isHidden()
+    page.dashboard.check_stall()
+    assert page.dashboard.stall.isHidden()
     assert stall_seconds(StepHistory(), 1e6) is None  # no step yet: setup can take long
 
 
@@ -165,7 +166,7 @@ def test_run_folders_are_summarised_from_their_files(tmp_path):
             (d / CONTROL_FILE).write_text(control)
         return d
 
-    done = write_run("done", recorded_run(4, 4) + [RunState("finished", "model saved", 4)])
+    write_run("done", recorded_run(4, 4) + [RunState("finished", "model saved", 4)])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     killed = write_run("killed", recorded_run(6), f"# engine pid={dead.pid} started=1.0\n")

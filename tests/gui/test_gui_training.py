@@ -64,7 +64,7 @@ def step_losses(run_dir):
 
 
 def points(page, name="loss", curve=0):
-    x, _ = page.plots[name].curves[curve].getData()
+    x, _ = page.dashboard.plots[name].curves[curve].getData()
     return 0 if x is None else len(x)
 
 
@@ -89,21 +89,21 @@ def test_point_and_click_run_pause_resume_stop_and_save(qtbot, window, tiny_llam
     qtbot.waitUntil(lambda: points(page) >= 2, timeout=60000)
     qtbot.mouseClick(page.pause_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: page.phase == "paused", timeout=20000)
-    paused_at = page.history.last.step
+    paused_at = page.dashboard.history.last.step
     qtbot.wait(600)
-    assert page.history.last.step == paused_at  # really paused
+    assert page.dashboard.history.last.step == paused_at  # really paused
     assert page.pause_button.text() == "Resume"
     qtbot.mouseClick(page.pause_button, Qt.MouseButton.LeftButton)
-    qtbot.waitUntil(lambda: page.history.last.step > paused_at, timeout=20000)
+    qtbot.waitUntil(lambda: page.dashboard.history.last.step > paused_at, timeout=20000)
     qtbot.mouseClick(page.stop_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: page.end is not None, timeout=60000)
     probe.timer.stop()
 
     assert page.end.outcome == "stopped", page.end
-    assert page.status.property("state") == "ok"
+    assert page.dashboard.status.property("state") == "ok"
     for name in ("loss", "lr", "grad_norm", "tokens_per_s", "memory"):
         assert points(page, name) >= 3, name
-    assert page.timeline.step is not None and page.timeline.bars.opts["x0"]
+    assert page.dashboard.timeline.step is not None and page.dashboard.timeline.bars.opts["x0"]
     assert probe.ticks >= 50
     assert probe.worst < MAX_LATE_S, f"the GUI thread stalled for {probe.worst * 1000:.0f} ms"
 
@@ -138,11 +138,11 @@ def test_engine_killed_mid_run_then_resumed_from_the_runs_page(qtbot, window, ti
     qtbot.waitUntil(lambda: page.end is not None, timeout=20000)
 
     assert page.end.outcome == "failed"
-    assert page.status.property("state") == "error"
-    assert "SIGKILL" in page.status.text() and "checkpoint at step" in page.status.text()
-    assert page.failure_log.isVisible() and "step" in page.failure_log.toPlainText()
+    assert page.dashboard.status.property("state") == "error"
+    assert "SIGKILL" in page.dashboard.status.text() and "checkpoint at step" in page.dashboard.status.text()
+    assert page.dashboard.failure_log.isVisible() and "step" in page.dashboard.failure_log.toPlainText()
     assert page.resume_button.isVisible() and page.start_button.isEnabled()  # still usable
-    killed_at = page.history.last.step
+    killed_at = page.dashboard.history.last.step
 
     window.show_page("Runs")
     runs = window.pages["Runs"]
@@ -164,7 +164,7 @@ def test_engine_killed_mid_run_then_resumed_from_the_runs_page(qtbot, window, ti
     after = [ev.step for ev in events[resumed[-1]:] if isinstance(ev, StepMetrics)]
     assert after[0] == checkpoint + 1 and after[-1] == RUN_SETTINGS["max_steps"]
     # The plots show the run as the model followed it: one point per step, no repeats.
-    steps = list(page.history.column("step"))
+    steps = list(page.dashboard.history.column("step"))
     assert steps == sorted(set(steps)) and steps[-1] == RUN_SETTINGS["max_steps"]
     assert (run_dir / "final" / "model.safetensors").is_file()
 
@@ -188,16 +188,16 @@ def test_a_terminal_run_is_followed_live_and_stopped_from_the_app(qtbot, window,
         qtbot.mouseClick(runs.show_button, Qt.MouseButton.LeftButton)
         page = window.pages["Train"]
         assert window.stack.currentWidget() is page
-        qtbot.waitUntil(lambda: page.history.last is not None, timeout=30000)
-        seen = page.history.last.step
-        qtbot.waitUntil(lambda: page.history.last.step >= seen + 3, timeout=30000)  # live
+        qtbot.waitUntil(lambda: page.dashboard.history.last is not None, timeout=30000)
+        seen = page.dashboard.history.last.step
+        qtbot.waitUntil(lambda: page.dashboard.history.last.step >= seen + 3, timeout=30000)  # live
         assert page.detach_button.isVisible()
         qtbot.mouseClick(page.stop_button, Qt.MouseButton.LeftButton)  # through the run folder
         assert proc.wait(timeout=60) == 0, proc.stderr.read().decode()
         qtbot.waitUntil(lambda: page.end is not None, timeout=20000)
         assert page.end.outcome == "stopped"
         assert (run_dir / "final" / "config.json").is_file()
-        assert page.history.last.step < 400
+        assert page.dashboard.history.last.step < 400
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -214,7 +214,7 @@ def test_closing_the_app_can_leave_a_run_training_and_a_new_window_follows_it(
     fill_settings(page, **dict(RUN_SETTINGS, max_steps=400, save_every=0, eval_every=0))
     qtbot.mouseClick(page.start_button, Qt.MouseButton.LeftButton)
     run_dir = page.run_dir
-    qtbot.waitUntil(lambda: page.history.last is not None, timeout=60000)
+    qtbot.waitUntil(lambda: page.dashboard.history.last is not None, timeout=60000)
     pid = page.bridge.pid
     monkeypatch.setattr(TrainPage, "ask_close", lambda self: "background")
     assert window.close()
@@ -227,7 +227,7 @@ def test_closing_the_app_can_leave_a_run_training_and_a_new_window_follows_it(
         qtbot.waitUntil(lambda: runs.select(run_dir) and runs.selected().live, timeout=20000)
         qtbot.mouseClick(runs.show_button, Qt.MouseButton.LeftButton)
         follow = again.pages["Train"]
-        qtbot.waitUntil(lambda: follow.phase == "running" and follow.history.last is not None,
+        qtbot.waitUntil(lambda: follow.phase == "running" and follow.dashboard.history.last is not None,
                         timeout=20000)
         qtbot.mouseClick(follow.stop_button, Qt.MouseButton.LeftButton)
         qtbot.waitUntil(lambda: follow.end is not None, timeout=60000)
