@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer, QUrl, Signal, Slot
+from PySide6.QtCore import Qt, QTimer, QUrl, Slot
 from PySide6.QtGui import QBrush, QColor, QDesktopServices, QFont
 from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
                                QPlainTextEdit, QPushButton, QSplitter, QTreeWidget,
@@ -25,7 +25,7 @@ from slideformer_gui.tasks import run_task
 from slideformer_gui.widgets import page_header
 
 REFRESH_MS = 2000
-COLUMNS = ("Run", "Status", "Step", "Loss", "Model", "Last activity")
+COLUMNS = ("Run", "Status", "Step", "Loss", "Model", "Data", "Last activity")
 STATUS_COLORS = {"running": "#16a34a", "setup": "#16a34a", "saving": "#16a34a",
                  "paused": "#d97706", "failed": "#dc2626", "interrupted": "#dc2626",
                  "finished": "#2563eb", "stopped": "#6b7280"}
@@ -53,9 +53,6 @@ def status_text(s: RunSummary) -> str:
 
 class RunsPage(QWidget):
     """The history of runs, with resume, follow and open-folder actions."""
-
-    refreshed = Signal(list)
-    """A scan finished: the :class:`RunSummary` list shown."""
 
     def __init__(self, ctx: AppContext, parent=None):
         super().__init__(parent)
@@ -168,8 +165,8 @@ class RunsPage(QWidget):
         for s in summaries:
             loss = f"{s.loss:.4f}" if s.loss is not None else "—"
             step = f"{s.step:,} / {s.total_steps:,}" if s.total_steps else f"{s.step:,}"
-            item = QTreeWidgetItem([s.name, status_text(s), step, loss,
-                                    Path(s.model).name if s.model else "", ago(s.updated)])
+            item = QTreeWidgetItem([s.name, status_text(s), step, loss, Path(s.model).name,
+                                    Path(s.data).name, ago(s.updated)])
             item.setData(0, Qt.ItemDataRole.UserRole, str(s.path))
             item.setToolTip(0, str(s.path))
             item.setForeground(1, QBrush(QColor(STATUS_COLORS.get(s.status, "#6b7280"))))
@@ -182,7 +179,6 @@ class RunsPage(QWidget):
                 self.table.setCurrentItem(item)
         self.empty.setVisible(not summaries)
         self._selection_changed()
-        self.refreshed.emit(summaries)
 
     # ---- selection and actions ---------------------------------------------------------------
     def selected_path(self) -> str | None:

@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QUrl, Signal, Slot
+from PySide6.QtCore import Qt, QUrl, Slot
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
                                QScrollArea, QSplitter, QVBoxLayout, QWidget)
@@ -42,11 +42,6 @@ STATE_TEXT = {
 
 class TrainPage(QWidget):
     """Run settings on the left, the live run on the right."""
-
-    run_started = Signal(str)
-    """An engine process was started (or a run followed): its run folder."""
-    run_ended = Signal(object)
-    """The page's run ended or was let go: a :class:`RunEnd`."""
 
     def __init__(self, ctx: AppContext, parent=None):
         super().__init__(parent)
@@ -273,7 +268,6 @@ class TrainPage(QWidget):
         self._set_phase("starting" if argv is not None else "setup")
         self._show_status("busy", f"{STATE_TEXT['starting']}  {short_path(run_dir)}")
         self.bridge.start()
-        self.run_started.emit(str(run_dir))
 
     # ---- commands --------------------------------------------------------------------------
     @Slot()
@@ -387,7 +381,6 @@ class TrainPage(QWidget):
                                        f"{end.message}\n{resume}")
             if end.log_tail:
                 self.dashboard.show_failure_log(end.log_tail)
-        self.run_ended.emit(end)
 
     def _set_phase(self, phase: str) -> None:
         self.phase = phase
