@@ -53,7 +53,18 @@ RESUME = "then continue with --resume"
 
 
 def peak_rss() -> int:
-    """Peak resident memory of this process in bytes."""
+    """Peak resident memory of this process in bytes.
+
+    Linux's ``VmHWM`` where there is one: ``ru_maxrss`` of a process started by another
+    (fork + exec) can report the parent's larger peak, e.g. the desktop app's.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
