@@ -31,7 +31,7 @@ from slideformer_gui.formatting import human_count, short_path
 from slideformer_gui.tasks import run_task
 from slideformer_gui.theme import PLOT_COLORS
 from slideformer_gui.train_settings import narrow
-from slideformer_gui.widgets import page_header, set_state
+from slideformer_gui.widgets import action_row, page_header, set_state, status_label
 
 SAMPLES = 4
 DEBOUNCE_MS = 300
@@ -179,26 +179,17 @@ class DataPage(QWidget):
                                     "model learns in a minute, written into\n"
                                     f"{ctx.data_dir / 'datasets'}")
         self.demo_button.clicked.connect(self.use_demo)
-        hint = QLabel("or drop a file here")
-        hint.setObjectName("hint")
         self.busy = QProgressBar()
         self.busy.setMaximumWidth(160)
         self.busy.setTextVisible(False)
         self.busy.hide()
-        actions = QHBoxLayout()
-        for w in (self.choose_button, self.demo_button, hint):
-            actions.addWidget(w)
-        actions.addStretch(1)
-        actions.addWidget(self.busy)
+        actions = action_row((self.choose_button, self.demo_button), "or drop a file here",
+                             self.busy)
 
         self.file_label = QLabel("")
         self.file_label.setObjectName("folder")
         self.file_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.status = QLabel("")
-        self.status.setObjectName("status")
-        self.status.setWordWrap(True)
-        self.status.setTextFormat(Qt.TextFormat.PlainText)
-        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status = status_label()
 
         self._build_settings()
         self._build_summary()

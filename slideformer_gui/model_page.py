@@ -21,7 +21,7 @@ from slideformer_gui.context import AppContext
 from slideformer_gui.engine_cli import run_engine_command
 from slideformer_gui.formatting import human_bytes, human_count, short_path
 from slideformer_gui.tasks import run_task
-from slideformer_gui.widgets import page_header, set_state
+from slideformer_gui.widgets import action_row, page_header, set_state, status_label
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 NO_MODEL = ("No model chosen yet. Choose a Hugging Face model folder (config.json, "
@@ -90,17 +90,12 @@ class ModelPage(QWidget):
         self.demo_button.setToolTip(f"A tiny 4-layer Llama with random weights, made in\n"
                                     f"{ctx.demo_model_dir}")
         self.demo_button.clicked.connect(self.create_demo)
-        hint = QLabel("or drop a folder here")
-        hint.setObjectName("hint")
         self.busy = QProgressBar()
         self.busy.setRange(0, 0)
         self.busy.setMaximumWidth(120)
         self.busy.hide()
-        actions = QHBoxLayout()
-        for w in (self.choose_button, self.demo_button, hint):
-            actions.addWidget(w)
-        actions.addStretch(1)
-        actions.addWidget(self.busy)
+        actions = action_row((self.choose_button, self.demo_button), "or drop a folder here",
+                             self.busy)
 
         self.recent = QListWidget()
         self.recent.setObjectName("recentList")
@@ -123,11 +118,7 @@ class ModelPage(QWidget):
         self.folder.setObjectName("folder")
         self.folder.setWordWrap(True)
         self.folder.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.status = QLabel(NO_MODEL)
-        self.status.setObjectName("status")
-        self.status.setWordWrap(True)
-        self.status.setTextFormat(Qt.TextFormat.PlainText)
-        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status = status_label(NO_MODEL)
         set_state(self.status, "info")
         self.fields: dict[str, QLabel] = {}
         form = QFormLayout()

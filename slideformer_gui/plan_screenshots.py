@@ -8,24 +8,16 @@ name says so) at the reference machine's speeds, as on any machine without a mea
 """
 from __future__ import annotations
 
-import argparse
-import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
-
-from PySide6.QtCore import QSettings
 
 from engine.config import BudgetConfig
 from engine.plan import REFERENCE, resolve_budgets
 from engine.plan.machine import GpuMemory, HostMemory
-from slideformer_gui.app import make_application
-from slideformer_gui.context import AppContext
 from slideformer_gui.main_window import MainWindow
 from slideformer_gui.plan_inputs import Machine
-from slideformer_gui.screenshots import save, wait_until
-from slideformer_gui.settings import Settings
+from slideformer_gui.screenshots import out_parser, print_paths, save, studio_window, wait_until
 
 GiB = 1 << 30
 CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "configs" / "llama-3.1-8b.json"
@@ -45,24 +37,11 @@ def simulated_desktop() -> Machine:
 
 def render(out: Path, config: Path = CONFIG) -> list[Path]:
     """Write the Plan page's PNGs into ``out``; returns their paths."""
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    out.mkdir(parents=True, exist_ok=True)
-    make_application()
-    home = os.environ.get("HOME")
-    try:
-        with tempfile.TemporaryDirectory(prefix="studio-") as tmp:
-            tmp = Path(tmp)
-            os.environ["HOME"] = str(tmp)  # paths on screen read "~/...", not this machine's
-            settings = Settings(QSettings(str(tmp / "settings.ini"), QSettings.Format.IniFormat))
-            ctx = AppContext(settings, data_dir=tmp / ".local" / "share" / "slideformer",
-                             gpu_source="none")
-            model = tmp / "models" / "Llama-3.1-8B"
-            model.mkdir(parents=True)
-            shutil.copy(config, model / "config.json")
-            return _shoot(MainWindow(ctx), model, out)
-    finally:
-        if home is not None:
-            os.environ["HOME"] = home
+    with studio_window(out) as (window, tmp):
+        model = tmp / "models" / "Llama-3.1-8B"
+        model.mkdir(parents=True)
+        shutil.copy(config, model / "config.json")
+        return _shoot(window, model, out)
 
 
 def _shoot(window: MainWindow, model: Path, out: Path) -> list[Path]:
@@ -88,19 +67,15 @@ def _shoot(window: MainWindow, model: Path, out: Path) -> list[Path]:
     page.apply_fix(next(f for f in page.plan.fixes if f.fits and f.available))
     wait_until(page.settled)
     written.append(save(window, out / "plan-fits.png"))
-    window.close()
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
+    parser = out_parser(__doc__)
     parser.add_argument("--config", type=Path, default=CONFIG,
                         help="a model's config.json to plan (default: Llama-3.1-8B's)")
     args = parser.parse_args(argv)
-    for path in render(args.out, args.config):
-        print(path)
-    return 0
+    return print_paths(render(args.out, args.config))
 
 
 if __name__ == "__main__":

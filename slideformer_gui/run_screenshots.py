@@ -8,20 +8,13 @@ user sees on any machine; the pictures are taken while it trains, then it is sto
 """
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
-from PySide6.QtCore import QSettings
-
-from slideformer_gui.app import make_application
-from slideformer_gui.context import AppContext
 from slideformer_gui.main_window import MainWindow
 from slideformer_gui.model_page import ensure_demo_model
-from slideformer_gui.screenshots import run_loop, save, wait_until
-from slideformer_gui.settings import Settings
+from slideformer_gui.screenshots import (out_parser, print_paths, run_loop, save, studio_window,
+                                         wait_until)
 
 WINDOW_SIZE = (1560, 980)
 STEPS_SHOWN = 70
@@ -30,29 +23,14 @@ STEPS_SHOWN = 70
 
 def render(out: Path) -> list[Path]:
     """Write data-during-run.png, train-during-run.png and runs.png into ``out``."""
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    out.mkdir(parents=True, exist_ok=True)
-    make_application()
-    home = os.environ.get("HOME")
-    try:
-        with tempfile.TemporaryDirectory(prefix="studio-") as tmp:
-            tmp = Path(tmp)
-            os.environ["HOME"] = str(tmp)  # paths on screen read "~/...", not this machine's
-            settings = Settings(QSettings(str(tmp / "settings.ini"), QSettings.Format.IniFormat))
-            ctx = AppContext(settings, data_dir=tmp / ".local" / "share" / "slideformer",
-                             gpu_source="none")
-            window = MainWindow(ctx)
-            try:
-                return _shoot(window, out)
-            finally:
-                train = window.pages["Train"]
-                if train.bridge is not None:
-                    train.bridge.abort()
-                    wait_until(lambda: train.bridge is None, 30000)
-                window.close()
-    finally:
-        if home is not None:
-            os.environ["HOME"] = home
+    with studio_window(out) as (window, _):
+        try:
+            return _shoot(window, out)
+        finally:
+            train = window.pages["Train"]
+            if train.bridge is not None:
+                train.bridge.abort()
+                wait_until(lambda: train.bridge is None, 30000)
 
 
 def _shoot(window: MainWindow, out: Path) -> list[Path]:
@@ -100,12 +78,7 @@ def _shoot(window: MainWindow, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
-    args = parser.parse_args(argv)
-    for path in render(args.out):
-        print(path)
-    return 0
+    return print_paths(render(out_parser(__doc__).parse_args(argv).out))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from PySide6.QtCore import QEventLoop, QSettings, QTimer
@@ -75,8 +77,13 @@ def save(widget: QWidget, path: Path) -> Path:
     return path
 
 
-def render(out: Path) -> list[Path]:
-    """Write one PNG per page and state into ``out``; returns their paths."""
+@contextmanager
+def studio_window(out: Path) -> Iterator[tuple[MainWindow, Path]]:
+    """A main window on throw-away settings and data folders, and the folder standing as HOME.
+
+    Creates ``out``, starts the application offscreen, and closes the window and puts HOME
+    back afterwards.
+    """
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # read when the QApplication starts
     out.mkdir(parents=True, exist_ok=True)
     make_application()
@@ -88,10 +95,34 @@ def render(out: Path) -> list[Path]:
             settings = Settings(QSettings(str(tmp / "settings.ini"), QSettings.Format.IniFormat))
             ctx = AppContext(settings, data_dir=tmp / ".local" / "share" / "slideformer",
                              gpu_source="none")
-            return _shoot(MainWindow(ctx), tmp, out)
+            window = MainWindow(ctx)
+            try:
+                yield window, tmp
+            finally:
+                window.close()
     finally:
         if home is not None:
             os.environ["HOME"] = home
+
+
+def out_parser(doc: str) -> argparse.ArgumentParser:
+    """The command line of a screenshot script: its docstring's first line and ``--out``."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
+    return parser
+
+
+def print_paths(paths: list[Path]) -> int:
+    """Print the pictures written, one a line; the script's exit status."""
+    for path in paths:
+        print(path)
+    return 0
+
+
+def render(out: Path) -> list[Path]:
+    """Write one PNG per page and state into ``out``; returns their paths."""
+    with studio_window(out) as (window, tmp):
+        return _shoot(window, tmp, out)
 
 
 def _shoot(window, tmp: Path, out: Path) -> list[Path]:
@@ -125,17 +156,11 @@ def _shoot(window, tmp: Path, out: Path) -> list[Path]:
     wait_until(lambda: about.values["CUDA"].text() != "…")
     written.append(save(about, out / "about.png"))
     about.close()
-    window.close()
     return written
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("docs/screenshots"))
-    args = parser.parse_args(argv)
-    for path in render(args.out):
-        print(path)
-    return 0
+    return print_paths(render(out_parser(__doc__).parse_args(argv).out))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from PySide6.QtCore import Qt, QTimer
+from PySide6.QtCore import QTimer
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (QGridLayout, QLabel, QPlainTextEdit, QProgressBar, QTabWidget,
                                QVBoxLayout, QWidget)
@@ -23,7 +23,7 @@ from slideformer_gui.run_files import LOG_FILE
 from slideformer_gui.train_metrics import StepHistory, format_seconds, now, progress, \
     stall_seconds
 from slideformer_gui.train_plots import METRICS, MetricPlot, TimelineView
-from slideformer_gui.widgets import fixed_width, set_state
+from slideformer_gui.widgets import fixed_width, set_state, status_label
 
 REPAINT_HZ = 20
 """Repaint clock. Each tick repaints at most one chart whose data changed, in turn: painting
@@ -48,11 +48,7 @@ class Dashboard(QWidget):
         self.running = False
         """Steps are expected (the stall watch is on)."""
 
-        self.status = QLabel("")
-        self.status.setObjectName("status")
-        self.status.setWordWrap(True)
-        self.status.setTextFormat(Qt.TextFormat.PlainText)
-        self.status.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status = status_label()
         self.failure_log = QPlainTextEdit()
         self.failure_log.setReadOnly(True)
         self.failure_log.setFont(QFont("monospace", 8))

@@ -1,7 +1,8 @@
-"""Small pieces every page uses: the page header and state-styled labels."""
+"""Small pieces every page uses: the page header, its row of actions and state-styled labels."""
 from __future__ import annotations
 
-from PySide6.QtWidgets import QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 
 def page_header(title: str, subtitle: str) -> QWidget:
@@ -18,6 +19,29 @@ def page_header(title: str, subtitle: str) -> QWidget:
     lay.addWidget(t)
     lay.addWidget(s)
     return box
+
+
+def action_row(buttons: tuple[QWidget, ...], hint: str, busy: QWidget) -> QHBoxLayout:
+    """A page's row of actions: its buttons, a ``hint`` after them, ``busy`` at the far end."""
+    row = QHBoxLayout()
+    for button in buttons:
+        row.addWidget(button)
+    label = QLabel(hint)
+    label.setObjectName("hint")
+    row.addWidget(label)
+    row.addStretch(1)
+    row.addWidget(busy)
+    return row
+
+
+def status_label(text: str = "") -> QLabel:
+    """A wrapped, selectable plain-text label styled by its state (see :func:`set_state`)."""
+    label = QLabel(text)
+    label.setObjectName("status")
+    label.setWordWrap(True)
+    label.setTextFormat(Qt.TextFormat.PlainText)
+    label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+    return label
 
 
 def set_state(widget: QWidget, state: str) -> None:
