@@ -14,6 +14,9 @@ from engine.errors import UserError
 def register(sub) -> None:
     p = sub.add_parser("gui", help="open the desktop app (the default command)")
     p.add_argument("--model", help="model folder to choose at start")
+    p.add_argument("--self-test", action="store_true",
+                   help="check this installation offscreen (tiny model, 3 training steps, "
+                        "every page rendered) and exit")
     p.set_defaults(func=_gui)
 
 
@@ -29,6 +32,9 @@ def _check_display() -> None:
 
 
 def _gui(args) -> int:
+    if args.self_test:
+        from slideformer_gui.self_test import run_self_test
+        return run_self_test()
     _check_display()
     try:
         from slideformer_gui.app import run
