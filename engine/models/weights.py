@@ -213,7 +213,7 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out_dir)
-    _fsync(out_dir.parent)
+    fsync_path(out_dir.parent)
     return out_dir
 
 
@@ -233,11 +233,12 @@ def _sharded(tensors, dtype, limit) -> Iterator[tuple[str | None, torch.Tensor |
 def _fsync_dir(path: Path) -> None:
     """Flush every file of a folder, then the folder itself."""
     for p in path.iterdir():
-        _fsync(p)
-    _fsync(path)
+        fsync_path(p)
+    fsync_path(path)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush one file or folder (a folder: its entries, so renames inside it are durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

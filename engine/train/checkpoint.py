@@ -52,6 +52,7 @@ from typing import Callable
 import torch
 
 from engine.errors import UserError
+from engine.models.weights import fsync_path
 
 MANIFEST, META = "manifest.json", "trainer.json"
 FORMAT = 1
@@ -91,12 +92,12 @@ def write_checkpoint(root: Path, step: int, items: dict[str, dict[str, torch.Ten
         files[META] = _write_bytes(tmp / META, json.dumps(meta).encode())
         _write_bytes(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step,
                                                  "files": files}, indent=1).encode())
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         _slow_io()
         if final.exists():  # a damaged or superseded checkpoint of the same step
             _set_aside(final, root / f".step-{step}.old")
         os.replace(tmp, final)
-        _fsync_dir(root)
+        fsync_path(root)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -206,14 +207,6 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
         for t in tensors.values():
             out.write(_raw(t))
     return out.entry()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _set_aside(folder: Path, new: Path) -> None:
