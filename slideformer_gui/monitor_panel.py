@@ -15,6 +15,7 @@ from PySide6.QtGui import QFont
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from slideformer_gui.monitor_source import GIB, History, Sample
+from slideformer_gui.widgets import color_plot
 
 REPAINT_HZ = 15
 WINDOW_S = 120.0
@@ -128,11 +129,7 @@ class ChartView(QWidget):
         lay.addWidget(self.plot)
 
     def set_colors(self, background: str, foreground: str) -> None:
-        self.plot.setBackground(background)
-        for name in ("left", "bottom"):
-            axis = self.plot.getPlotItem().getAxis(name)
-            axis.setPen(pg.mkPen(foreground))
-            axis.setTextPen(pg.mkPen(foreground))
+        color_plot(self.plot, background, foreground)
 
     def repaint_from(self, history: History, x: np.ndarray) -> None:
         c = self.chart

@@ -15,7 +15,7 @@ from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
 from engine.events import Timeline
 from slideformer_gui.train_metrics import StepHistory, format_seconds
-from slideformer_gui.widgets import fixed_width
+from slideformer_gui.widgets import color_plot, fixed_width
 
 BLUE, ORANGE, GREEN, RED, PURPLE, TEAL, GREY = (
     "#3b82f6", "#f59e0b", "#22c55e", "#ef4444", "#a855f7", "#14b8a6", "#9ca3af")
@@ -109,11 +109,7 @@ class MetricPlot(QWidget):
         lay.addWidget(self.plot, 1)
 
     def set_colors(self, background: str, foreground: str) -> None:
-        self.plot.setBackground(background)
-        for name in ("left", "bottom"):
-            axis = self.plot.getPlotItem().getAxis(name)
-            axis.setPen(pg.mkPen(foreground))
-            axis.setTextPen(pg.mkPen(foreground))
+        color_plot(self.plot, background, foreground)
 
     def repaint_from(self, history: StepHistory) -> None:
         steps = history.column("step")
@@ -173,11 +169,7 @@ class TimelineView(QWidget):
         lay.addWidget(self.plot, 1)
 
     def set_colors(self, background: str, foreground: str) -> None:
-        self.plot.setBackground(background)
-        for name in ("left", "bottom"):
-            axis = self.plot.getPlotItem().getAxis(name)
-            axis.setPen(pg.mkPen(foreground))
-            axis.setTextPen(pg.mkPen(foreground))
+        color_plot(self.plot, background, foreground)
 
     def show_timeline(self, timeline: Timeline, step_time: float | None = None) -> None:
         """Draw ``timeline`` (spans in seconds from the step start)."""

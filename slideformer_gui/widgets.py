@@ -61,3 +61,13 @@ def fixed_width(label: QLabel) -> QLabel:
     policy.setHorizontalPolicy(QSizePolicy.Policy.Ignored)
     label.setSizePolicy(policy)
     return label
+
+
+def color_plot(plot, background: str, foreground: str) -> None:
+    """Theme a pyqtgraph PlotWidget: background, and pen and text of its left/bottom axes."""
+    import pyqtgraph as pg
+    plot.setBackground(background)
+    for name in ("left", "bottom"):
+        axis = plot.getPlotItem().getAxis(name)
+        axis.setPen(pg.mkPen(foreground))
+        axis.setTextPen(pg.mkPen(foreground))
