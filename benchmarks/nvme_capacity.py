@@ -99,7 +99,8 @@ def run(spec, plan, args, moments) -> dict:
     tier = NvmeTier(folder, names, buffers=args.buffers, threads=args.io_threads,
                     direct=not args.buffered)
     try:
-        host = build_host_state(spec, backend, torch.bfloat16, moments, tier)
+        host = build_host_state(spec, backend, torch.bfloat16, moments, tier,
+                                layer_grads=args.clip > 0)
         g = torch.Generator().manual_seed(0)
         buf = torch.empty(max(it.numel for it in host.values()))
         for item in host.values():

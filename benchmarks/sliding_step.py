@@ -55,8 +55,8 @@ class MB:
     doc_ids: None = None
 
 
-def random_state(spec, backend, moments):
-    host = build_host_state(spec, backend, torch.bfloat16, moments)
+def random_state(spec, backend, moments, layer_grads: bool = True):
+    host = build_host_state(spec, backend, torch.bfloat16, moments, layer_grads=layer_grads)
     g = torch.Generator().manual_seed(0)
     for item in host.values():
         item.set_master(torch.randn(item.numel, generator=g) * 0.02)
@@ -171,7 +171,7 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(args.vram_cap * 2**30 / total)
     spec = shape_spec(args.shape)
     moments = torch.bfloat16 if args.moments == "bfloat16" else torch.float32
-    host = random_state(spec, backend, moments)
+    host = random_state(spec, backend, moments, layer_grads=args.clip > 0)
     print(json.dumps(dict(event="state_ready", params=spec.num_params,
                           rss_gib=round(peak_rss() / 2**30, 2))), flush=True)
     for accum in args.grad_accum:

@@ -38,21 +38,22 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-@pytest.mark.parametrize("compute,moments,ckpt", [
-    (torch.float32, torch.float32, "gpu"), (torch.bfloat16, torch.bfloat16, "host"),
-    (torch.bfloat16, torch.float32, "gpu")])
-def test_persistent_buffers_match_the_engine(compute, moments, ckpt):
+@pytest.mark.parametrize("compute,moments,ckpt,clip", [
+    (torch.float32, torch.float32, "gpu", True), (torch.bfloat16, torch.bfloat16, "host", True),
+    (torch.bfloat16, torch.float32, "gpu", True), (torch.bfloat16, torch.float32, "gpu", False)])
+def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip):
     spec = _spec("qwen2", layers=5, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=200, tie=True)
     shape = ExecShape(micro_batch=3, seq_len=10, n_micro=2, slots=3, checkpoints=ckpt)
     backend = CpuBackend()
-    host = build_host_state(spec, backend, compute, moments)
+    host = build_host_state(spec, backend, compute, moments, layer_grads=clip)
     ex = SlidingExecutor(spec, backend, host, shape, compute)
-    allocs = M.allocations(spec, shape, M.Precision(compute, moments), "cpu", packed=True)
+    allocs = M.allocations(spec, shape, M.Precision(compute, moments), "cpu", packed=True, clip=clip)
     items = host.values()
     name = str(compute).removeprefix("torch.")
     assert _rows(allocs, f"{name} weights") == _nbytes(*(i.w for i in items))
     assert _rows(allocs, "AdamW moments m, v") == _nbytes(*(t for i in items for t in (i.m, i.v)))
-    assert _rows(allocs, "gradient buffers") == _nbytes(*(i.g for i in items))
+    assert _rows(allocs, "gradient buffers") == _nbytes(*(i.g for i in items), *ex.ring)
+    assert bool(ex.ring) == (not clip)
     rem = [a for a in allocs if a.purpose == "weight remainders"]
     assert sum(a.bytes for a in rem) == _nbytes(*(i.rem for i in items))
     assert _rows(allocs, "parameter slots") == _nbytes(*(s.buf for s in ex.pool.slots))

@@ -1,6 +1,7 @@
 """Sliding-window training equals plain dense training (CPU, fp32), step by step."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -13,6 +14,7 @@ from engine.models.spec import load_spec
 from engine.models.tiny import TinyShape, make_tiny_model
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names
 from engine.runtime.backend import CpuBackend
+import engine.runtime.executor as executor_mod
 from engine.runtime.executor import ExecShape, SlidingExecutor
 from engine.runtime.host_state import AdamHyper
 from engine.train.schedule import lr_at
@@ -97,11 +99,15 @@ class DenseReference:
         return torch.cat([p.detach().reshape(-1) for p in self.items[item].values()])
 
 
-def run_sliding(spec, model_dir, steps, optim, shape):
+def run_sliding(spec, model_dir, steps, optim, shape, threaded=False):
+    """``threaded``: updates in a worker thread as on CUDA (the CPU backend runs them inline)."""
     backend = CpuBackend()
-    host = build_host_state(spec, backend, torch.float32, torch.float32)
+    host = build_host_state(spec, backend, torch.float32, torch.float32,
+                            layer_grads=optim.max_grad_norm > 0)
     load_weights(host, spec, model_dir)
     ex = SlidingExecutor(spec, backend, host, shape, torch.float32)
+    if threaded:
+        ex.updater = ThreadPoolExecutor(1)
     losses = []
     for k, mbs in enumerate(steps, start=1):
         hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, optim), optim.beta1, optim.beta2,  # noqa: E731
@@ -158,3 +164,22 @@ def test_schedule_variants_match_dense(tmp_path, slots, n_micro, ckpt, clip, pac
                                ExecShape(micro_batch=1, seq_len=20, n_micro=n_micro, slots=slots,
                                          checkpoints=ckpt))
     assert_same(spec, ref, ref_losses, losses, host)
+
+
+@pytest.mark.parametrize("ring,threaded", [(1, False), (2, True), (3, True)])
+def test_gradient_ring_matches_dense(tmp_path, monkeypatch, ring, threaded):
+    """Without clipping the layers' gradients pass through a ring of fewer buffers than layers
+    (here 1-3 for 4 layers), also with updates racing the backward in a worker thread."""
+    monkeypatch.setattr(executor_mod, "GRAD_RING", ring)
+    d = make_tiny_model(tmp_path / "m", "llama", TinyShape(layers=4), seed=4)
+    spec = load_spec(d)
+    optim = OptimConfig(lr=2e-3, weight_decay=0.05, schedule="linear", max_grad_norm=0.0)
+    steps = make_batches(spec, 2, B=1, T=20, seed=5)
+    ref = DenseReference(spec, d, optim)
+    ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
+    losses, host = run_sliding(spec, d, steps, optim,
+                               ExecShape(micro_batch=1, seq_len=20, n_micro=2, slots=2),
+                               threaded=threaded)
+    assert all(host[f"layer{i}"].g is None for i in range(4))
+    assert_same(spec, ref, ref_losses, losses, host)
+

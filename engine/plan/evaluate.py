@@ -104,7 +104,8 @@ class Evaluator:
         return self._evaluate(k, shape, lo)  # all layers when even that does not fit
 
     def _evaluate(self, k: Knobs, shape: ExecShape, disk_layers: int) -> Evaluation:
-        allocs = allocations(self.spec, shape, k.precision, self.device, k.packed, disk_layers)
+        allocs = allocations(self.spec, shape, k.precision, self.device, k.packed, disk_layers,
+                             k.clip)
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),

@@ -27,7 +27,7 @@ import torch
 
 from engine.kernels.linear_ce import GW_ROWS
 from engine.models.spec import ModelSpec
-from engine.runtime.executor import ExecShape
+from engine.runtime.executor import GRAD_RING, ExecShape
 from engine.runtime.host_state import CHUNK
 from engine.runtime.nvme import BUFFERS, file_bytes
 
@@ -104,13 +104,21 @@ def _dt(dtype: torch.dtype) -> str:
 
 
 # ---- host state and loading -----------------------------------------------------------------
-def host_state(spec: ModelSpec, prec: Precision, device: str, disk_layers: int = 0) -> list[Allocation]:
+def host_state(spec: ModelSpec, prec: Precision, device: str, disk_layers: int = 0,
+               clip: bool = True) -> list[Allocation]:
     """HostItem.w / rem / m / v / g of every item (embed, L layers, head), and the runtime.
 
     The moments of ``disk_layers`` decoder layers live in the NVMe tier (engine.runtime.nvme)
-    instead, and pass through its staging buffers (one layer's m and v each).
+    instead, and pass through its staging buffers (one layer's m and v each). Without
+    clipping the decoder layers own no gradient buffer and share the executor's ring.
     """
     n, c = spec.num_params, prec.c
+    if clip:
+        grads, grad_note = n * 4, f"{n:,} params x 4 B (fp32)"
+    else:  # HostItem.g of embed and head + SlidingExecutor.ring
+        ring = min(GRAD_RING, spec.num_layers)
+        grads = (spec.embed_layout.numel + spec.head_layout.numel + ring * spec.params_per_layer) * 4
+        grad_note = f"embedding, head and a ring of {ring} layers x 4 B (fp32; no clipping)"
     in_ram = n - disk_layers * spec.params_per_layer
     pinned = " (pinned)" if device == "cuda" else ""
     out = [Allocation("host", f"{_dt(prec.compute)} weights", n * c,  # HostItem.w
@@ -120,8 +128,8 @@ def host_state(spec: ModelSpec, prec: Precision, device: str, disk_layers: int =
     out += [Allocation("host", "AdamW moments m, v", 2 * in_ram * prec.mo,  # HostItem.m, HostItem.v
                        f"2 x {in_ram:,} params x {prec.mo} B ({_dt(prec.moments)})"
                        + (f"; {disk_layers} layers' moments on disk" if disk_layers else ""), "state"),
-            Allocation("host", "gradient buffers", n * 4,  # HostItem.g, fp32
-                       f"{n:,} params x 4 B (fp32){pinned}", "state"),
+            Allocation("host", "gradient buffers", grads,  # HostItem.g, fp32
+                       grad_note + pinned, "state"),
             Allocation("host", "runtime baseline", HOST_RUNTIME[device],
                        "Python, torch" + (" and the CUDA runtime" if device == "cuda" else ""), "state"),
             Allocation("host", "runtime working memory", RUNTIME_WORKING,
@@ -296,7 +304,7 @@ def allocator_reserve(allocs: list[Allocation], shape: ExecShape, spec: ModelSpe
 
 
 def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
-                packed: bool, disk_layers: int = 0) -> tuple[Allocation, ...]:
+                packed: bool, disk_layers: int = 0, clip: bool = True) -> tuple[Allocation, ...]:
     """Every allocation of a run with this model, executor shape and precision.
 
     Args:
@@ -304,8 +312,9 @@ def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
             and its "gpu" buffers are host memory).
         packed: sequences are packed (attention masks exist).
         disk_layers: decoder layers whose moments the NVMe tier holds.
+        clip: exact global-norm clipping (every layer keeps its gradient until the norm is known).
     """
-    out = host_state(spec, prec, device, disk_layers) + loading(spec, prec)
+    out = host_state(spec, prec, device, disk_layers, clip) + loading(spec, prec)
     out += device_buffers(spec, shape, prec, device) + step_transients(spec, shape, prec, packed)
     if device == "cuda":
         out.append(allocator_reserve(out, shape, spec, prec))

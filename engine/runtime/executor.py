@@ -11,7 +11,9 @@ parameter slots (DESIGN §3.3):
               parameter gradients of all micro-batches in an fp32 gradient slot, one
               device->host copy per layer, squared norm accumulated on the device
     update    CPU AdamW per item in a worker thread (DESIGN §3.4): without clipping a layer's
-              update starts as soon as its gradients reach the host (overlapping the backward);
+              update starts as soon as its gradients reach the host (overlapping the backward),
+              and layers without their own host gradient buffer borrow one of a ring of
+              GRAD_RING (the copy into a buffer waits for the update that last read it);
               with exact clipping all updates wait for the global norm, then run in order
               embed, 0 .. L-1, head, overlapping the next step's forward, which waits per item.
     disk      layers in the NVMe tier (engine.runtime.nvme) have their moments read ahead in
@@ -37,6 +39,11 @@ from engine.runtime.activations import DeviceStore, HostStore
 from engine.runtime.host_state import AdamHyper, AdamWorkspace, HostItem, adam_update
 from engine.runtime.slots import SlotPool
 from engine.runtime.timeline import StepTimeline
+
+
+GRAD_RING = 4
+"""Host gradient buffers shared by the decoder layers when they own none (training without
+clipping): the backward may run this many layers ahead of the CPU updates."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,11 @@ class SlidingExecutor:
         self.pending: dict[str, Future] = {}
         self.resident_stale = {"embed": True, "head": True}
         self.grads_out: dict[str, object] = {}
+        ring = 0 if all(host[f"layer{i}"].g is not None for i in range(L)) else min(GRAD_RING, L)
+        self.ring = [backend.host_alloc(n, torch.float32) for _ in range(ring)]
+        self.ring_user: list[Future | None] = [None] * ring
+        """The update that reads each ring buffer last (the next copy into it waits for it)."""
+        self.ring_next = 0
 
     # ---- host <-> device state -------------------------------------------------------------
     def _wait_update(self, name: str) -> None:
@@ -171,6 +183,9 @@ class SlidingExecutor:
             hyper: AdamW hyper-parameters of this step given the clipping coefficient.
             max_grad_norm: exact global-norm clipping threshold; 0 disables clipping.
         """
+        if max_grad_norm > 0 and self.ring:
+            raise ValueError("exact clipping needs every layer's gradient until the global norm is "
+                             "known: build the host state with layer_grads=True")
         tl = StepTimeline(self.backend, timeline)
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
@@ -301,7 +316,13 @@ class SlidingExecutor:
                 self.health[i].copy_(sq)
             t1 = self.backend.mark()
             tl.device_span("compute", f"layer{i}", t0, t1)
-            h = self.backend.start_d2h(self.host[f"layer{i}"].g, g, after=[t1])
+            dest, r = self.host[f"layer{i}"].g, None
+            if dest is None:  # a ring buffer, once the update that last read it is done
+                r, self.ring_next = self.ring_next, (self.ring_next + 1) % len(self.ring)
+                if self.ring_user[r] is not None:
+                    self.ring_user[r].result()
+                dest = self.ring[r][:n]
+            h = self.backend.start_d2h(dest, g, after=[t1])
             tl.device_span("d2h", f"layer{i}", h.start, h)
             self.gslot_free[slot] = [h]
             self.grads_out[f"layer{i}"] = [h]
@@ -311,7 +332,9 @@ class SlidingExecutor:
             self.store.done_with(i)
             self.pool.release(i, evict=True)
             if hyper_now is not None:
-                self._submit_update(f"layer{i}", hyper_now, tl, guard, i)
+                self._submit_update(f"layer{i}", hyper_now, tl, guard, i, dest)
+                if r is not None:
+                    self.ring_user[r] = self.pending[f"layer{i}"]
         self._embed_backward(gys, inp, tl)
 
     def _layer_backward(self, w, g, x, gy, rope, mask) -> torch.Tensor:
@@ -348,15 +371,17 @@ class SlidingExecutor:
                 self.host[name].disk.prefetch(tl)
 
     def _submit_update(self, name: str, hp: AdamHyper, tl: StepTimeline,
-                       guard: _Guard | None = None, layer: int = 0) -> None:
+                       guard: _Guard | None = None, layer: int = 0,
+                       grad: torch.Tensor | None = None) -> None:
         handles = self.grads_out.get(name, [])
         if name in ("embed", "head"):
             self.resident_stale[name] = True
         self.step_updates += 1
-        self.pending[name] = self.updater.submit(self._update, name, handles, hp, tl, guard, layer)
+        self.pending[name] = self.updater.submit(self._update, name, handles, hp, tl, guard, layer,
+                                                 grad)
 
     def _update(self, name: str, handles, hp: AdamHyper, tl: StepTimeline,
-                guard: _Guard | None, layer: int) -> None:
+                guard: _Guard | None, layer: int, grad: torch.Tensor | None = None) -> None:
         for h in handles:
             h.wait()
         if guard is not None and not guard.allows(layer):
@@ -365,7 +390,7 @@ class SlidingExecutor:
         staged = None if item.disk is None else item.disk.acquire(tl)
         try:
             t0 = time.perf_counter()
-            adam_update(item, hp, self.workspace, staged=staged)
+            adam_update(item, hp, self.workspace, staged=staged, grad=grad)
             tl.host_span("optimizer", name, t0, time.perf_counter())
         finally:
             if item.disk is not None:

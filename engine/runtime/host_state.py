@@ -5,7 +5,10 @@ Per parameter, for bf16 compute (DESIGN §3.2):
   rem  16-bit remainder: w and rem are the high and low halves of bits(master) + 0x8000, so the
        fp32 master is exact and w is the master rounded to nearest
   m, v AdamW moments, fp32 (or bf16 as a named option)
-  g    fp32 gradient, written by the device->host copy of the item's accumulated gradient
+  g    fp32 gradient, written by the device->host copy of the item's accumulated gradient;
+       None for decoder layers trained without clipping: their gradients pass through the
+       executor's small ring of host buffers instead (a layer's gradient is dead once its update
+       ran, and without clipping that update starts as soon as the gradient lands)
 For fp32 compute, ``w`` is the master itself and there is no remainder. For an item in the NVMe
 tier (engine.runtime.nvme), m and v (and optionally rem) live in its file instead: the update
 gets them in a staging buffer (``staged``), a checkpoint as a mapping of the file
@@ -71,11 +74,11 @@ class HostItem:
     """Host state (weights, remainder, moments, gradient) of one window item.
 
     ``tier``: an NVMe tier (engine.runtime.nvme.NvmeTier) that keeps this item's moments (and
-    remainder) on disk if it chose the item.
+    remainder) on disk if it chose the item. ``grad``: whether the item owns a gradient buffer.
     """
 
     def __init__(self, name: str, layout: Layout, compute_dtype: torch.dtype,
-                 moments_dtype: torch.dtype, alloc_pinned, alloc, tier=None):
+                 moments_dtype: torch.dtype, alloc_pinned, alloc, tier=None, grad: bool = True):
         self.name, self.layout, self.numel = name, layout, layout.numel
         self.has_rem = compute_dtype == torch.bfloat16
         fields = {"rem": torch.int16} if self.has_rem else {}
@@ -86,7 +89,7 @@ class HostItem:
         self.w = alloc_pinned(self.numel, compute_dtype)
         ram = {k: alloc(self.numel, d) for k, d in fields.items() if k not in on_disk}
         self.rem, self.m, self.v = ram.get("rem"), ram.get("m"), ram.get("v")
-        self.g = alloc_pinned(self.numel, torch.float32)
+        self.g = alloc_pinned(self.numel, torch.float32) if grad else None
         self.runs = decay_runs(layout)
 
     def fields(self, staged: dict[str, torch.Tensor] | None = None):
@@ -169,18 +172,21 @@ class AdamWorkspace:
 
 
 def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool | None = None,
-                staged: dict[str, torch.Tensor] | None = None) -> None:
-    """One AdamW step on the item's master weights from ``item.g``; refreshes ``item.w``.
+                staged: dict[str, torch.Tensor] | None = None,
+                grad: torch.Tensor | None = None) -> None:
+    """One AdamW step on the item's master weights from ``grad`` (default ``item.g``);
+    refreshes ``item.w``.
 
     bf16 weights with fp32 moments go through the one-pass compiled kernel when it is
     available (``native``: None = when available); everything else, and the reference, through
     a chunked chain of PyTorch ops. ``staged``: the item's disk fields in a tier buffer.
     """
     rem, mom1, mom2 = item.fields(staged)
+    g = item.g if grad is None else grad
     native = cpu_adam.native_available() if native is None else native and cpu_adam.native_available()
     if native and rem is not None and mom1.dtype == torch.float32:
         for start, end, decay in item.runs:
-            cpu_adam.fused_update(item.w[start:end], rem[start:end], item.g[start:end],
+            cpu_adam.fused_update(item.w[start:end], rem[start:end], g[start:end],
                                   mom1[start:end], mom2[start:end], hp.lr, hp.beta1,
                                   hp.beta2, hp.eps, hp.weight_decay if decay else 0.0, hp.step,
                                   hp.grad_scale)
@@ -194,7 +200,7 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
             p = item.w[s:e] if rem is None else join_master(item.w[s:e], rem[s:e], ws.p[:n])
             m, v = (mom1[s:e], mom2[s:e]) if exact_moments else (
                 ws.m[:n].copy_(mom1[s:e]), ws.v[:n].copy_(mom2[s:e]))
-            torch._fused_adamw_([p], [item.g[s:e]], [m], [v], [], [step], lr=hp.lr,
+            torch._fused_adamw_([p], [g[s:e]], [m], [v], [], [step], lr=hp.lr,
                                 beta1=hp.beta1, beta2=hp.beta2,
                                 weight_decay=hp.weight_decay if decay else 0.0, eps=hp.eps,
                                 amsgrad=False, maximize=False, grad_scale=scale)

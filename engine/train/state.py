@@ -20,13 +20,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
-                     tier=None) -> dict[str, HostItem]:
+                     tier=None, layer_grads: bool = True) -> dict[str, HostItem]:
     """Allocate the host state of every item (zero moments, uninitialised weights).
 
     ``tier``: an engine.runtime.nvme.NvmeTier; the items it chose keep their moments on disk.
+    ``layer_grads``: decoder layers own gradient buffers (needed with clipping); False: they
+    borrow the executor's gradient ring (training without clipping only).
     """
     return {name: HostItem(name, item_layout(spec, name), compute_dtype, moments_dtype,
-                           backend.host_alloc, _alloc, tier)
+                           backend.host_alloc, _alloc, tier,
+                           grad=layer_grads or not name.startswith("layer"))
             for name in item_names(spec)}
 
 

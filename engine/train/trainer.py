@@ -128,7 +128,8 @@ class Trainer:
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
         self.tier = self._open_tier()
-        self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier)
+        self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
+                                     layer_grads=cfg.optim.max_grad_norm > 0)
         if resume:  # the checkpoint holds the whole state: only check the model folder
             Checkpoint(cfg.model.path).check(self.spec)
         else:
