@@ -109,6 +109,10 @@ class BudgetConfig:
     """Parameter slots on the GPU (K); 0 lets the planner choose."""
     checkpoints: str = "auto"
     """Activation checkpoints: auto, gpu or host."""
+    gpu_layers: int = -1
+    """Decoder layers kept on the GPU with their master weights and moments, updated there (the
+    embedding and head too); -1 lets the planner use spare VRAM, 0 keeps all optimizer work on
+    the CPU."""
     nvme_dir: str = ""
     """Folder for the NVMe tier (optimizer state on disk); empty: none."""
     nvme_size: str = "0"

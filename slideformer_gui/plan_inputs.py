@@ -177,12 +177,17 @@ class PlanInputs(QWidget):
         self.slots = QSpinBox(minimum=0, maximum=4096)
         self.slots.setSpecialValueText("auto (as many as fit)")
         self.slots.setToolTip("Decoder layers held on the GPU at once (at least 2)")
+        self.gpu_layers = QSpinBox(minimum=-1, maximum=4096)
+        self.gpu_layers.setSpecialValueText("auto (spare VRAM)")
+        self.gpu_layers.setToolTip("Decoder layers whose master weights and moments stay on the GPU "
+                                   "and are updated there, with the embedding and head (0: all "
+                                   "optimizer work on the CPU)")
         self.bf16_moments = QCheckBox("bf16 AdamW moments")
         self.bf16_moments.setToolTip("Half the moments' memory; slightly different numerics")
         self.clip = QCheckBox("Gradient clipping")
         self.clip.setToolTip("Exact global-norm clipping. Off: the CPU updates overlap the "
                              "backward instead of the next forward")
-        for box in (self.seq_len, self.micro_batch, self.grad_accum, self.slots):
+        for box in (self.seq_len, self.micro_batch, self.grad_accum, self.slots, self.gpu_layers):
             box.setKeyboardTracking(False)
         precision = QHBoxLayout()
         precision.addWidget(self.bf16_moments)
@@ -196,6 +201,7 @@ class PlanInputs(QWidget):
         run.addRow("Accumulation", self.grad_accum)
         run.addRow("Checkpoints", self.checkpoints)
         run.addRow("Layer slots", self.slots)
+        run.addRow("GPU-updated layers", self.gpu_layers)
         run.addRow(precision)
 
         self._boxes = QBoxLayout(QBoxLayout.Direction.LeftToRight, self)
@@ -217,6 +223,7 @@ class PlanInputs(QWidget):
                                    lambda v: self.checkpoints.setCurrentIndex(
                                        self.checkpoints.findData(v))),
             "budget.slots": (self.slots.value, self.slots.setValue),
+            "budget.gpu_layers": (self.gpu_layers.value, self.gpu_layers.setValue),
             "optim.moments_dtype": (lambda: "bfloat16" if self.bf16_moments.isChecked() else "float32",
                                     lambda v: self.bf16_moments.setChecked(v == "bfloat16")),
             "optim.max_grad_norm": (lambda: self._clip_norm if self.clip.isChecked() else 0.0,
@@ -225,12 +232,13 @@ class PlanInputs(QWidget):
         self.set_settings({"optim.moments_dtype": defaults.optim.moments_dtype,
                            "optim.max_grad_norm": defaults.optim.max_grad_norm,
                            "budget.checkpoints": defaults.budget.checkpoints,
-                           "budget.slots": defaults.budget.slots})
+                           "budget.slots": defaults.budget.slots,
+                           "budget.gpu_layers": defaults.budget.gpu_layers})
         for signal in (self.vram.changed, self.ram.changed, self.nvme_dir.editingFinished,
                        self.nvme_size.valueChanged, self.seq_len.valueChanged,
                        self.micro_batch.valueChanged, self.grad_accum.valueChanged,
                        self.checkpoints.currentIndexChanged, self.slots.valueChanged,
-                       self.bf16_moments.toggled, self.clip.toggled):
+                       self.gpu_layers.valueChanged, self.bf16_moments.toggled, self.clip.toggled):
             signal.connect(self.changed)
 
     def set_stacked(self, stacked: bool) -> None:
@@ -264,7 +272,7 @@ class PlanInputs(QWidget):
 
     def _signalling(self) -> list[QWidget]:
         return [self.vram, self.ram, self.nvme_dir, self.nvme_size, self.seq_len,
-                self.micro_batch, self.grad_accum, self.checkpoints, self.slots,
+                self.micro_batch, self.grad_accum, self.checkpoints, self.slots, self.gpu_layers,
                 self.bf16_moments, self.clip]
 
     def _vram_text(self) -> str:

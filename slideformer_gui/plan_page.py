@@ -340,6 +340,7 @@ class PlanPage(QWidget):
             f"{batches}<br><span style='color:gray'>{html.escape(name)} ({plan.model_type}, "
             f"{human_count(plan.total_params)} parameters) on {plan.device}: {s.slots} layer slots "
             f"on the GPU, checkpoints {'on the GPU' if s.checkpoints == 'gpu' else 'in host RAM'}, "
+            f"{_device_items(s)}"
             f"{plan.compute_dtype} compute, {plan.moments_dtype} moments.</span>")
 
     def fix_buttons(self) -> list[QPushButton]:
@@ -354,3 +355,12 @@ class PlanPage(QWidget):
         steps = math.ceil(self.tokens.value() * 1e6 / plan.tokens_per_step)
         self.eta.setText(f"<b>{duration(steps * plan.speed.step_time)}</b> "
                          f"({steps:,} steps)")
+
+
+def _device_items(shape) -> str:
+    """Which items the GPU updates itself (the rest go through the CPU optimizer)."""
+    if not shape.device_update and not shape.device_layers:
+        return "all updates on the CPU, "
+    layers = f" and {shape.device_layers} layers" if shape.device_layers else ""
+    return f"embedding, head{layers} updated on the GPU, "
+

@@ -64,9 +64,10 @@ CATEGORIES = (
 )
 _PURPOSES = {
     "Weights": ("bfloat16 weights", "float32 weights", "weight remainders", "parameter slots",
-                "embedding weights", "head weights"),
+                "embedding weights", "head weights", "device layers"),
     "Optimizer state": ("AdamW moments m, v", "optimizer scratch", "NVMe staging buffers",
-                        "NVMe tier"),
+                        "NVMe tier", "embedding and head optimizer state",
+                        "device optimizer scratch"),
     "Gradients": ("gradient buffers", "embedding grads", "head grads", "gradient slots",
                   "layer grads in compute dtype"),
     "Activations": ("activation checkpoints", "pinned activation checkpoints", "checkpoint staging",

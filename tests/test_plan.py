@@ -109,7 +109,7 @@ def test_largest_batches_are_the_edge_of_fitting(tmp_path):
 def test_exec_shape_takes_as_many_slots_as_fit(tmp_path):
     spec = load_spec(model_folder(tmp_path, "llama-3.2-3b"))
     base = {"budget.ram": "100GiB", "data.max_seq_len": 1024, "train.micro_batch": 4,
-            "budget.checkpoints": "gpu"}
+            "budget.checkpoints": "gpu", "budget.gpu_layers": 0}
     roomy = plan_run(override(RunConfig(), {**base, "budget.vram": "80GiB"}), spec, hardware=REFERENCE)
     assert roomy.exec_shape.slots == spec.num_layers  # never more than the layers
     # a budget that leaves room for exactly 5 slots under the 90% line
@@ -221,7 +221,33 @@ def test_speed_amortises_the_optimizer_over_accumulation(tmp_path):
     for n in (1, 4, 16):
         cfg = override(RunConfig(), {"budget.vram": "80GiB", "budget.ram": "100GiB",
                                      "data.max_seq_len": 1024, "train.micro_batch": 8,
-                                     "train.grad_accum": n})
+                                     "train.grad_accum": n, "budget.gpu_layers": 0})
         speeds.append(plan_run(cfg, spec, hardware=REFERENCE).speed)
     assert speeds[0].tokens_per_s < speeds[1].tokens_per_s < speeds[2].tokens_per_s
     assert speeds[0].bound == "cpu optimizer" and speeds[2].bound == "gpu compute"
+
+
+def test_spare_vram_goes_to_the_device_optimizer(tmp_path):
+    """With VRAM to spare the embedding, head and first layers are updated on the GPU: all of
+    them on a large card, some on a 24 GiB one, none when VRAM is short or on the CPU backend."""
+    spec = load_spec(model_folder(tmp_path, "llama-3.2-3b"))
+    base = {"budget.ram": "100GiB", "data.max_seq_len": 1024, "train.micro_batch": 8}
+    plan = lambda vram, **kw: plan_run(override(RunConfig(), {**base, "budget.vram": vram, **kw}),  # noqa: E731
+                                       spec, device="cuda", hardware=REFERENCE)
+    big = plan("120GiB")
+    assert big.exec_shape.device_update and big.exec_shape.device_layers == spec.num_layers
+    assert big.speed.tokens_per_s > plan("120GiB", **{"budget.gpu_layers": 0}).speed.tokens_per_s
+    card = plan("24GiB")
+    assert card.exec_shape.device_update and 0 < card.exec_shape.device_layers < spec.num_layers
+    assert card.tier("gpu").peak <= 0.9 * card.tier("gpu").budget
+    assert card.verdict == "fits"
+    off = plan("24GiB", **{"budget.gpu_layers": 0})
+    assert not off.exec_shape.device_update and off.exec_shape.device_layers == 0
+    assert card.tier("host").peak == off.tier("host").peak  # host copies are kept either way
+    assert plan("24GiB", **{"budget.gpu_layers": 3}).exec_shape.device_layers == 3
+    short = plan("24GiB", **{"train.micro_batch": 24, "budget.checkpoints": "gpu"})
+    assert short.exec_shape.device_layers == 0
+    cpu = plan_run(override(RunConfig(), {**base, "budget.vram": "120GiB"}), spec, device="cpu",
+                   hardware=REFERENCE)
+    assert not cpu.exec_shape.device_update
+

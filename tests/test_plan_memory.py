@@ -38,12 +38,13 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-@pytest.mark.parametrize("compute,moments,ckpt,clip", [
-    (torch.float32, torch.float32, "gpu", True), (torch.bfloat16, torch.bfloat16, "host", True),
-    (torch.bfloat16, torch.float32, "gpu", True), (torch.bfloat16, torch.float32, "gpu", False)])
-def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip):
+@pytest.mark.parametrize("compute,moments,ckpt,clip,dev", [
+    (torch.float32, torch.float32, "gpu", True, 0), (torch.bfloat16, torch.bfloat16, "host", True, 2),
+    (torch.bfloat16, torch.float32, "gpu", True, 0), (torch.bfloat16, torch.float32, "gpu", False, 1)])
+def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev):
     spec = _spec("qwen2", layers=5, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=200, tie=True)
-    shape = ExecShape(micro_batch=3, seq_len=10, n_micro=2, slots=3, checkpoints=ckpt)
+    shape = ExecShape(micro_batch=3, seq_len=10, n_micro=2, slots=3, checkpoints=ckpt,
+                      device_update=bool(dev), device_layers=dev)
     backend = CpuBackend()
     host = build_host_state(spec, backend, compute, moments, layer_grads=clip)
     ex = SlidingExecutor(spec, backend, host, shape, compute)
@@ -60,6 +61,14 @@ def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip):
     assert _rows(allocs, "embedding weights", "head weights") == _nbytes(ex.embed_w, ex.head_w)
     assert _rows(allocs, "embedding grads", "head grads") == _nbytes(ex.embed_g, ex.head_g)
     assert _rows(allocs, "gradient slots") == _nbytes(*ex.gslots)
+    if dev:
+        resident = {id(t) for t in (ex.embed_w, ex.embed_g, ex.head_w, ex.head_g)}
+        state = [t for it in ex.dev.values() for t in (it.w, it.rem, it.m, it.v, it.g)
+                 if t is not None and id(t) not in resident]
+        assert _rows(allocs, "embedding and head optimizer state", "device layers") == _nbytes(*state)
+        ws = ex.dev_ws
+        assert _rows(allocs, "device optimizer scratch") == _nbytes(ws.p, ws.m, ws.v)
+        assert len(ex.dev) == 2 + dev
     if ckpt == "host":
         assert _rows(allocs, "checkpoint staging") == _nbytes(ex.store.staging)
         assert _rows(allocs, "pinned activation checkpoints") == _nbytes(ex.store.host)

@@ -183,3 +183,22 @@ def test_gradient_ring_matches_dense(tmp_path, monkeypatch, ring, threaded):
     assert all(host[f"layer{i}"].g is None for i in range(4))
     assert_same(spec, ref, ref_losses, losses, host)
 
+
+@pytest.mark.parametrize("device_layers,clip,threaded", [(0, 0.5, False), (1, 0.5, True),
+                                                          (3, 0.0, True), (4, 1e-3, False)])
+def test_device_updated_items_match_dense(tmp_path, device_layers, clip, threaded):
+    """Embedding, head and the first layers updated where they live (the device) instead of
+    by the host optimizer: the same steps as dense AdamW, and the host copy that checkpoints
+    read is refreshed by drain()."""
+    d = make_tiny_model(tmp_path / "m", "qwen3", TinyShape(layers=4), seed=6)
+    spec = load_spec(d)
+    optim = OptimConfig(lr=2e-3, weight_decay=0.05, schedule="linear", max_grad_norm=clip)
+    steps = make_batches(spec, 2, B=1, T=20, seed=7)
+    ref = DenseReference(spec, d, optim)
+    ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
+    losses, host = run_sliding(spec, d, steps, optim,
+                               ExecShape(micro_batch=1, seq_len=20, n_micro=2, slots=2,
+                                         device_update=True, device_layers=device_layers),
+                               threaded=threaded)
+    assert_same(spec, ref, ref_losses, losses, host)
+

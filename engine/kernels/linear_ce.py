@@ -10,14 +10,51 @@ Maths, for hidden states h_t (H,), head W (V, H), labels y_t (-100 = not trained
 The gradients are computed in the forward pass chunk by chunk (logits of one chunk live at a
 time, upcast to fp32 for the softmax) and scaled by the incoming gradient in backward, so
 peak memory is one chunk of logits, not (tokens x vocab).
+
+On CUDA the softmax part runs as one Triton kernel (``triton_ce``) that writes dL/dz over the
+compute-dtype logits, without fp32 copies of them; the PyTorch code here is its reference and
+the path on CPU, without triton, or with ``SLIDEFORMER_TRITON=0`` in the environment.
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 
 
-def _chunk_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float):
+@functools.cache
+def _triton_ce():
+    """The Triton module, or None where triton is not installed (CPU installs, CI)."""
+    try:
+        from engine.kernels import triton_ce
+    except ImportError:
+        return None
+    return triton_ce
+
+
+def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
+    """None: Triton for CUDA tensors when available and not disabled by SLIDEFORMER_TRITON=0."""
+    if use_triton is None:
+        enabled = os.environ.get("SLIDEFORMER_TRITON") != "0"
+        return x.is_cuda and enabled and _triton_ce() is not None
+    if use_triton and _triton_ce() is None:
+        raise RuntimeError("use_triton=True but triton is not installed; `pip install triton` "
+                           "(CUDA builds of PyTorch ship it) or leave use_triton unset")
+    return use_triton
+
+
+def _chunk_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float,
+                 use_triton: bool | None = None):
     """Loss sum and dL/dz (fp32 maths, returned in h's dtype) for one chunk (n, H)."""
+    if _use_triton(h, use_triton):
+        z = h @ w.t()  # (n, V) in h's dtype; the kernel overwrites it with dL/dz
+        return _triton_ce().ce_grad_rows_(z, y, scale).sum(), z
+    return _chunk_grads_torch(h, w, y, scale)
+
+
+def _chunk_grads_torch(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float):
+    """_chunk_grads in PyTorch ops: the reference, and the path on CPU."""
     z = (h @ w.t()).float()  # (n, V)
     lse = torch.logsumexp(z, dim=-1)  # (n,)
     valid = y != -100
@@ -30,12 +67,15 @@ def _chunk_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float
 
 
 def linear_ce_fwd_bwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, scale: float,
-                      chunk: int, gw_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk: int, gw_out: torch.Tensor, use_triton: bool | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and gradients in one pass over token chunks.
 
     Args:
         h: hidden states (..., H); w: head (V, H); labels: (...) with -100 = not trained.
         gw_out: fp32 (V, H) buffer that dL/dW is ADDED to (gradient accumulation).
+        use_triton: force the Triton (True) or PyTorch (False) softmax; None picks (see
+            ``_use_triton``).
     Returns:
         (scaled loss as a 0-d fp32 tensor, dL/dh shaped like h).
     """
@@ -45,7 +85,7 @@ def linear_ce_fwd_bwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, sc
     gh = torch.zeros_like(h2)
     for s in range(0, h2.shape[0], chunk):
         hc = h2[s:s + chunk]
-        lc, dz = _chunk_grads(hc, w, y[s:s + chunk], scale)
+        lc, dz = _chunk_grads(hc, w, y[s:s + chunk], scale, use_triton)
         loss += lc
         gh[s:s + chunk] = dz @ w
         _add_outer(gw_out, dz, hc)
@@ -64,11 +104,16 @@ def _add_outer(gw_out: torch.Tensor, dz: torch.Tensor, hc: torch.Tensor) -> None
 
 
 @torch.no_grad()
-def linear_ce_loss(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+def linear_ce_loss(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int,
+                   use_triton: bool | None = None) -> torch.Tensor:
     """Summed cross-entropy over labelled tokens, chunked, no gradients (evaluation)."""
     H = h.shape[-1]
     h2, y = h.reshape(-1, H), labels.reshape(-1)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    if _use_triton(h, use_triton):
+        for s in range(0, h2.shape[0], chunk):
+            loss += _triton_ce().ce_loss_rows(h2[s:s + chunk] @ w.t(), y[s:s + chunk]).sum()
+        return loss
     for s in range(0, h2.shape[0], chunk):
         z = (h2[s:s + chunk] @ w.t()).float()
         loss += torch.nn.functional.cross_entropy(z, y[s:s + chunk], ignore_index=-100,

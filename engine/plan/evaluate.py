@@ -10,11 +10,15 @@
   fewest decoder layers that bring it within go to disk (every disk layer costs a read and a
   write per step; a "tight" host is left alone). The first layers moved save nothing while
   each still gets its own staging buffer (engine.runtime.nvme.BUFFERS of them).
-Slots and checkpoints set in the config override the choice.
+- device optimizer (CUDA, no NVMe tier): with VRAM to spare, the embedding and head, and then
+  as many first decoder layers as keep the budgets' last 10% free, hold their master weights and
+  moments on the GPU and are updated there (at most DEVICE_SLOTS slots then: spare VRAM buys
+  more as device layers than as slots); taken when the speed model predicts a faster step.
+Slots, checkpoints and gpu_layers set in the config override the choice.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets
@@ -26,6 +30,7 @@ from engine.runtime.executor import ExecShape
 TIGHT = 0.9
 """A budget used above this share is "tight"."""
 HEAD_LOGITS_CAP = 512 << 20
+DEVICE_SLOTS = 4
 MAX_SEARCH = 1 << 16
 
 
@@ -47,6 +52,9 @@ class Knobs:
     disk_layers: int | None = None
     """Layers whose moments the NVMe tier holds; None: as many as host RAM needs (0 without a
     disk budget)."""
+    gpu_layers: int = -1
+    """Decoder layers updated on the device (with the embedding and head); -1: the planner's
+    choice, 0: none."""
 
 
 @dataclass(frozen=True)
@@ -141,10 +149,34 @@ class Evaluator:
         """The executor shape for these knobs (see the module docstring)."""
         options = ["gpu", "host"] if k.checkpoints == "auto" else [k.checkpoints]
         evals = [self._most_slots(k, ck) for ck in options]
-        fitting = [e for e in evals if e.fits]
+        fitting = [self._device_items(k, e) for e in evals if e.fits]
         if not fitting:
             return min(evals, key=lambda e: _overshoot(e.tiers))
         return max(fitting, key=lambda e: self.speed(k, e).tokens_per_s)
+
+    def _device_items(self, k: Knobs, e: Evaluation) -> Evaluation:
+        """``e`` with spare VRAM given to the device optimizer (module docstring)."""
+        if k.gpu_layers == 0 or (k.gpu_layers < 0 and (self.device != "cuda" or e.disk_layers)):
+            return e
+        L = self.spec.num_layers
+        slots = e.shape.slots if k.slots else min(e.shape.slots, DEVICE_SLOTS)
+
+        def at(g: int) -> Evaluation:
+            return self.evaluate(k, replace(e.shape, slots=slots, device_update=True, device_layers=g))
+        if k.gpu_layers > 0:
+            return at(min(k.gpu_layers, L))
+        best = at(0)
+        if not _within(best.tiers, TIGHT):
+            return e
+        lo, hi = 0, L
+        while lo < hi:  # VRAM grows with the device layers: the most that leave 10% free
+            mid = (lo + hi + 1) // 2
+            cand = at(mid)
+            if _within(cand.tiers, TIGHT):
+                lo, best = mid, cand
+            else:
+                hi = mid - 1
+        return best if self.speed(k, best).tokens_per_s > self.speed(k, e).tokens_per_s else e
 
     def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
         return estimate(self.spec, e.shape, k.precision, self.device, k.clip, self.hw, e.disk_layers)

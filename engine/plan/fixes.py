@@ -147,7 +147,7 @@ _RESIDENT_PARTS = ("embedding weights", "head weights", "embedding grads", "head
 
 def floor_notes(ev: Evaluator, k: Knobs, tiers: tuple[str, ...]) -> tuple[str, ...]:
     """When no setting can make a tier fit: the least it needs with every fix combined."""
-    least = replace(k, micro_batch=1, grad_accum=1, checkpoints="host", slots=min(2, ev.spec.num_layers),
+    least = replace(k, micro_batch=1, grad_accum=1, checkpoints="host", slots=min(2, ev.spec.num_layers), gpu_layers=0,
                     precision=replace(k.precision, moments=torch.bfloat16))
     e = ev.choose(least)
     notes = []

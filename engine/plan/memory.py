@@ -27,7 +27,7 @@ import torch
 
 from engine.kernels.linear_ce import GW_ROWS
 from engine.models.spec import ModelSpec
-from engine.runtime.executor import GRAD_RING, ExecShape
+from engine.runtime.executor import DEVICE_CHUNK, GRAD_RING, ExecShape
 from engine.runtime.host_state import CHUNK
 from engine.runtime.nvme import BUFFERS, file_bytes
 
@@ -184,10 +184,32 @@ def device_buffers(spec: ModelSpec, shape: ExecShape, prec: Precision, device: s
     else:  # DeviceStore
         out.append(Allocation("gpu", "activation checkpoints", L * shape.n_micro * act, f"{L} layers x {ck}"))
     out.append(optimizer_scratch(prec))
+    out += device_optimizer(spec, shape, prec)
     if device == "cuda":
         out += [Allocation("gpu", "CUDA context", CUDA_CONTEXT, "driver context and kernels", "state"),
                 Allocation("gpu", "cuBLAS workspaces", CUDA_WORKSPACES,
                            "library workspaces and small buffers in the allocator", "state")]
+    return out
+
+
+def device_optimizer(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list[Allocation]:
+    """DeviceItem state of the items updated on the device, and the update's scratch
+    (AdamWorkspace of DEVICE_CHUNK: the joined master, and upcast moments if bf16)."""
+    G = min(shape.device_layers, spec.num_layers)
+    if not (shape.device_update or G):
+        return []
+    rem = 2 if prec.compute == torch.bfloat16 else 0
+    E, Hd, P = spec.embed_layout.numel, spec.head_layout.numel, spec.params_per_layer
+    out = []
+    if shape.device_update:  # weights and grads are the resident buffers already counted
+        out.append(Allocation("gpu", "embedding and head optimizer state", (E + Hd) * (rem + 2 * prec.mo),
+                              f"{E + Hd:,} params x {rem + 2 * prec.mo} B (remainder, m, v)"))
+    if G:
+        b = prec.c + rem + 2 * prec.mo + 4
+        out.append(Allocation("gpu", "device layers", G * P * b,
+                              f"{G} layers x {P:,} params x {b} B (weights, remainder, m, v, fp32 grad)"))
+    scratch = DEVICE_CHUNK * 4 * (1 if prec.moments == torch.float32 else 3)
+    out.append(Allocation("gpu", "device optimizer scratch", scratch, f"chunks of {DEVICE_CHUNK:,} params in fp32"))
     return out
 
 

@@ -161,9 +161,12 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
             raise UserError(key, f"is {value}", "give a positive integer")
     if b.slots < 0:
         raise UserError("budget.slots", f"is {b.slots}", "give 0 (planner's choice) or a positive count")
+    if b.gpu_layers < -1:
+        raise UserError("budget.gpu_layers", f"is {b.gpu_layers}",
+                        "give -1 (planner's choice), 0 (none) or a layer count")
     prec = Precision(_DTYPES[name], _DTYPES[o.moments_dtype], _FILE_BYTES.get(spec.torch_dtype, 2))
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
-                 precision=prec, slots=b.slots, checkpoints=b.checkpoints,
+                 precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
                  clip=o.max_grad_norm > 0, packed=cfg.data.packing)
 
 

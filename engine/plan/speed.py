@@ -13,6 +13,10 @@ backward  a pipeline over L layers: H2D of the L-K layers no longer resident (an
           the CPU update of the layer; a pipeline phase takes L * max(stages) plus the other
           stages once (filling and draining).
 Without clipping the next forward waits for the embedding's update, queued after the layers'.
+device    items updated on the device (ExecShape.device_update, device_layers: the first G layers)
+          skip the CPU, the H2D loads and the gradient D2H; their update runs on the compute
+          stream after the backward, moving DEVICE_ADAM_BYTES per parameter at
+          DEVICE_MEMORY_GBS (a consumer card's memory bandwidth; an H200 is about 4x faster).
 disk      the NVMe tier reads and writes the moments of its layers once per step; an update
           waits for its layer's read, and the disk layers are spread evenly over the depth, so
           the update chain advances at the slower of the CPU update and the disk's share per
@@ -24,7 +28,7 @@ head 6 N V H. GPU compute runs at the profile's matmul rate times LAYER_EFFICIEN
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.models.spec import ModelSpec
 from engine.plan.hardware import HardwareProfile
@@ -37,6 +41,8 @@ from engine.runtime.nvme import file_bytes
 # the executor's compute spans on the reference machine (Llama-3.2-3B shape, 8 x 1024 tokens per
 # micro-batch, 1-8 micro-batches; 0.57 without packing masks).
 LAYER_EFFICIENCY = 0.55
+DEVICE_ADAM_BYTES = 32  # bf16 w + remainder + fp32 grad + fp32 m, v: read all, write all but grad
+DEVICE_MEMORY_GBS = 1000.0
 # The CPU backend copies with memcpy and runs everything in one thread of control.
 CPU_COPY_GBS = 10.0
 SERIAL = 1.15
@@ -115,14 +121,15 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
                   grads_eh=(E + Hd) * 4 / both)
 
 
-def _forward(L: int, k: int, ready: list[float], t0: float, t: _Times) -> float:
-    """End of the forward, as SlidingExecutor.forward_window issues it (module docstring)."""
+def _forward(L: int, k: int, ready: list[float], t0: float, t: _Times, G: int = 0) -> float:
+    """End of the forward, as SlidingExecutor.forward_window issues it (module docstring);
+    layers below G are on the device (no load)."""
     host = h2d = d2h = prev = t0
-    done, load_done = [0.0] * L, [None] * L
+    done, load_done = [0.0] * L, [t0] * G + [None] * (L - G)
 
     def load(j: int) -> None:
         nonlocal h2d
-        slot_free = done[j - k] if j >= k else t0
+        slot_free = done[j - k] if j - k >= G else t0
         h2d = max(h2d, host, slot_free) + t.load_f
         load_done[j] = h2d
 
@@ -130,7 +137,8 @@ def _forward(L: int, k: int, ready: list[float], t0: float, t: _Times) -> float:
         if load_done[i] is None:
             host = max(host, ready[i])  # _load waits for the layer's own pending update
             load(i)
-        for j in range(i + 1, min(i + k, L)):
+        ahead = max(i + 1, G)
+        for j in range(ahead, min(ahead + k - 1, L)):
             if load_done[j] is None and ready[j] <= host:  # _prefetch: finished updates only
                 load(j)
         start = max(prev, load_done[i])
@@ -151,20 +159,25 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     if device != "cuda":
         return _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk)
     t = _times(spec, shape, prec, hw, disk)
-    if clip:  # updates embed, 0 .. L-1, head from the step's start, overlapping the forward
-        ready = [t.embed_upd + (j + 1) * t.upd for j in range(L)]
-        fwd_end = _forward(L, k, ready, t.embed_upd + t.refresh_e, t)
-        head_ready = ready[-1] + t.head_upd + t.refresh_h
-        bwd = _pipeline(L, [t.load_b, t.b, t.grad])
+    G, E, Hd = min(shape.device_layers, L), spec.embed_layout.numel, spec.head_layout.numel
+    on_device = G * spec.params_per_layer + (E + Hd if shape.device_update else 0)
+    dev_upd = on_device * DEVICE_ADAM_BYTES / (DEVICE_MEMORY_GBS * 1e9)
+    if shape.device_update:  # no CPU update, refresh or gradient copy for embed and head
+        t = replace(t, embed_upd=0.0, head_upd=0.0, refresh_e=0.0, refresh_h=0.0, grads_eh=0.0)
+    if clip:  # updates embed, G .. L-1, head from the step's start, overlapping the forward
+        ready = [0.0] * G + [t.embed_upd + (j - G + 1) * t.upd for j in range(G, L)]
+        fwd_end = _forward(L, k, ready, dev_upd + t.embed_upd + t.refresh_e, t, G)
+        head_ready = max(ready + [t.embed_upd]) + t.head_upd + t.refresh_h
+        bwd = _pipeline(L - G, [t.load_b, t.b, t.grad]) + G * t.b
     else:  # each layer's update follows its grads in the backward; the embedding's comes last
-        fwd_end = _forward(L, k, [0.0] * L, t.embed_upd + t.refresh_e, t)
+        fwd_end = _forward(L, k, [0.0] * L, dev_upd + t.embed_upd + t.refresh_e, t, G)
         head_ready = t.embed_upd + t.head_upd + t.refresh_h
-        bwd = _pipeline(L, [t.load_b, t.b, t.grad, t.upd])
+        bwd = _pipeline(L - G, [t.load_b, t.b, t.grad, t.upd]) + G * t.b
     step = max(fwd_end, head_ready) + t.head + bwd + t.grads_eh
-    busy = {"gpu compute": L * (t.f + t.b) + t.head,
-            "pcie h2d": L * (t.load_f + t.load_b) + t.refresh_e + t.refresh_h,
-            "pcie d2h": L * (t.grad + t.ck_d2h) + t.grads_eh,
-            "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": disk}
+    busy = {"gpu compute": L * (t.f + t.b) + t.head + dev_upd,
+            "pcie h2d": (L - G) * (t.load_f + t.load_b) + t.refresh_e + t.refresh_h,
+            "pcie d2h": (L - G) * t.grad + L * t.ck_d2h + t.grads_eh,
+            "cpu optimizer": (spec.num_params - on_device) / hw.adam_params_per_s, "disk": disk}
     note = ""
     if step > SERIAL * max(busy.values()):
         note = ("the forward waits for the CPU updates (exact clipping), so the optimizer and "

@@ -16,6 +16,10 @@ parameter slots (DESIGN §3.3):
               GRAD_RING (the copy into a buffer waits for the update that last read it);
               with exact clipping all updates wait for the global norm, then run in order
               embed, 0 .. L-1, head, overlapping the next step's forward, which waits per item.
+    device    with spare VRAM, the embedding and head (``device_update``) and the first
+              ``device_layers`` decoder layers keep their master weights and moments on the
+              device: no PCIe traffic, no CPU work, updated there right after the clip barrier
+              (so the next forward starts on them while the CPU updates the rest)
     disk      layers in the NVMe tier (engine.runtime.nvme) have their moments read ahead in
               update order as soon as the step's updates are known (after the clip barrier; at
               the step's start without clipping) and written behind after their update;
@@ -36,7 +40,7 @@ from engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, ro
 from engine.models.model import embed, positions_for
 from engine.models.spec import ModelSpec
 from engine.runtime.activations import DeviceStore, HostStore
-from engine.runtime.host_state import AdamHyper, AdamWorkspace, HostItem, adam_update
+from engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
 from engine.runtime.slots import SlotPool
 from engine.runtime.timeline import StepTimeline
 
@@ -44,6 +48,8 @@ from engine.runtime.timeline import StepTimeline
 GRAD_RING = 4
 """Host gradient buffers shared by the decoder layers when they own none (training without
 clipping): the backward may run this many layers ahead of the CPU updates."""
+DEVICE_CHUNK = 1 << 24
+"""Parameters per chunk of the device-side update (64 MB of fp32 scratch; few kernel launches)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +66,11 @@ class ExecShape:
     head_chunk: int = 4096
     """Tokens per chunk of the LM-head cross-entropy."""
     grad_slots: int = 2
+    device_update: bool = False
+    """The embedding and head are updated on the device (remainders and moments in VRAM)."""
+    device_layers: int = 0
+    """Decoder layers 0 .. device_layers-1 live in VRAM with their optimizer state: no slot,
+    no PCIe, updated on the device."""
 
 
 @dataclass(frozen=True)
@@ -142,8 +153,38 @@ class SlidingExecutor:
         self.ring_user: list[Future | None] = [None] * ring
         """The update that reads each ring buffer last (the next copy into it waits for it)."""
         self.ring_next = 0
+        self.G = min(shape.device_layers, L)
+        self.dev: dict[str, DeviceItem] = {}
+        """Items updated on the device; their host items are refreshed by drain()."""
+        if shape.device_update:
+            self.dev["embed"] = DeviceItem(host["embed"], backend.alloc, self.embed_w, self.embed_g)
+            self.dev["head"] = DeviceItem(host["head"], backend.alloc, self.head_w, self.head_g)
+        for i in range(self.G):
+            self.dev[f"layer{i}"] = DeviceItem(host[f"layer{i}"], backend.alloc)
+        self.dev_ws = None if not self.dev else AdamWorkspace(
+            DEVICE_CHUNK, backend.device, next(iter(self.dev.values())).m.dtype != torch.float32)
+        self.dev_loaded = False
 
     # ---- host <-> device state -------------------------------------------------------------
+    def _ensure_device_state(self) -> None:
+        """Copy the device-updated items' state from the host before their first use."""
+        if self.dev and not self.dev_loaded:
+            for item in self.dev.values():
+                item.push()
+            for name in ("embed", "head"):
+                if name in self.dev:
+                    self.resident_stale[name] = False
+            self.dev_loaded = True
+
+    def host_changed(self) -> None:
+        """The host state was replaced (a checkpoint was read): reload the device-updated items."""
+        self.dev_loaded = False
+
+    def _weights(self, layer: int) -> torch.Tensor:
+        if layer < self.G:
+            return self.dev[f"layer{layer}"].w
+        return self.pool.acquire(layer, self.spec.params_per_layer)
+
     def _wait_update(self, name: str) -> None:
         fut = self.pending.pop(name, None)
         if fut is not None:
@@ -167,7 +208,7 @@ class SlidingExecutor:
             self._load(layer, tl)
 
     def _load(self, layer: int, tl: StepTimeline) -> None:
-        if self.pool.has(layer):
+        if layer < self.G or self.pool.has(layer):
             return
         self._wait_update(f"layer{layer}")
         h = self.pool.start_load(layer, self.host[f"layer{layer}"].w)
@@ -186,6 +227,7 @@ class SlidingExecutor:
         if max_grad_norm > 0 and self.ring:
             raise ValueError("exact clipping needs every layer's gradient until the global norm is "
                              "known: build the host state with layer_grads=True")
+        self._ensure_device_state()
         tl = StepTimeline(self.backend, timeline)
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
@@ -215,9 +257,11 @@ class SlidingExecutor:
             self.pending.clear()
         else:
             names = ["embed"] + ([f"layer{i}" for i in range(self.spec.num_layers)] if clip else []) + ["head"]
+            names = [name for name in names if name not in self.dev]
             self._prefetch_disk(names, tl)
             for name in names:
                 self._submit_update(name, hyper(coef), tl)
+            self._device_updates(hyper(coef), tl)
         self.pool.invalidate_all()
         applied = guard.applied if skipped and guard is not None else 0
         return StepOutput(float(loss), norm, tokens, skipped, tl, applied)
@@ -241,16 +285,18 @@ class SlidingExecutor:
             xs = [embed(spec, emb, ids) for ids, *_ in inp]
             for i in range(L):
                 self._load(i, tl)
-                for j in range(i + 1, min(i + k, L)):
+                ahead = max(i + 1, self.G)  # the device layers need no slot
+                for j in range(ahead, min(ahead + k - 1, L)):
                     self._prefetch(j, tl)
-                p = spec.layer_layout.views(self.pool.acquire(i, spec.params_per_layer))
+                p = spec.layer_layout.views(self._weights(i))
                 t0 = self.backend.mark()
                 for mb, (_, _, rope, mask) in enumerate(inp):
                     if save:
                         self.store.save(i, mb, xs[mb])
                     xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask)
                 tl.device_span("compute", f"layer{i}", t0, self.backend.mark())
-                self.pool.release(i, evict=i < L - k)
+                if i >= self.G:
+                    self.pool.release(i, evict=i < L - k)
         return xs
 
     def head_step(self, xs, inp, scale: float, tl: StepTimeline):
@@ -301,11 +347,14 @@ class SlidingExecutor:
             self.store.prefetch(i - 1)
             for j in range(i, max(i - k, -1), -1):
                 self._load(j, tl)
-            w = self.pool.acquire(i, n)
-            slot = i % len(self.gslots)
-            for h in self.gslot_free[slot]:
-                self.backend.compute_waits(h)
-            g = self.gslots[slot][:n]
+            w = self._weights(i)
+            if i < self.G:  # its own gradient buffer, read by the device update on this stream
+                g = self.dev[f"layer{i}"].g
+            else:
+                slot = i % len(self.gslots)
+                for h in self.gslot_free[slot]:
+                    self.backend.compute_waits(h)
+                g = self.gslots[slot][:n]
             g.zero_()
             t0 = self.backend.mark()
             for mb, (_, _, rope, mask) in enumerate(inp):
@@ -316,6 +365,9 @@ class SlidingExecutor:
                 self.health[i].copy_(sq)
             t1 = self.backend.mark()
             tl.device_span("compute", f"layer{i}", t0, t1)
+            if i < self.G:
+                self.store.done_with(i)
+                continue
             dest, r = self.host[f"layer{i}"].g, None
             if dest is None:  # a ring buffer, once the update that last read it is done
                 r, self.ring_next = self.ring_next, (self.ring_next + 1) % len(self.ring)
@@ -360,6 +412,8 @@ class SlidingExecutor:
         t1 = self.backend.mark()
         tl.device_span("compute", "embed", t0, t1)
         for name, buf in (("embed", self.embed_g), ("head", self.head_g)):
+            if name in self.dev:
+                continue
             h = self.backend.start_d2h(self.host[name].g, buf, after=[t1])
             tl.device_span("d2h", name, h.start, h)
             self.grads_out[name] = [h]
@@ -398,8 +452,18 @@ class SlidingExecutor:
         if guard is not None:
             guard.applied += 1
 
+    def _device_updates(self, hp: AdamHyper, tl: StepTimeline) -> None:
+        """AdamW of the device-updated items, queued on the compute stream after the backward."""
+        if not self.dev:
+            return
+        t0 = self.backend.mark()
+        for item in self.dev.values():
+            adam_update(item, hp, self.dev_ws, native=False)
+        tl.device_span("compute", "device optimizer", t0, self.backend.mark())
+
     def eval_loss(self, mb) -> tuple[float, int]:
         """(summed loss, labelled tokens) of one micro-batch, forward only."""
+        self._ensure_device_state()
         tl = StepTimeline(self.backend, enabled=False)
         inp = [self._inputs(mb)]
         self._refresh("embed", self.embed_w, tl)
@@ -423,6 +487,9 @@ class SlidingExecutor:
         for item in self.host.values():
             if item.disk is not None:
                 item.disk.flush()
+        if self.dev_loaded:
+            for item in self.dev.values():
+                item.pull()
 
     def close(self) -> None:
         self.drain()

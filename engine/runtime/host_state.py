@@ -163,12 +163,53 @@ def split_master(master: torch.Tensor, w: torch.Tensor, rem: torch.Tensor) -> No
 
 
 class AdamWorkspace:
-    """Reusable fp32 scratch for the chunked update (one per updating thread)."""
+    """Reusable fp32 scratch for the chunked update (one per updating thread, or one on the
+    device for the items updated there). ``moments``: False when the moments are fp32 (updated
+    in place, so their scratch is never needed)."""
 
-    def __init__(self):
-        self.p = torch.empty(CHUNK, dtype=torch.float32)
-        self.m = torch.empty(CHUNK, dtype=torch.float32)
-        self.v = torch.empty(CHUNK, dtype=torch.float32)
+    def __init__(self, chunk: int = CHUNK, device: torch.device | str = "cpu", moments: bool = True):
+        self.p = torch.empty(chunk, dtype=torch.float32, device=device)
+        self.m = torch.empty(chunk if moments else 0, dtype=torch.float32, device=device)
+        self.v = torch.empty(chunk if moments else 0, dtype=torch.float32, device=device)
+
+
+class DeviceItem:
+    """The optimizer state of an item updated on the device (DESIGN: spare VRAM keeps some
+    items' master weights and moments next to their compute, sparing the CPU and PCIe).
+
+    Same fields and layout as :class:`HostItem` (``w``, ``rem``, ``m``, ``v``, ``g``), so
+    :func:`adam_update` runs on it unchanged; ``w`` and ``g`` may be buffers the executor owns
+    already (the resident embedding and head). The host item stays the copy that checkpoints
+    and exports read: :meth:`push` and :meth:`pull` move the state between the two.
+    """
+
+    def __init__(self, host: HostItem, alloc, w: torch.Tensor | None = None,
+                 g: torch.Tensor | None = None):
+        if host.disk is not None:
+            raise ValueError(f"{host.name}: an item in the NVMe tier cannot be updated on the device")
+        self.host, self.name, self.layout, self.numel = host, host.name, host.layout, host.numel
+        self.has_rem, self.runs, self.disk = host.has_rem, host.runs, None
+        self.w = alloc(host.numel, host.w.dtype) if w is None else w
+        self.rem = alloc(host.numel, torch.int16) if host.has_rem else None
+        self.m, self.v = alloc(host.numel, host.m.dtype), alloc(host.numel, host.v.dtype)
+        self.g = alloc(host.numel, torch.float32) if g is None else g
+
+    def fields(self, staged=None):
+        return self.rem, self.m, self.v
+
+    def _pairs(self):
+        return [(a, b) for a, b in ((self.w, self.host.w), (self.rem, self.host.rem),
+                                    (self.m, self.host.m), (self.v, self.host.v)) if a is not None]
+
+    def push(self) -> None:
+        """Host state -> device (before the first step, or after the host state was replaced)."""
+        for dev, host in self._pairs():
+            dev.copy_(host)
+
+    def pull(self) -> None:
+        """Device state -> host (before a checkpoint or export reads the host items)."""
+        for dev, host in self._pairs():
+            host.copy_(dev)
 
 
 def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool | None = None,
@@ -183,20 +224,21 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
     """
     rem, mom1, mom2 = item.fields(staged)
     g = item.g if grad is None else grad
+    chunk = ws.p.numel()
     native = cpu_adam.native_available() if native is None else native and cpu_adam.native_available()
-    if native and rem is not None and mom1.dtype == torch.float32:
+    if native and rem is not None and mom1.dtype == torch.float32 and g.device.type == "cpu":
         for start, end, decay in item.runs:
             cpu_adam.fused_update(item.w[start:end], rem[start:end], g[start:end],
                                   mom1[start:end], mom2[start:end], hp.lr, hp.beta1,
                                   hp.beta2, hp.eps, hp.weight_decay if decay else 0.0, hp.step,
                                   hp.grad_scale)
         return
-    step = torch.tensor(float(hp.step))
-    scale = None if hp.grad_scale == 1.0 else torch.tensor(1.0 / hp.grad_scale)
+    step = torch.tensor(float(hp.step), device=g.device)
+    scale = None if hp.grad_scale == 1.0 else torch.tensor(1.0 / hp.grad_scale, device=g.device)
     exact_moments = mom1.dtype == torch.float32
     for start, end, decay in item.runs:
-        for s in range(start, end, CHUNK):
-            e, n = min(s + CHUNK, end), min(CHUNK, end - s)
+        for s in range(start, end, chunk):
+            e, n = min(s + chunk, end), min(chunk, end - s)
             p = item.w[s:e] if rem is None else join_master(item.w[s:e], rem[s:e], ws.p[:n])
             m, v = (mom1[s:e], mom2[s:e]) if exact_moments else (
                 ws.m[:n].copy_(mom1[s:e]), ws.v[:n].copy_(mom2[s:e]))

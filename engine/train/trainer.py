@@ -428,6 +428,7 @@ class Trainer:
                                    lambda m: self.stream.load_state_dict(m["data"]),
                                    lambda text: self.emit(Log("warning", text)))
         self.step = self._saved_step = int(meta["step"])
+        self.executor.host_changed()
         set_rng_state(meta["rng"])
         old, new = meta["config"], config_mod.to_dict(self.cfg)
         changed = [f"{s}.{k} {old[s][k]!r} -> {v!r}" for s, values in new.items()
