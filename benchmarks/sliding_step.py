@@ -39,6 +39,9 @@ SHAPES = {  # published config.json values of the public models
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          tie_word_embeddings=False, head_dim=128),
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,  # CPU dry runs
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                 tie_word_embeddings=True, head_dim=16),
 }
 
 
@@ -55,32 +58,72 @@ class MB:
     doc_ids: None = None
 
 
+def random_batches(vocab: int, micro_batch: int, seq: int, accum: int, seed: int = 1) -> list[MB]:
+    """Seeded random token ids; each label is the next token and the last position has none
+    (-100): the targets Hugging Face's causal-LM loss derives from ``labels = input_ids``, so the
+    engine and HF (benchmarks/side_by_side.py) train on the same micro_batch * (seq - 1) tokens."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(accum):
+        ids = torch.randint(0, vocab, (micro_batch, seq), generator=g)  # (B, T)
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        out.append(MB(ids, labels))
+    return out
+
+
 def random_state(spec, backend, moments, layer_grads: bool = True):
+    """Host state with random N(0, 0.02) weights. Every item reads a window of one random
+    buffer at its own offset (generating 8 B values one by one would take minutes)."""
     host = build_host_state(spec, backend, torch.bfloat16, moments, layer_grads=layer_grads)
     g = torch.Generator().manual_seed(0)
-    for item in host.values():
-        item.set_master(torch.randn(item.numel, generator=g) * 0.02)
+    spread = 1 << 22
+    base = torch.randn(spread, generator=g) * 0.02
+    longest = max(item.numel for item in host.values()) + spread
+    buf = base.repeat(-(-longest // spread))
+    for k, item in enumerate(host.values()):
+        off = (k * 104_729) % spread
+        item.set_master(buf[off:off + item.numel])
     return host
 
 
-def run_config(spec, host, backend, args, accum: int) -> dict:
-    shape = ExecShape(micro_batch=args.micro_batch, seq_len=args.seq, n_micro=accum,
-                      slots=args.slots, checkpoints=args.checkpoints, head_chunk=args.head_chunk)
+def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_gib: float,
+               device: str = "cuda"):
+    """The plan the engine's planner makes for this run: VRAM budget ``vram_gib`` (0: the GPU's
+    free memory less a margin), the machine's available RAM, its measured or reference
+    hardware profile. Its exec_shape is what ``slideformer train`` would run."""
+    from engine.config import BudgetConfig
+    from engine.plan import Knobs, Precision, make_plan, resolve_budgets
+    from engine.plan.hardware import load_profile
+    from engine.plan.machine import gpu_memory, host_memory
+    hw = load_profile("auto")
+    vram = f"{int(vram_gib * 2**30)}" if vram_gib else "auto"
+    budgets = resolve_budgets(BudgetConfig(vram=vram), device, hw, gpu_memory(), host_memory())
+    knobs = Knobs(seq_len=seq, micro_batch=micro_batch, grad_accum=accum,
+                  precision=Precision(torch.bfloat16, torch.float32), clip=clip > 0, packed=False)
+    return make_plan(spec, knobs, device, budgets, hw)
+
+
+def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = None) -> dict:
+    """Warm-up and timed steps of one configuration; ``shape``: the executor shape (default:
+    ``args.slots`` slots, ``args.checkpoints``, nothing updated on the device)."""
+    shape = shape or ExecShape(micro_batch=args.micro_batch, seq_len=args.seq, n_micro=accum,
+                               slots=args.slots, checkpoints=args.checkpoints,
+                               head_chunk=args.head_chunk)
     ex = SlidingExecutor(spec, backend, host, shape, torch.bfloat16)
-    g = torch.Generator().manual_seed(1)
-    mbs = []
-    for _ in range(accum):
-        ids = torch.randint(0, spec.vocab_size, (args.micro_batch, args.seq), generator=g)
-        mbs.append(MB(ids, torch.roll(ids, -1, 1)))
+    mbs = random_batches(spec.vocab_size, args.micro_batch, args.seq, accum)
     hyper = lambda coef: AdamHyper(1e-5, 0.9, 0.999, 1e-8, 0.0, 1, coef)  # noqa: E731
     times, outs = [], []
-    torch.cuda.reset_peak_memory_stats()
+    backend.reset_peak()
     for k in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         out = ex.train_step(mbs, hyper, args.clip)
         times.append(time.perf_counter() - t0)
         outs.append(out)
+    t0 = time.perf_counter()
     ex.drain()
+    drain = time.perf_counter() - t0
+    cuda = backend.is_cuda
     tokens = accum * args.micro_batch * args.seq
     med = statistics.median(times[args.warmup:])
     spans = outs[-2].timeline.resolve()
@@ -89,17 +132,23 @@ def run_config(spec, host, backend, args, accum: int) -> dict:
             for lane in ("compute", "h2d", "d2h", "optimizer")}
     opt_params = sum(host[s.item].numel for s in opt)
     res = dict(config=args.shape, micro_batch=args.micro_batch, grad_accum=accum, seq=args.seq,
-               tokens_per_step=tokens, slots=ex.k, checkpoints=args.checkpoints, clip=args.clip,
+               tokens_per_step=tokens, slots=ex.k, checkpoints=shape.checkpoints, clip=args.clip,
+               device_update=shape.device_update, device_layers=shape.device_layers,
                vram_cap_gib=args.vram_cap, step_time_s=round(med, 4),
+               step_times_s=[round(t, 4) for t in times], drain_s=round(drain, 4),
                tokens_per_s=round(tokens / med, 1),
                model_tflops=round(6 * spec.num_params * tokens / med / 1e12, 1),
-               peak_vram_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
-               peak_vram_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2),
+               peak_vram_alloc_gib=_gib(torch.cuda.max_memory_allocated()) if cuda else None,
+               peak_vram_reserved_gib=_gib(torch.cuda.max_memory_reserved()) if cuda else None,
                peak_rss_gib=round(peak_rss() / 2**30, 2),
                cpu_update_params_per_s=round(opt_params / max(busy["optimizer"], 1e-9) / 1e9, 3),
                busy_last_step_s=busy, losses=[round(o.loss, 4) for o in outs])
     ex.close()
     return res
+
+
+def _gib(n: int) -> float:
+    return round(n / 2**30, 2)
 
 
 def bench_cpu_update(n: int) -> list[dict]:
@@ -159,6 +208,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cpu-update", type=int, default=0, help="also bench the CPU update on N params")
+    ap.add_argument("--plan", action="store_true",
+                    help="the planner's executor shape for each run (slots, checkpoints, device "
+                         "optimizer) instead of --slots/--checkpoints")
     args = ap.parse_args()
     if args.cpu_update:
         for row in bench_cpu_update(args.cpu_update):
@@ -175,7 +227,17 @@ def main() -> None:
     print(json.dumps(dict(event="state_ready", params=spec.num_params,
                           rss_gib=round(peak_rss() / 2**30, 2))), flush=True)
     for accum in args.grad_accum:
-        print(json.dumps(run_config(spec, host, backend, args, accum)), flush=True)
+        shape = None
+        if args.plan:
+            plan = plan_shape(spec, args.micro_batch, args.seq, accum, args.clip, args.vram_cap)
+            shape = plan.exec_shape
+            print(json.dumps(dict(event="plan", grad_accum=accum, verdict=plan.verdict,
+                                  predicted_tokens_per_s=round(plan.speed.tokens_per_s),
+                                  predicted_bound=plan.speed.bound,
+                                  predicted_vram_gib=round(plan.tier("gpu").peak / 2**30, 2),
+                                  predicted_host_gib=round(plan.tier("host").peak / 2**30, 2))),
+                  flush=True)
+        print(json.dumps(run_config(spec, host, backend, args, accum, shape)), flush=True)
     backend.release_host()
 
 
