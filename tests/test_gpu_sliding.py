@@ -2,6 +2,8 @@
 and no new memory segments in the steady state. Run on the reference GPU machine."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -82,7 +84,8 @@ class MegatronReference(DenseReference):
 
 def run(spec, d, steps, shape, optim=OPTIM):
     be = CudaBackend()
-    host = build_host_state(spec, be, torch.bfloat16, torch.float32)
+    host = build_host_state(spec, be, torch.bfloat16, torch.float32,
+                            layer_grads=optim.max_grad_norm > 0)
     load_weights(host, spec, d)
     ex = SlidingExecutor(spec, be, host, shape, torch.bfloat16)
     losses, segs = [], []
@@ -109,8 +112,9 @@ def rel(a, b):
 # measures the noise floor: the fp32 dense run is the truth, and the sliding bf16 run must be no
 # farther from it than the Megatron-style bf16 run is (within 1.5x), per item; losses agree to
 # 1e-3. A stale or torn weight or gradient breaks both by far more.
-@pytest.mark.parametrize("ckpt", ["gpu", "host"])
-def test_bf16_matches_megatron_reference(model, ckpt):
+@pytest.mark.parametrize("ckpt,device_layers", [("gpu", None), ("host", None), ("gpu", 2), ("host", 6)])
+def test_bf16_matches_megatron_reference(model, ckpt, device_layers):
+    """device_layers: the embedding, head and that many layers updated on the GPU."""
     spec, d = model
     steps = make_batches(spec, n_micro=2, B=2, T=64, seed=5)
     ref = MegatronReference(spec, d, OPTIM)
@@ -118,7 +122,8 @@ def test_bf16_matches_megatron_reference(model, ckpt):
     exact = DenseReference(spec, d, OPTIM)  # fp32 on the CPU
     for k, mbs in enumerate(steps, start=1):
         exact.step(mbs, k, STEPS)
-    losses, masters, _ = run(spec, d, steps, ExecShape(2, 64, 2, slots=2, checkpoints=ckpt))
+    dev = {} if device_layers is None else dict(device_update=True, device_layers=device_layers)
+    losses, masters, _ = run(spec, d, steps, ExecShape(2, 64, 2, slots=2, checkpoints=ckpt, **dev))
     print("losses", losses, "reference", ref_losses)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-3, atol=0)
     for item in item_names(spec):
@@ -127,12 +132,16 @@ def test_bf16_matches_megatron_reference(model, ckpt):
         assert ours <= 1.5 * theirs + 1e-5, item
 
 
-def test_stalled_copy_streams_still_match(model, monkeypatch):
-    """Delay every copy on its stream: a missing wait would read stale or torn buffers."""
+@pytest.mark.parametrize("clip,device_layers", [(1.0, 0), (0.0, 0), (0.0, 2)])
+def test_stalled_copy_streams_still_match(model, monkeypatch, clip, device_layers):
+    """Delay every copy on its stream: a missing wait would read stale or torn buffers (without
+    clipping the layers' gradients also pass through the 4-buffer host ring)."""
     spec, d = model
     steps = make_batches(spec, n_micro=2, B=2, T=64, seed=6)
-    shape = ExecShape(2, 64, 2, slots=2, checkpoints="host")
-    base, _, _ = run(spec, d, steps, shape)
+    shape = ExecShape(2, 64, 2, slots=2, checkpoints="host", device_update=bool(device_layers),
+                      device_layers=device_layers)
+    optim = replace(OPTIM, max_grad_norm=clip)
+    base, base_w, _ = run(spec, d, steps, shape, optim)
     original = backend_mod.CudaBackend._copy
 
     def slow_copy(self, stream, dst, src, after):
@@ -143,8 +152,10 @@ def test_stalled_copy_streams_still_match(model, monkeypatch):
         return original(self, stream, dst, src, ())
 
     monkeypatch.setattr(backend_mod.CudaBackend, "_copy", slow_copy)
-    stalled, _, _ = run(spec, d, steps, shape)
+    stalled, stalled_w, _ = run(spec, d, steps, shape, optim)
     torch.testing.assert_close(torch.tensor(stalled), torch.tensor(base), rtol=1e-4, atol=0)
+    for item in item_names(spec):
+        assert rel(stalled_w[item], base_w[item]) < 1e-3, item
 
 
 def test_no_new_segment_after_second_step(model):

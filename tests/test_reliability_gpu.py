@@ -94,7 +94,9 @@ def test_gradient_guard_without_clipping_on_cuda_streams(base, monkeypatch):
 
     monkeypatch.setattr(SlidingExecutor, "_layer_backward", layer_backward)
     states = []
-    t = Trainer(gpu_cfg(base, "guard", optim__max_grad_norm=0.0),
+    # every layer updated by the CPU (the planner would keep this tiny model's optimizer on the
+    # GPU, where updates follow the barrier and a skip is always whole)
+    t = Trainer(gpu_cfg(base, "guard", optim__max_grad_norm=0.0, budget__gpu_layers=0),
                 callbacks=[lambda ev: isinstance(ev, StepMetrics) and states.append(host_state(t))])
     t.setup()
     try:
