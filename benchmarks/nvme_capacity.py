@@ -1,8 +1,7 @@
 """Capacity with the NVMe tier: the largest Llama-shaped model that fine-tunes under a VRAM cap
 and a host-RAM budget, its step time and the disk throughput it reaches.
 
-NOT RUN YET. This program has not been run on the reference GPU machine; no figure from it is in
-benchmarks/RESULTS.md, and none should be quoted until it has run there.
+Measured on the reference GPU machine on 2026-11-29: benchmarks/RESULTS.md ("NVMe tier capacity").
 
 What it does, on the reference GPU machine:
 1. Size search (the planner, nothing allocated): for the width of a published Llama shape
@@ -112,7 +111,7 @@ def run(spec, plan, args, moments) -> dict:
         del buf
         shape = plan.exec_shape
         ex = SlidingExecutor(spec, backend, host, shape, torch.bfloat16)
-        mbs = []
+        mbs, g = [], torch.Generator().manual_seed(1)
         for _ in range(shape.n_micro):
             ids = torch.randint(0, spec.vocab_size, (shape.micro_batch, shape.seq_len), generator=g)
             mbs.append(MB(ids, torch.roll(ids, -1, 1)))

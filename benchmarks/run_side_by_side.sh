@@ -18,7 +18,7 @@
 #   dense      model build ~0.3 min; steps 7 x (0.5 + 1.9 + 3.8) s ~0.7 min                   ~1 min
 #   resident   host state ~0.5 min; steps 7 x (1.4 + 2.6 + 4.2) s ~1 min                       ~1.5 min
 #   sliding    as resident, plus the planner's largest micro-batch (7 steps) and 25% more (2)  ~2.2 min
-#   all four ~10 min: more than one 600 s device call. Split it in two calls and merge the two
+#   all four ~10 min (measured 2026-11-29: 9.0 min): more than one 600 s device call. Split it in two calls and merge the two
 #   result files anywhere (no GPU needed):
 #     bash benchmarks/run_side_by_side.sh deepspeed                # carry .whl; ~5.5 min
 #     bash benchmarks/run_side_by_side.sh dense,resident,sliding   # ~4.5 min

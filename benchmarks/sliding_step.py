@@ -195,7 +195,8 @@ def bench_cpu_update(n: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=SHAPES, default="llama-3.2-3b")
-    ap.add_argument("--micro-batch", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, nargs="+", default=[8],
+                    help="one run per value (ascending; stops at the first out-of-memory)")
     ap.add_argument("--grad-accum", type=int, nargs="*", default=[1, 4],
                     help="one run per value; none: only the CPU update bench")
     ap.add_argument("--seq", type=int, default=1024)
@@ -226,6 +227,16 @@ def main() -> None:
     host = random_state(spec, backend, moments, layer_grads=args.clip > 0)
     print(json.dumps(dict(event="state_ready", params=spec.num_params,
                           rss_gib=round(peak_rss() / 2**30, 2))), flush=True)
+    for mb in args.micro_batch:
+        try:
+            run_micro_batch(spec, host, backend, argparse.Namespace(**dict(vars(args), micro_batch=mb)))
+        except torch.cuda.OutOfMemoryError as e:
+            print(json.dumps(dict(event="out_of_memory", micro_batch=mb, error=str(e)[:300])), flush=True)
+            break
+    backend.release_host()
+
+
+def run_micro_batch(spec, host, backend, args) -> None:
     for accum in args.grad_accum:
         shape = None
         if args.plan:
@@ -238,7 +249,6 @@ def main() -> None:
                                   predicted_host_gib=round(plan.tier("host").peak / 2**30, 2))),
                   flush=True)
         print(json.dumps(run_config(spec, host, backend, args, accum, shape)), flush=True)
-    backend.release_host()
 
 
 if __name__ == "__main__":
