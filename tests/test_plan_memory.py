@@ -152,3 +152,16 @@ def test_peaks_follow_the_phases():
     assert M.peak(allocs, ("host",), with_reclaimable=True) == 630
     assert M.peak([x for x in allocs if x.phase != "setup"], ("host",)) == 128
     assert M.peak_phase(allocs, ("host",)) == "setup"
+
+
+def test_fused_cross_entropy_needs_only_the_logits():
+    """With the Triton kernel the LM-head chunk holds its logits once (overwritten by dL/dz)
+    instead of the fp32 copies of the PyTorch path."""
+    spec = _spec("llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=1000, tie=False)
+    shape = ExecShape(micro_batch=2, seq_len=64, n_micro=1, slots=2, head_chunk=128)
+    prec = M.Precision(torch.bfloat16, torch.float32)
+    torch_path = M.head_scratch(spec, shape, prec, fused_ce=False).bytes
+    fused = M.head_scratch(spec, shape, prec, fused_ce=True).bytes
+    softmax = 128 * 1000 * (4 + 4 + 2)  # fp32 logits, fp32 softmax-grad, its bf16 copy
+    wgrad = 128 * 1000 * 2 + 1000 * 64 * (2 + 4)  # dz next to one row block and its upcast
+    assert torch_path - fused == softmax - wgrad  # fused: the logits alone never dominate

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.kernels.linear_ce import GW_ROWS
+from engine.kernels.linear_ce import GW_ROWS, fused_ce_available
 from engine.models.spec import ModelSpec
 from engine.runtime.executor import DEVICE_CHUNK, GRAD_RING, ExecShape
 from engine.runtime.host_state import CHUNK
@@ -224,8 +224,10 @@ def optimizer_scratch(prec: Precision) -> Allocation:
 
 
 # ---- transients of one step -----------------------------------------------------------------
-def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, packed: bool) -> list[Allocation]:
-    """Tensors of one train_step: inputs, hidden states, and the peak of each part of the step."""
+def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, packed: bool,
+                    fused_ce: bool = False) -> list[Allocation]:
+    """Tensors of one train_step: inputs, hidden states, and the peak of each part of the step.
+    ``fused_ce``: the LM-head loss runs the Triton kernel (CUDA with triton)."""
     c, H, n = prec.c, spec.hidden_size, shape.n_micro
     B, T = shape.micro_batch, shape.seq_len
     N = B * T  # tokens of one micro-batch
@@ -240,7 +242,7 @@ def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, packed: 
     # a small overestimate of the forward).
     out.append(Allocation("gpu", "hidden states and their grads", 2 * n * N * H * c,
                           f"2 x {mb}x{H} x {c} B", "step"))
-    out += [forward_scratch(spec, N, B, T, prec, packed), head_scratch(spec, shape, prec)]
+    out += [forward_scratch(spec, N, B, T, prec, packed), head_scratch(spec, shape, prec, fused_ce)]
     out += recompute_scratch(spec, N, B, T, prec, packed)
     return out
 
@@ -256,16 +258,16 @@ def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, pa
                       f"one micro-batch of {N:,} tokens, one layer, no autograd", "forward")
 
 
-def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision) -> Allocation:
+def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: bool = False) -> Allocation:
     """head_step for one micro-batch: RMSNorm with autograd, dL/dh, and one chunk of
     linear_ce_fwd_bwd: logits in the compute dtype and fp32, their softmax-gradient in fp32 and
-    in the compute dtype, or later dz next to one row block of the head-gradient product and
-    its upcast."""
+    in the compute dtype (the Triton kernel: only the logits, overwritten by dz), or later dz
+    next to one row block of the head-gradient product and its upcast."""
     c, H, V = prec.c, spec.hidden_size, spec.vocab_size
     N = shape.micro_batch * shape.seq_len
     nc = min(shape.head_chunk, N)
     up = 4 if c < 4 else 0  # .float() copies only when the compute dtype is narrower
-    softmax = nc * V * (8 + (c if c < 4 else 0))
+    softmax = nc * V * (c if fused_ce else 8 + (c if c < 4 else 0))
     if N > nc:  # the previous chunk's dz is still bound while the next one is computed
         softmax += nc * V * c
     rows = min(V, GW_ROWS)  # linear_ce._add_outer: one block of vocabulary rows at a time
@@ -337,7 +339,8 @@ def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
         clip: exact global-norm clipping (every layer keeps its gradient until the norm is known).
     """
     out = host_state(spec, prec, device, disk_layers, clip) + loading(spec, prec)
-    out += device_buffers(spec, shape, prec, device) + step_transients(spec, shape, prec, packed)
+    out += device_buffers(spec, shape, prec, device)
+    out += step_transients(spec, shape, prec, packed, device == "cuda" and fused_ce_available())
     if device == "cuda":
         out.append(allocator_reserve(out, shape, spec, prec))
     b = file_bytes(spec.params_per_layer, prec.compute, prec.moments)  # NvmeTier.place
