@@ -407,21 +407,7 @@ def our_planned(cfg: BenchConfig, spec, host, backend, contender: str, accum: in
 def planner_shape(cfg: BenchConfig, spec, micro_batch: int):
     """The planner's largest micro-batch at grad_accum 1 under the VRAM cap, and the executor
     shape it picks for ``micro_batch`` (slots and checkpoint placement are its choice)."""
-    from engine.config import BudgetConfig
-    from engine.plan.budget import resolve_budgets
-    from engine.plan.evaluate import Knobs
-    from engine.plan.hardware import load_profile
-    from engine.plan.machine import gpu_memory, host_memory
-    from engine.plan.memory import Precision
-    from engine.plan.planner import make_plan
-
-    hw = load_profile("auto")
-    budgets = resolve_budgets(BudgetConfig(vram=str(int(cfg.vram_cap * GiB))), cfg.device, hw,
-                              gpu_memory(), host_memory())
-    knobs = Knobs(seq_len=cfg.seq, micro_batch=micro_batch, grad_accum=1,
-                  precision=Precision(torch.bfloat16, torch.float32), clip=cfg.clip > 0,
-                  packed=False)
-    plan = make_plan(spec, knobs, cfg.device, budgets, hw)
+    plan = plan_shape(spec, micro_batch, cfg.seq, 1, cfg.clip, cfg.vram_cap, cfg.device)
     return plan.max_micro_batch, plan.exec_shape, plan.verdict
 
 
