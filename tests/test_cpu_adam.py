@@ -19,10 +19,10 @@ def test_split_is_exact_and_rounds_to_nearest():
     assert ((w.float() - x).abs() <= (x.to(torch.bfloat16).float() - x).abs()).all()
 
 
-def make_item(n, seed=0):
+def make_item(n, seed=0, moments=torch.float32):
     # odd sizes: runs start at odd offsets and end on odd counts (the kernel's edge cases)
     lay = Layout.build([("bias", (3,)), ("w", (n // 64, 63)), ("norm", (65,)), ("w2", (7, 5))])
-    it = HostItem("x", lay, torch.bfloat16, torch.float32, lambda k, d: torch.zeros(k, dtype=d),
+    it = HostItem("x", lay, torch.bfloat16, moments, lambda k, d: torch.zeros(k, dtype=d),
                   lambda k, d: torch.zeros(k, dtype=d))
     g = torch.Generator().manual_seed(seed)
     it.set_master(torch.randn(lay.numel, generator=g) * 0.02)
@@ -30,10 +30,11 @@ def make_item(n, seed=0):
 
 
 @pytest.mark.skipif(not cpu_adam.native_available(), reason="no C compiler")
-@pytest.mark.parametrize("coef", [1.0, 0.37])
-def test_native_update_matches_reference(coef):
-    a, g = make_item(1 << 16)
-    b, _ = make_item(1 << 16)
+@pytest.mark.parametrize("coef,moments", [(1.0, torch.float32), (0.37, torch.float32),
+                                          (0.37, torch.bfloat16)])
+def test_native_update_matches_reference(coef, moments):
+    a, g = make_item(1 << 16, moments=moments)
+    b, _ = make_item(1 << 16, moments=moments)
     ws = AdamWorkspace()
     for step in range(1, 4):
         grad = torch.randn(a.numel, generator=g)
@@ -44,5 +45,8 @@ def test_native_update_matches_reference(coef):
         adam_update(b, hp, ws, native=False)
     ma, mb = a.master(), b.master()
     assert ((ma - mb).norm() / mb.norm()) < 1e-6
-    assert ((a.v - b.v).norm() / b.v.norm()) < 1e-6
+    tol = 1e-6 if moments == torch.float32 else 1e-4  # a last-bit fp32 difference can flip a bf16 rounding
+    assert ((a.v.float() - b.v.float()).norm() / b.v.float().norm()) < tol
+    if moments == torch.bfloat16:  # the same bf16 moments but where fp32 maths rounds apart
+        assert (a.m != b.m).float().mean() < 1e-3 and (a.v != b.v).float().mean() < 1e-3
     assert not torch.equal(ma, make_item(1 << 16)[0].master())  # it did update

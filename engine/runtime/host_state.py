@@ -218,7 +218,7 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
     """One AdamW step on the item's master weights from ``grad`` (default ``item.g``);
     refreshes ``item.w``.
 
-    bf16 weights with fp32 moments go through the one-pass compiled kernel when it is
+    bf16 weights with fp32 or bf16 moments go through the one-pass compiled kernel when it is
     available (``native``: None = when available); everything else, and the reference, through
     a chunked chain of PyTorch ops. ``staged``: the item's disk fields in a tier buffer.
     """
@@ -226,7 +226,8 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
     g = item.g if grad is None else grad
     chunk = ws.p.numel()
     native = cpu_adam.native_available() if native is None else native and cpu_adam.native_available()
-    if native and rem is not None and mom1.dtype == torch.float32 and g.device.type == "cpu":
+    if native and rem is not None and mom1.dtype in (torch.float32, torch.bfloat16) \
+            and g.device.type == "cpu":
         for start, end, decay in item.runs:
             cpu_adam.fused_update(item.w[start:end], rem[start:end], g[start:end],
                                   mom1[start:end], mom2[start:end], hp.lr, hp.beta1,
