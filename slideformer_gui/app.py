@@ -9,7 +9,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject
 from PySide6.QtWidgets import QApplication
 
-from engine import __version__
+from engine.api import __version__
 from slideformer_gui.context import AppContext
 from slideformer_gui.main_window import MainWindow
 from slideformer_gui.settings import APPLICATION, ORGANISATION, Settings

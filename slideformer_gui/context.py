@@ -13,7 +13,7 @@ from pathlib import Path
 import platformdirs
 from PySide6.QtCore import QObject, Signal
 
-from engine.config import DataConfig
+from engine.api import DataConfig
 from slideformer_gui.settings import Settings
 
 

@@ -15,8 +15,7 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
                                QListWidget, QListWidgetItem, QMenu, QProgressBar, QPushButton,
                                QVBoxLayout, QWidget)
 
-from engine.errors import UserError
-from engine.models.commands import model_report
+from engine.api import UserError, inspect_model
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_cli import run_engine_command
 from slideformer_gui.formatting import human_bytes, human_count, short_path
@@ -51,7 +50,7 @@ def ensure_demo_model(path: Path) -> str:
     from a worker thread.
     """
     try:
-        model_report(path)
+        inspect_model(path)
         return str(path)
     except UserError:
         pass
