@@ -21,6 +21,8 @@ from engine.train.control import engine_alive, send_command
 EVENTS_FILE, CONFIG_FILE, LOG_FILE = "events.jsonl", "config.toml", "engine.log"
 """``LOG_FILE``: the console output (stdout and stderr) of an engine process a client started."""
 TERMINAL_STATES = ("finished", "stopped", "failed")
+ALIVE_CHECK_S = 1.0
+"""How often ``follow`` checks that a run started elsewhere still has a live engine."""
 _ROOT = Path(__file__).resolve().parents[2]
 """The folder that holds the ``engine`` package (put on a child's PYTHONPATH)."""
 
@@ -152,29 +154,33 @@ class RunClient:
     def follow(self, poll_s: float = 0.1, timeout: float | None = None) -> Iterator:
         """Yield the run's events as they are written, until it ends.
 
-        The run has ended when its last state is final (finished, stopped, failed) or when no
-        process trains it any more (its started process exited, or a run started elsewhere has
-        no live engine for two checks in a row: a run in its first second may not have written
-        its liveness mark yet).
+        A run this client started has ended when its process exits. A run started elsewhere has
+        ended when its last state is final (finished, stopped, failed) and no process trains it,
+        or when, after its first event, no live engine was seen for two checks
+        :data:`ALIVE_CHECK_S` apart (the engine writes its liveness mark just after its first
+        event). A folder with no events yet is waited on: its engine may still be starting.
 
         Raises:
             TimeoutError: ``timeout`` seconds passed before the run ended.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        last, misses = None, 0
+        last, seen, misses, next_check = None, False, 0, 0.0
         while True:
             for ev in self.read_new():
+                seen = True
                 last = ev.state if isinstance(ev, RunState) else last
                 yield ev
-            if self._ended(last, misses):
+            if self.process is not None:
+                ended = self.process.poll() is not None
+            elif seen and time.monotonic() >= next_check:
+                next_check = time.monotonic() + ALIVE_CHECK_S
+                misses = 0 if self.alive() is not None else misses + 1
+                ended = misses >= (1 if last in TERMINAL_STATES else 2)
+            else:
+                ended = False
+            if ended:
                 yield from self.read_new()
                 return
-            misses = 0 if self.process is not None or self.alive() is not None else misses + 1
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"{self.run_dir}: the run did not end in {timeout:.0f} s")
             time.sleep(poll_s)
-
-    def _ended(self, last: str | None, misses: int) -> bool:
-        if self.process is not None:
-            return self.process.poll() is not None
-        return (last in TERMINAL_STATES and self.alive() is None) or misses >= 2
