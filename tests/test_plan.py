@@ -145,7 +145,7 @@ def test_trainer_runs_the_plans_shape(tiny_model_factory, tmp_path):
                                      "output.run_dir": str(tmp_path / "run"), **extra})
         trainer = Trainer(cfg)
         trainer.spec, trainer.backend = load_spec(model), CpuBackend()
-        shape = trainer.exec_shape()
+        shape = trainer.make_plan().exec_shape
         assert shape == plan_run(cfg, trainer.spec, device="cpu").exec_shape == trainer.plan.exec_shape
         if want:
             assert (shape.slots, shape.checkpoints) == want

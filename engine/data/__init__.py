@@ -7,19 +7,10 @@ The trainer's interface::
     for micro in stream.next_step(): ...          # A MicroBatch objects
     for micro in iterate_eval(prepared.val, B): ...
 """
-import importlib
+from engine.data.dataset import IGNORE, MicroBatch, SequenceDataset
+from engine.data.prepare import DataStats, PreparedData, prepare_data
+from engine.data.preview import Sample, preview
+from engine.data.stream import BatchStream, iterate_eval
 
-# Imported on first use (PEP 562): the CLI registers ``data inspect`` from engine.data.commands
-# without importing torch, which engine.data.dataset needs.
-_SOURCES = {"IGNORE": "dataset", "MicroBatch": "dataset", "SequenceDataset": "dataset",
-            "DataStats": "prepare", "PreparedData": "prepare", "prepare_data": "prepare",
-            "Sample": "preview", "preview": "preview",
-            "BatchStream": "stream", "iterate_eval": "stream"}
-
-__all__ = sorted(_SOURCES)
-
-
-def __getattr__(name: str):
-    if name not in _SOURCES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_SOURCES[name]}"), name)
+__all__ = ["BatchStream", "DataStats", "IGNORE", "MicroBatch", "PreparedData", "Sample",
+           "SequenceDataset", "iterate_eval", "prepare_data", "preview"]

@@ -22,7 +22,7 @@ from engine.plan.hardware import HardwareProfile, load_profile
 from engine.plan.machine import gpu_memory, host_memory
 from engine.plan.memory import Allocation, Precision, peak
 from engine.plan.speed import SpeedEstimate
-from engine.runtime.executor import ExecShape
+from engine.runtime.shapes import ExecShape
 
 GiB = 1 << 30
 _TIER_NAMES = {"gpu": "GPU memory", "host": "host RAM", "disk": "NVMe disk"}

@@ -30,8 +30,9 @@ from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState
 from engine.models.spec import load_spec
 from engine.models.tokenizer import load_tokenizer
 from engine.models.weights import Checkpoint
+from engine.plan.planner import Plan, plan_run
 from engine.runtime.backend import make_backend
-from engine.runtime.executor import ExecShape, SlidingExecutor
+from engine.runtime.executor import SlidingExecutor
 from engine.runtime.host_state import AdamHyper
 from engine.runtime.nvme import NvmeTier, disk_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
@@ -121,7 +122,7 @@ class Trainer:
         if moments not in (torch.float32, torch.bfloat16):
             raise UserError("optim.moments_dtype", f"{cfg.optim.moments_dtype!r} is not supported",
                             "use \"float32\" (exact) or \"bfloat16\"")
-        shape = self.exec_shape()
+        shape = self.make_plan().exec_shape
         self._check_host_memory()
         self.tok = load_tokenizer(cfg.model.path)
         self.prepared, self.stream = data if data is not None else self._prepare_data()
@@ -142,19 +143,20 @@ class Trainer:
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
                               f"{self.dtype}, {self.total_steps} steps"))
 
-    def exec_shape(self) -> ExecShape:
-        """The executor shape the planner picks (slots, checkpoint placement, LM-head chunk).
+    def make_plan(self) -> Plan:
+        """Run the planner for this run and keep its answer as ``self.plan``; a plan that does
+        not fit is a warning here (the host-memory check refuses what cannot run).
 
-        The plan's memory model and the executor share this shape, so prediction and run cannot
-        drift apart; budget.slots and budget.checkpoints, when set, override the plan's choice.
+        The plan's executor shape (slots, checkpoint placement, LM-head chunk) is what the
+        executor runs, so prediction and run cannot drift apart; budget.slots and
+        budget.checkpoints, when set, override the plan's choice.
         """
-        from engine.plan import plan_run
         self.plan = plan_run(self.cfg, self.spec, device="cuda" if self.backend.is_cuda else "cpu")
         if self.plan.verdict == "does not fit":
             fix = f"; try: {self.plan.fixes[0].change}" if self.plan.fixes else ""
             self.emit(Log("warning", f"the planner predicts this run does not fit: "
                                      f"{self.plan.reason}{fix}"))
-        return self.plan.exec_shape
+        return self.plan
 
     def _open_tier(self) -> NvmeTier | None:
         """The NVMe tier for the layers whose moments the plan put on disk (None: none)."""
