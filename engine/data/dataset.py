@@ -14,11 +14,10 @@ import numpy as np
 
 from engine.data.packing import Layout
 from engine.data.store import TokenStore
+from engine.kernels import IGNORE
 
 if TYPE_CHECKING:  # preparing and inspecting data needs no torch; a batch imports it
     import torch
-
-IGNORE = -100
 
 
 @dataclass

@@ -205,7 +205,7 @@ class SlidingExecutor:
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
         self.step_updates = 0
-        tokens = sum(int((mb.labels != -100).sum()) for mb in micro_batches)
+        tokens = sum(mb.num_targets for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)
         inp = [self._inputs(mb) for mb in micro_batches]
         self._refresh("embed", self.embed_w, tl)
@@ -451,7 +451,7 @@ class SlidingExecutor:
         for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
             if self.pool.has(i):
                 self.pool.release(i, evict=True)
-        return float(loss), int((mb.labels != -100).sum())
+        return float(loss), mb.num_targets
 
     def drain(self) -> None:
         """Wait for every update in flight and its disk writes (before saving or reading the state)."""
