@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from engine.kernels import IGNORE
 from engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
 from engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
 from engine.models.model import embed, positions_for
@@ -205,7 +206,7 @@ class SlidingExecutor:
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
         self.step_updates = 0
-        tokens = sum(mb.num_targets for mb in micro_batches)
+        tokens = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)
         inp = [self._inputs(mb) for mb in micro_batches]
         self._refresh("embed", self.embed_w, tl)
@@ -451,7 +452,7 @@ class SlidingExecutor:
         for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
             if self.pool.has(i):
                 self.pool.release(i, evict=True)
-        return float(loss), mb.num_targets
+        return float(loss), int((mb.labels != IGNORE).sum())
 
     def drain(self) -> None:
         """Wait for every update in flight and its disk writes (before saving or reading the state)."""
