@@ -62,7 +62,7 @@ class ChatPage(QWidget):
         self.top_p.setToolTip("Sample only among the most likely tokens up to this probability")
         self.max_tokens = QSpinBox(minimum=1, maximum=8192, singleStep=64, value=256)
         self.max_tokens.setToolTip("The longest reply, in tokens")
-        self.seed = QSpinBox(minimum=0, maximum=2**31 - 1, value=0)
+        self.seed = QSpinBox(minimum=0, maximum=999_999, value=0)
         self.seed.setToolTip("The same message, settings and seed give the same reply")
         settings = QHBoxLayout()
         for label, widget in (("Compare", self.mode), ("Temperature", self.temperature),

@@ -23,7 +23,7 @@ NEW = 24
 
 def greedy(model: ChatModel, prompt, n=NEW):
     out = list(model.tokens(prompt, SamplingConfig(temperature=0, max_new_tokens=n)))
-    return [t for t in out[:-1]], out[-1]
+    return out[:-1], out[-1]
 
 
 def hf_greedy(hf, prompt, stop_ids, n=NEW):
