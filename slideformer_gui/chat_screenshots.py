@@ -68,7 +68,7 @@ def _shoot(window: MainWindow, out: Path, base: Path, run: Path) -> list[Path]:
     left, right = page.panes
     wait_until(lambda: left.proc is not None and left.proc.info is not None, 300000)
     page.temperature.setValue(0.0)
-    page.max_tokens.setValue(120)
+    page.max_tokens.setValue(80)
     _ask(page, SINGLE)
     written = [capture(window, out / "chat.png")]
 
@@ -76,7 +76,7 @@ def _shoot(window: MainWindow, out: Path, base: Path, run: Path) -> list[Path]:
     page.mode.setCurrentIndex(page.mode.findData("side"))
     right.select(str(run / "final"))
     wait_until(lambda: right.proc is not None and right.proc.info is not None, 300000)
-    page.max_tokens.setValue(60)
+    page.max_tokens.setValue(40)
     _ask(page, COMPARE)
     written.append(capture(window, out / "chat-side-by-side.png"))
     return written
