@@ -49,6 +49,34 @@ class ChatPage(QWidget):
             pane.busy_changed.connect(self._update_buttons)
         self.panes[1].hide()
 
+        settings = self._build_settings()
+        self.splitter = QSplitter(Qt.Orientation.Horizontal)
+        for pane in self.panes:
+            self.splitter.addWidget(pane)
+        self.splitter.setChildrenCollapsible(False)
+
+        row = self._build_input()
+        lay = QVBoxLayout(self)
+        lay.addWidget(page_header("Chat", "Talk to a model: the chosen one, or a run's final "
+                                          "model or checkpoint. Side by side sends the same "
+                                          "messages to two models, e.g. base vs tuned."))
+        lay.addLayout(settings)
+        lay.addWidget(self.splitter, 1)
+        lay.addLayout(row)
+        self.hint = QLabel("Generation runs in a separate engine process per model; the "
+                           "model's own chat template formats the conversation.")
+        self.hint.setObjectName("hint")
+        lay.addWidget(self.hint)
+
+        self._clock = QTimer(self, interval=REPAINT_MS)
+        self._clock.timeout.connect(self._repaint)
+        self._clock.start()
+        ctx.model_changed.connect(lambda _path: self.refresh_models())
+        ctx.theme_changed.connect(self._set_theme)
+        self._update_buttons()
+
+    def _build_settings(self) -> QHBoxLayout:
+        """The compare mode and the sampling settings, in one row."""
         self.mode = QComboBox()
         for key, label in MODES:
             self.mode.addItem(label, key)
@@ -73,12 +101,10 @@ class ChatPage(QWidget):
             form.addRow(label, widget)
             settings.addLayout(form)
         settings.addStretch(1)
+        return settings
 
-        self.splitter = QSplitter(Qt.Orientation.Horizontal)
-        for pane in self.panes:
-            self.splitter.addWidget(pane)
-        self.splitter.setChildrenCollapsible(False)
-
+    def _build_input(self) -> QHBoxLayout:
+        """The message box and its buttons."""
         self.input = QPlainTextEdit()
         self.input.setPlaceholderText("Message (Ctrl+Enter sends)")
         self.input.setFixedHeight(64)
@@ -97,25 +123,7 @@ class ChatPage(QWidget):
         row.addLayout(buttons)
         for keys in ("Ctrl+Return", "Ctrl+Enter"):
             QShortcut(QKeySequence(keys), self.input, activated=self.send)
-
-        lay = QVBoxLayout(self)
-        lay.addWidget(page_header("Chat", "Talk to a model: the chosen one, or a run's final "
-                                          "model or checkpoint. Side by side sends the same "
-                                          "messages to two models, e.g. base vs tuned."))
-        lay.addLayout(settings)
-        lay.addWidget(self.splitter, 1)
-        lay.addLayout(row)
-        self.hint = QLabel("Generation runs in a separate engine process per model; the "
-                           "model's own chat template formats the conversation.")
-        self.hint.setObjectName("hint")
-        lay.addWidget(self.hint)
-
-        self._clock = QTimer(self, interval=REPAINT_MS)
-        self._clock.timeout.connect(self._repaint)
-        self._clock.start()
-        ctx.model_changed.connect(lambda _path: self.refresh_models())
-        ctx.theme_changed.connect(self._set_theme)
-        self._update_buttons()
+        return row
 
     # ---- models --------------------------------------------------------------------------------
     @Slot()
