@@ -29,7 +29,7 @@ def mode_words(info: dict) -> str:
     if info.get("mode") == "streamed":
         return (f"streamed through the layer window on {where}: every token reads all "
                 f"{info.get('layers', '?')} layers again (slow)")
-    return f"resident on {where} with a KV cache"
+    return f"resident on {where}, KV cache"
 
 
 class ChatPane(QWidget):
@@ -189,7 +189,7 @@ class ChatPane(QWidget):
 
     # ---- the child's signals -------------------------------------------------------------------
     def _ready(self, info: dict) -> None:
-        self._set_status(f"{Path(self.model_path or '').name}: {info.get('family', '?')}, "
+        self._set_status(f"{self.models.currentText()}: {info.get('family', '?')}, "
                          f"{info.get('layers', '?')} layers, {mode_words(info)}.", "ok")
         self._send_pending()
 
@@ -205,8 +205,8 @@ class ChatPane(QWidget):
         info = self.proc.info if self.proc is not None else {}
         self._end_reply(reply_note(done, info.get("mode", "")))
         if done.get("tokens_per_s"):
-            self._set_status(f"{Path(self.model_path or '').name}: {mode_words(info)}; last "
-                             f"reply {done['tokens_per_s']:.1f} tok/s.", "ok")
+            self._set_status(f"{self.models.currentText()}: {mode_words(info)}; last reply "
+                             f"{done['tokens_per_s']:.1f} tok/s.", "ok")
 
     def _failed(self, rid: int, message: str) -> None:
         if rid == self.request:

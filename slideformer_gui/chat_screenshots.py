@@ -45,7 +45,7 @@ def render(out: Path, base: Path, run: Path) -> list[Path]:
         window.ctx.runs_dir.mkdir(parents=True)
         (window.ctx.runs_dir / run.name).symlink_to(run.resolve())
         try:
-            return _shoot(window, out, models / base.name, window.ctx.runs_dir / run.name)
+            return _shoot(window, out, models / base.name)
         finally:
             window.pages["Chat"].confirm_close()
 
@@ -56,7 +56,7 @@ def _ask(page, text: str) -> None:
     wait_until(lambda: not any(p.busy for p in page.shown_panes()), REPLY_S * 1000)
 
 
-def _shoot(window: MainWindow, out: Path, base: Path, run: Path) -> list[Path]:
+def _shoot(window: MainWindow, out: Path, base: Path) -> list[Path]:
     window.monitor_dock.hide()  # the conversation needs the width
     window.resize(*WINDOW_SIZE)
     window.move(0, 0)
@@ -74,7 +74,8 @@ def _shoot(window: MainWindow, out: Path, base: Path, run: Path) -> list[Path]:
 
     page.clear()
     page.mode.setCurrentIndex(page.mode.findData("side"))
-    right.select(str(run / "final"))
+    # the run as the Runs page lists it (the folder its link leads to)
+    right.select(next(c.path for c in page.choices if c.kind == "final"))
     wait_until(lambda: right.proc is not None and right.proc.info is not None, 300000)
     page.max_tokens.setValue(40)
     _ask(page, COMPARE)
