@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.train.checkpoint import checkpoints
+from engine.api import checkpoints
 from slideformer_gui.run_files import RunSummary
 
 

@@ -2,27 +2,30 @@
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
-from engine.generate.sampling import SamplingConfig
-from engine.generate.session import MODES
+if TYPE_CHECKING:  # imported by the handler: building the parser imports no torch
+    from engine.generate.sampling import SamplingConfig
+
+_SAMPLING_FLAGS = {"temperature": "temperature", "top_p": "top_p", "max_tokens": "max_new_tokens",
+                   "seed": "seed"}
+"""chat flag -> SamplingConfig field (a flag left out keeps the field's default)."""
 
 
 def register(sub) -> None:
-    d = SamplingConfig()
     p = sub.add_parser("chat", help="chat with a model folder or a run's checkpoint")
     p.add_argument("--model", required=True,
                    help="model folder (a run's final/ too) or a run's checkpoints/step-N")
-    p.add_argument("--mode", choices=MODES, default="auto",
+    p.add_argument("--mode", choices=("auto", "resident", "streamed"), default="auto",
                    help="resident (all weights in memory, KV cache), streamed (layers read "
                         "through the window for every token: slow, for models larger than "
                         "memory), or auto (resident when it fits)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto")
     p.add_argument("--slots", type=int, default=2, help="window slots when streamed")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--max-tokens", type=int, default=d.max_new_tokens,
-                   help="longest reply, in tokens")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--temperature", type=float, help="0 = greedy (default: SamplingConfig's)")
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--max-tokens", type=int, help="longest reply, in tokens")
+    p.add_argument("--seed", type=int)
     p.add_argument("--system", default=None, help="a system message for the conversation")
     p.add_argument("--json", action="store_true",
                    help="JSON-lines requests on stdin, events on stdout (what the app uses; "
@@ -33,6 +36,7 @@ def register(sub) -> None:
 def _chat(a) -> int:
     from engine.errors import UserError
     from engine.generate.protocol import emit, serve
+    from engine.generate.sampling import SamplingConfig
     from engine.generate.session import ChatModel
     try:
         model = ChatModel(a.model, mode=a.mode, device=a.device, slots=a.slots)
@@ -44,8 +48,8 @@ def _chat(a) -> int:
     try:
         if a.json:
             return serve(model)
-        cfg = SamplingConfig(temperature=a.temperature, top_p=a.top_p,
-                             max_new_tokens=a.max_tokens, seed=a.seed)
+        cfg = SamplingConfig(**{field: getattr(a, flag) for flag, field in _SAMPLING_FLAGS.items()
+                                if getattr(a, flag) is not None})
         return repl(model, cfg, a.system)
     finally:
         model.close()
