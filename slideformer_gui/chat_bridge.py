@@ -11,8 +11,8 @@ import json
 
 from PySide6.QtCore import QObject, QProcess, QProcessEnvironment, Signal
 
-from slideformer_gui.engine_bridge import _exit_words, _last_error, _package_env
-from slideformer_gui.engine_cli import engine_command
+from engine.api import engine_command, engine_env
+from slideformer_gui.engine_bridge import exit_words, last_error
 
 STDERR_KEEP = 8 << 10
 """Bytes of the child's stderr kept for the message shown when it dies."""
@@ -54,7 +54,7 @@ class ChatProcess(QObject):
         self._closing = False
         self.proc = QProcess(self)
         env = QProcessEnvironment()
-        for key, value in _package_env().items():
+        for key, value in engine_env().items():
             env.insert(key, value)
         self.proc.setProcessEnvironment(env)
         self.proc.readyReadStandardOutput.connect(self._read_out)
@@ -131,9 +131,9 @@ class ChatProcess(QObject):
             return
         log = self._err.decode("utf-8", errors="replace").strip()
         words = ("The chat engine process was killed or crashed."
-                 if status == QProcess.ExitStatus.CrashExit else _exit_words(code))
+                 if status == QProcess.ExitStatus.CrashExit else exit_words(code))
         last = log.splitlines()[-1] if log else ""
-        self.ended.emit(self._fatal or _last_error(log) or f"{words} {last}".strip())
+        self.ended.emit(self._fatal or last_error(log) or f"{words} {last}".strip())
 
     def _error(self, error) -> None:
         if error == QProcess.ProcessError.FailedToStart:

@@ -167,10 +167,10 @@ class EngineBridge(QThread):
             return RunEnd(last.state, last.message)
         log = text_tail(engine_log(self.run_dir), LOG_LINES)
         if not got_events:  # it failed before taking the run folder (a config error...)
-            return RunEnd("failed", _last_error(log) or _exit_words(rc), log)
+            return RunEnd("failed", last_error(log) or exit_words(rc), log)
         if last is not None and last.state == "failed":
             return RunEnd("failed", last.message, log)
-        return RunEnd("failed", _exit_words(rc), log)
+        return RunEnd("failed", exit_words(rc), log)
 
     def _followed_end(self, last: RunState | None) -> RunEnd:
         if last is not None and last.state in TERMINAL_STATES:
@@ -182,7 +182,7 @@ class EngineBridge(QThread):
                       text_tail(engine_log(self.run_dir), LOG_LINES))
 
 
-def _last_error(log: str) -> str:
+def last_error(log: str) -> str:
     """The CLI's own message ("error: ...") in a log tail, without the prefix."""
     lines = log.splitlines()
     for i in range(len(lines) - 1, -1, -1):
@@ -191,7 +191,7 @@ def _last_error(log: str) -> str:
     return ""
 
 
-def _exit_words(rc: int) -> str:
+def exit_words(rc: int) -> str:
     """An exit status in words: "killed by SIGKILL", "exited with code 1"."""
     if rc < 0:
         try:
