@@ -188,8 +188,7 @@ class ChatRenderer:
 
     def _sentinel_span(self, conv, i, full, low: int) -> tuple[int, int] | None:
         marked = list(conv.messages)
-        head, body = _split_reasoning(conv.messages[i]["content"])
-        marked[i] = dict(conv.messages[i], content=head + _OPEN + body + _CLOSE)
+        marked[i], head = _marked(conv.messages[i])
         text = self._quiet(conv, marked, False)
         upto = self._quiet(conv, marked[:i + 1], False)
         if text is None or upto is None or any(
@@ -198,6 +197,12 @@ class ChatRenderer:
         if text.replace(_OPEN, "").replace(_CLOSE, "") != full:
             return None
         start, end = text.index(_OPEN), text.index(_CLOSE) - 1
+        if not conv.messages[i]["content"]:
+            # Only tool calls, marked at their names: the reply starts where the template's
+            # generation prompt ends (the text before the first name is the call's own).
+            start = self._reply_start(conv, i, full, low, start)
+            if start is None:
+                return None
         while start > low and full[start - 1] in " \t":
             start -= 1
         if head:  # rendered reasoning (Qwen3 keeps it after the last user turn) is trained too
@@ -206,6 +211,15 @@ class ChatRenderer:
                 start = k
         tail = upto[upto.index(_CLOSE) + 1:]
         return start, end + len(self._common_tokens(tail, full[end:end + len(tail)]).rstrip())
+
+    def _reply_start(self, conv, i, full, low: int, mark: int) -> int | None:
+        prompt = self._quiet(conv, conv.messages[:i], True)
+        plain = self._quiet(conv, conv.messages[:i], False)
+        if prompt is None or plain is None or not prompt.startswith(plain):
+            return None
+        gen = prompt[len(plain):]
+        k = full.rfind(gen, low, mark) if gen else -1
+        return None if k < 0 else k + len(gen)
 
     def _common_tokens(self, tail: str, there: str) -> str:
         """The longest run of whole tokens of ``tail`` that ``there`` starts with."""
@@ -218,19 +232,27 @@ class ChatRenderer:
         return tail[:best]
 
 
-def _split_reasoning(content: str) -> tuple[str, str]:
-    """(the "<think>...</think>" head, the answer) of a reasoning reply; ("", content) if none.
+def _marked(m: dict) -> tuple[dict, str]:
+    """(the message with sentinels around its reply, its reasoning head).
 
-    Templates that drop old reasoning (Qwen3) keep only the answer of history turns, so the
-    sentinel goes around the answer.
+    The sentinels go around the answer of a reasoning reply (templates that drop old reasoning,
+    such as Qwen3, keep only the answer of history turns), or, for a reply that is only tool
+    calls, from the first call's name to the last one's (empty content must stay empty: a
+    template may test it).
     """
+    content = m["content"]
+    if not content and m.get("tool_calls"):
+        calls = [dict(c, function=dict(c["function"])) for c in m["tool_calls"]]
+        calls[0]["function"]["name"] = _OPEN + calls[0]["function"]["name"]
+        calls[-1]["function"]["name"] += _CLOSE
+        return dict(m, tool_calls=calls), ""
     k = content.find("</think>")
     if k < 0:
-        return "", content
+        return dict(m, content=_OPEN + content + _CLOSE), ""
     k += len("</think>")
     while k < len(content) and content[k] == "\n":
         k += 1
-    return content[:k], content[k:]
+    return dict(m, content=content[:k] + _OPEN + content[k:] + _CLOSE), content[:k]
 
 
 def _strip_gen(text: str) -> str:

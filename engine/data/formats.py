@@ -138,7 +138,8 @@ def _refuse_kind(rec: Record) -> None:
                         "for DPO or ORPO); preference training is not supported yet",
                         "train on the 'chosen' replies as a messages or Alpaca file, or use a "
                         "preference-training tool")
-    if _present(rec, "label") and ("completion" in v or "prompt" in v):
+    if _present(rec, "kto_tag") or (_present(rec, "label") and ("completion" in v
+                                                                  or "prompt" in v)):
         raise UserError(rec.where, "the record holds KTO preference data (a 'label' marking "
                         "the completion good or bad); preference training is not supported yet",
                         "keep the records labelled true as an Alpaca file (prompt -> "
