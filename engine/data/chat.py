@@ -40,9 +40,20 @@ from engine.errors import UserError
 from engine.models import tokenizer as tokmod
 from engine.models.tokenizer import TokenizerInfo
 
-CHATML = ("{{ bos_token }}{% for m in messages %}"
-          "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = ("{{ bos_token }}"
+          "{% if tools %}<|im_start|>system\n"
+          "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+          "You can call these tools; write each call as <tool_call>{\"name\": ..., "
+          "\"arguments\": {...}}</tool_call>:\n"
+          "{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+          "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+          "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+          "{% for c in m['tool_calls'] or [] %}<tool_call>"
+          "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+          "</tool_call>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""ChatML; with tools, their schemas go into the system turn and calls are written as
+``<tool_call>{json}</tool_call>`` after the reply's text (the Hermes / Qwen convention)."""
 BUILTIN_WHERE = "built-in ChatML template"
 TEMPLATES = {"chatml": CHATML}
 """Templates ``data.chat_template`` can name."""
