@@ -126,8 +126,14 @@ def test_txt_without_blank_lines_is_cut_into_blocks(tok, tmp_path):
     ids = [t for r in range(len(p.train)) for t in p.train.store.doc(0, 64, 63 * r)[0][1:]]
     targets = [int(x) for mb in rows for x in mb.labels[0] if x != -100]
     assert sorted(targets) == sorted(int(x) for x in ids) and len(targets) == n - 1
+    # the preview reads only the head of so long a text, and shows exactly its first sequence
     s = shown(tok, path, max_seq_len=64)[0]
-    assert (s.tokens, s.blocks, s.trained, s.dropped) == (n, blocks, n - 1, 0)
+    assert s.partial and s.dropped == 0 and s.tokens < n
+    full = tok.tok.encode("\n".join(lines))
+    first = "".join(p for p, _ in s.pieces)
+    assert first == tok.decode(full.ids[:64]) and len(tok.encode(first)) == 64
+    s = shown(tok, path, max_seq_len=4096)[0]  # whole: one sequence
+    assert (s.tokens, s.blocks, s.trained, s.dropped, s.partial) == (n, 1, n - 1, 0, False)
 
 
 def test_preview_and_inspect_count_trained_and_dropped_tokens(tok, tiny_dir, tmp_path, capsys):

@@ -114,6 +114,9 @@ def report(file: str, s: DataStats, shown: Preview, color: bool = False) -> str:
 
 def sample_counts(s: Sample) -> str:
     """"812 tokens, 240 trained, 0 dropped" (and the blocks of a long text)."""
+    if s.partial:
+        return (f"a long text, more than {s.tokens:,} tokens in more than {s.blocks} blocks "
+                "(the totals are in the summary), 0 dropped")
     blocks = f" in {s.blocks} blocks" if s.blocks > 1 else ""
     return f"{s.tokens:,} tokens{blocks}, {s.trained:,} trained, {s.dropped:,} dropped"
 
