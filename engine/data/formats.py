@@ -16,7 +16,8 @@ sharegpt   ``{"conversations": [{"from", "value"}],          human/gpt/system/fu
 
 Field and role names can be remapped (``[data.columns]``). Every field of a record is used or the
 record is refused: preference data (``chosen``/``rejected``, KTO ``label``) and multimodal data
-(``images``, ``<image>`` placeholders) get their own message, any other unknown field names
+(``images``, ``<image>`` placeholders in conversations; plain text may hold such tags) get
+their own message, any other unknown field names
 itself. Fields that only describe a record (``id``, ``source``, ... :data:`META_KEYS`, and
 ``data.ignore_fields``) are ignored. A field whose value is null counts as absent (a Parquet
 row has every column of its file).
@@ -120,7 +121,7 @@ def to_document(rec: Record, fmt: str, origin: str, schema: Schema) -> Document:
     if fmt == "text":
         key = schema.key("text", "text")
         _only(rec, schema, (key,))
-        return _field(rec, key, why)
+        return _field(rec, key, why, media=False)  # "<video>" in web text is just text
     if fmt == "alpaca":
         return _alpaca(rec, why, schema)
     return _chat(rec, fmt, why, schema)
@@ -160,7 +161,8 @@ def _only(rec: Record, schema: Schema, used: tuple) -> None:
                         "data.ignore_fields if it holds nothing to train on")
 
 
-def _field(rec: Record, key: str, why: str, kind=str, required: bool = True):
+def _field(rec: Record, key: str, why: str, kind=str, required: bool = True,
+           media: bool = True):
     value = rec.value.get(key)
     if value is None:
         if required:
@@ -170,7 +172,7 @@ def _field(rec: Record, key: str, why: str, kind=str, required: bool = True):
     if not isinstance(value, kind):
         raise UserError(rec.where, f"'{key}' is a {conv.type_name(value)}, expected a "
                         f"{kind.__name__} ({why})", f"make '{key}' a {kind.__name__}")
-    if isinstance(value, str):
+    if isinstance(value, str) and media:
         conv.refuse_media(rec, value, f"'{key}'")
     return value
 
