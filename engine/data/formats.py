@@ -120,7 +120,7 @@ def to_document(rec: Record, fmt: str, origin: str, schema: Schema) -> Document:
     why = f"format {fmt}, {origin}"
     if fmt == "text":
         key = schema.key("text", "text")
-        _only(rec, schema, (key,))
+        _only(rec, schema, (key,), why)
         return _field(rec, key, why, media=False)  # "<video>" in web text is just text
     if fmt == "alpaca":
         return _alpaca(rec, why, schema)
@@ -150,13 +150,13 @@ def _refuse_kind(rec: Record) -> None:
             raise conv.media_error(rec, key)
 
 
-def _only(rec: Record, schema: Schema, used: tuple) -> None:
+def _only(rec: Record, schema: Schema, used: tuple, why: str) -> None:
     """Refuse a field the format does not use (unless it is metadata or ignored)."""
     for key, value in rec.value.items():
         if value is None or key in used or key in schema.ignore:
             continue
-        raise UserError(rec.where, f"the record has a field '{key}' that this format does not "
-                        f"use (it uses {', '.join(used)})",
+        raise UserError(rec.where, f"the record has a field '{key}' that is not used ({why}, "
+                        f"which uses {', '.join(used)})",
                         f"remove '{key}', map it in [data.columns], or list it in "
                         "data.ignore_fields if it holds nothing to train on")
 
@@ -181,7 +181,7 @@ def _alpaca(rec: Record, why: str, schema: Schema) -> Document:
     names = {n: schema.key(n, d) for n, d in (("prompt", "instruction"), ("query", "input"),
                                               ("response", "output"), ("system", "system"),
                                               ("history", "history"))}
-    _only(rec, schema, tuple(names.values()))
+    _only(rec, schema, tuple(names.values()), why)
     instruction = _field(rec, names["prompt"], why)
     output = _field(rec, names["response"], why)
     extra = _field(rec, names["query"], why, required=False)
@@ -206,7 +206,7 @@ def _alpaca(rec: Record, why: str, schema: Schema) -> Document:
 def _chat(rec: Record, fmt: str, why: str, schema: Schema) -> Document:
     key, sys_key, tools_key = (schema.chat_key(fmt), schema.key("system", "system"),
                                schema.key("tools", "tools"))
-    _only(rec, schema, (key, sys_key, tools_key))
+    _only(rec, schema, (key, sys_key, tools_key), why)
     turns = _field(rec, key, why, kind=list)
     system = _field(rec, sys_key, why, required=False)
     role_key = schema.key("role_tag", "from" if fmt == "sharegpt" else "role")
