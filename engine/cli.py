@@ -21,6 +21,7 @@ COMMANDS = [
     "engine.data.commands",
     "engine.train.commands",
     "engine.plan.commands",
+    "engine.generate.commands",
 ]
 # What a bare ``slideformer`` runs; None prints the help.
 DEFAULT_COMMAND: str | None = "gui"
