@@ -24,6 +24,8 @@ from engine import config as _config
 from engine.config import (BudgetConfig, DataConfig, ModelConfig, OptimConfig, OutputConfig,
                            RunConfig, TrainConfig, dumps, override, parse_bytes)
 from engine.data import DataStats, Sample
+from engine.data.preview import Preview
+from engine.data.commands import sample_counts
 from engine.data.analysis import DataAnalysis, analyse_data
 from engine.data.formats import FORMATS
 from engine.errors import UserError
@@ -63,7 +65,8 @@ __all__ = [
     "SUPPORTED", "ModelSpec", "TinyShape", "inspect_model", "load_spec", "load_tokenizer",
     "make_tiny_model",
     # data
-    "FORMATS", "DataAnalysis", "DataStats", "Sample", "analyse_data", "write_task",
+    "FORMATS", "DataAnalysis", "DataStats", "Preview", "Sample", "analyse_data", "sample_counts",
+    "write_task",
     # runs
     "CONFIG_FILE", "EVENTS_FILE", "LOG_FILE", "TERMINAL_STATES", "EventReader", "RunClient",
     "checkpoints", "engine_command", "engine_env", "run_training", "train_argv",

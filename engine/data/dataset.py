@@ -75,7 +75,8 @@ class SequenceDataset:
         pos = 0
         for k, s in enumerate(range(lo, hi)):
             n = int(self.layout.seg_len[s])
-            tokens, mask = self.store.doc(int(self.layout.seg_doc[s]), n)
+            tokens, mask = self.store.doc(int(self.layout.seg_doc[s]), n,
+                                          int(self.layout.seg_start[s]))
             ids[pos:pos + n] = tokens
             labels[pos:pos + n - 1] = np.where(mask[1:] != 0, tokens[1:], IGNORE)
             doc[pos:pos + n] = k

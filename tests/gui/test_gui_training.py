@@ -72,7 +72,7 @@ def test_point_and_click_run_pause_resume_stop_and_save(qtbot, window, tiny_llam
     transformers = pytest.importorskip("transformers")
     data, report = choose_model_and_demo_data(qtbot, window, tiny_llama)
     assert report.stats.format == "messages" and report.stats.val_records > 0
-    assert any(trained for sample in report.samples for _, trained in sample)
+    assert any(trained for sample in report.preview.samples for _, trained in sample.pieces)
     _, heights = data.histogram.bars.opts["x0"], data.histogram.bars.opts["height"]
     assert sum(heights) == report.stats.records
 
