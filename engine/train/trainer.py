@@ -270,6 +270,7 @@ class Trainer:
         t0 = time.perf_counter()
         position = self.stream.state_dict()
         mbs = self.stream.next_step()
+        lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
         try:
             out = self.executor.train_step(mbs, self.hyper, self.cfg.optim.max_grad_norm)
         except torch.cuda.OutOfMemoryError:
@@ -280,7 +281,7 @@ class Trainer:
             self.step += 1
         seen = sum(mb.input_ids.numel() for mb in mbs)
         self.emit(StepMetrics(step=self.step, total_steps=self.total_steps,
-                              loss=None if out.skipped else out.loss, lr=self.hyper(1.0).lr,
+                              loss=None if out.skipped else out.loss, lr=lr,
                               grad_norm=out.grad_norm if math.isfinite(out.grad_norm) else None,
                               tokens=out.tokens, tokens_per_s=seen / dt, step_time=dt,
                               peak_vram=self.backend.peak_memory(), peak_ram=peak_rss(),
