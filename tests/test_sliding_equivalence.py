@@ -14,7 +14,6 @@ from engine.models.spec import load_spec
 from engine.models.tiny import TinyShape, make_tiny_model
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names
 from engine.runtime.backend import CpuBackend
-import engine.runtime.executor as executor_mod
 from engine.runtime.executor import ExecShape, SlidingExecutor
 from engine.runtime.host_state import AdamHyper
 from engine.train.schedule import lr_at
@@ -167,10 +166,9 @@ def test_schedule_variants_match_dense(tmp_path, slots, n_micro, ckpt, clip, pac
 
 
 @pytest.mark.parametrize("ring,threaded", [(1, False), (2, True), (3, True)])
-def test_gradient_ring_matches_dense(tmp_path, monkeypatch, ring, threaded):
+def test_gradient_ring_matches_dense(tmp_path, ring, threaded):
     """Without clipping the layers' gradients pass through a ring of fewer buffers than layers
     (here 1-3 for 4 layers), also with updates racing the backward in a worker thread."""
-    monkeypatch.setattr(executor_mod, "GRAD_RING", ring)
     d = make_tiny_model(tmp_path / "m", "llama", TinyShape(layers=4), seed=4)
     spec = load_spec(d)
     optim = OptimConfig(lr=2e-3, weight_decay=0.05, schedule="linear", max_grad_norm=0.0)
@@ -178,8 +176,8 @@ def test_gradient_ring_matches_dense(tmp_path, monkeypatch, ring, threaded):
     ref = DenseReference(spec, d, optim)
     ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
     losses, host = run_sliding(spec, d, steps, optim,
-                               ExecShape(micro_batch=1, seq_len=20, n_micro=2, slots=2),
-                               threaded=threaded)
+                               ExecShape(micro_batch=1, seq_len=20, n_micro=2, slots=2,
+                                         grad_ring=ring), threaded=threaded)
     assert all(host[f"layer{i}"].g is None for i in range(4))
     assert_same(spec, ref, ref_losses, losses, host)
 

@@ -27,11 +27,12 @@ from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
 from engine.errors import UserError
 from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
-from engine.models.spec import load_spec
+from engine.models.spec import check_window, load_spec
 from engine.models.tokenizer import load_tokenizer
 from engine.models.weights import Checkpoint
 from engine.runtime.backend import make_backend
 from engine.runtime.executor import ExecShape, SlidingExecutor
+from engine.runtime.grad_ring import speculative_layers
 from engine.runtime.host_state import AdamHyper
 from engine.runtime.nvme import NvmeTier, disk_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
@@ -115,6 +116,7 @@ class Trainer:
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
+        check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
         self.backend = make_backend(cfg.train.device)
         self.dtype = self._compute_dtype()
         moments = DTYPES.get(cfg.optim.moments_dtype)
@@ -128,8 +130,11 @@ class Trainer:
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
         self.tier = self._open_tier()
+        L = self.spec.num_layers
+        speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
+                                         disk_layers(L, self.plan.disk_layers))
         self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
-                                     layer_grads=cfg.optim.max_grad_norm > 0)
+                                     layer_grads=cfg.optim.max_grad_norm > 0, borrowed=speculative)
         if resume:  # the checkpoint holds the whole state: only check the model folder
             Checkpoint(cfg.model.path).check(self.spec)
         else:
@@ -304,10 +309,11 @@ class Trainer:
     def _out_of_memory(self, position: dict) -> None:
         """Roll the failed step back: its batch is put back, the state is the previous step's.
 
-        With clipping no update of a step starts before its backward ends, so the host state is
-        untouched; without it, updates overlap the backward and some may have been applied.
+        With clipping the step's speculative updates are undone, so the host state is the
+        previous step's; without it, updates overlap the backward and some may have been applied.
         """
-        self.executor.drain()  # the previous step's updates (they belong to it)
+        self.executor.roll_back()  # the last step's updates finish, this one's are undone
+        self.executor.drain()
         self.stream.load_state_dict(position)
         plan = getattr(self, "plan", None)
         fixes = [f.change for f in getattr(plan, "fixes", ()) if f.available][:2]
