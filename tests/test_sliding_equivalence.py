@@ -48,10 +48,17 @@ def make_batches(spec, n_micro, B=2, T=24, seed=0, packed=False):
 
 
 class DenseReference:
-    """Per-tensor leaves, torch.optim.AdamW (decay on matrices only), clip_grad_norm_."""
+    """Per-tensor leaves, torch.optim.AdamW (decay on matrices only), clip_grad_norm_.
 
-    def __init__(self, spec, model_dir, optim: OptimConfig):
+    ``autocast``: the forward under torch.autocast(bfloat16) (standard mixed precision on the
+    fp32 model); ``residual``: a dtype the residual stream is rounded to after the embedding and
+    each layer (benchmarks/precision.py's diagnosis).
+    """
+
+    def __init__(self, spec, model_dir, optim: OptimConfig, autocast: bool = False,
+                 residual: torch.dtype | None = None):
         self.spec, self.optim = spec, optim
+        self.autocast, self.residual = autocast, residual
         ck = Checkpoint(model_dir)
         self.items = {}
         for item in item_names(spec):
@@ -67,11 +74,11 @@ class DenseReference:
 
     def loss(self, mb, scale):
         s = self.spec
-        x = torch.nn.functional.embedding(mb.input_ids, self.items["embed"]["embed_tokens.weight"])
+        x = self._round(torch.nn.functional.embedding(mb.input_ids, self.items["embed"]["embed_tokens.weight"]))
         rope = rope_tables(s, positions_for(mb.input_ids, mb.doc_ids), x.dtype)
         mask = None if mb.doc_ids is None else packed_causal_mask(mb.doc_ids)
         for i in range(s.num_layers):
-            x = decoder_layer(s, self.items[f"layer{i}"], x, rope, mask)
+            x = self._round(decoder_layer(s, self.items[f"layer{i}"], x, rope, mask))
         h = rms_norm(x, self.items["head"]["norm.weight"], s.rms_norm_eps)
         w = (self.items["embed"]["embed_tokens.weight"] if s.tie_word_embeddings
              else self.items["head"]["lm_head.weight"])
@@ -79,12 +86,16 @@ class DenseReference:
         return torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), mb.labels.reshape(-1),
                                                  ignore_index=-100, reduction="sum") * scale
 
+    def _round(self, x):
+        return x if self.residual is None else x.to(self.residual).to(x.dtype)
+
     def step(self, mbs, step, total):
         tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
         self.opt.zero_grad()
         loss = 0.0
         for mb in mbs:
-            l_mb = self.loss(mb, 1.0 / tokens)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                l_mb = self.loss(mb, 1.0 / tokens)
             l_mb.backward()
             loss += l_mb.item()
         if self.optim.max_grad_norm > 0:
