@@ -15,7 +15,7 @@ backward  a pipeline over L layers: H2D of the L-K layers no longer resident (an
 Without clipping the next forward waits for the embedding's update, queued after the layers'.
 speculation with exact clipping the S speculative layers (ExecShape.spec_layers, the first S of
           the backward) update during the backward, each after its gradient landed and after
-          copying its pre-update state (SNAPSHOT_BYTES per parameter at CPU_COPY_GBS); the
+          copying its pre-update state (snapshot_share of an update's time); the
           other layers keep the barrier chain. Predicted for steps that do not clip; a step
           that clips stops speculating once the layers' partial norm exceeds the limit and
           redoes the speculative updates made before (at most S more updates).
@@ -53,9 +53,14 @@ DEVICE_ADAM_BYTES = 32  # bf16 w + remainder + fp32 grad + fp32 m, v: read all, 
 DEVICE_MEMORY_GBS = 1000.0
 # The CPU backend copies with memcpy and runs everything in one thread of control.
 CPU_COPY_GBS = 10.0
-SNAPSHOT_BYTES = {(c, mo): 2 * (c + (2 if c == 2 else 0) + 2 * mo) for c in (2, 4) for mo in (2, 4)}
-"""Bytes moved per parameter by a speculative layer's snapshot (w, rem, m, v read and written),
-by (compute, moments) element size."""
+
+def snapshot_share(c: int, mo: int) -> float:
+    """A speculative layer's snapshot copy (w, rem, m, v read and written) in units of its AdamW
+    update, for (compute, moments) element sizes: both stream memory, the update reading and
+    writing the same fields and reading the fp32 gradient too."""
+    state = c + (2 if c == 2 else 0) + 2 * mo
+    return 2 * state / (2 * state + 4)
+
 SERIAL = 1.15
 """A step this much longer than its busiest resource means resources wait for each other."""
 RESOURCES = ("gpu compute", "pcie h2d", "pcie d2h", "cpu optimizer", "disk")
@@ -185,7 +190,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     if shape.device_update:  # no CPU update, refresh or gradient copy for embed and head
         t = replace(t, embed_upd=0.0, head_upd=0.0, refresh_e=0.0, refresh_h=0.0, grads_eh=0.0)
     S = len(speculative_layers(L, G, shape.spec_layers, nvme_layers(L, disk_layers))) if clip else 0
-    snap = spec.params_per_layer * SNAPSHOT_BYTES[prec.c, prec.mo] / (CPU_COPY_GBS * 1e9)
+    snap = t.upd * snapshot_share(prec.c, prec.mo)
     if clip:  # updates embed, G .. L-1, head from the step's start, overlapping the forward
         ready, chain = [0.0] * L, t.embed_upd
         for j in range(G, L - S):  # the speculative layers (the last S) updated in the backward
