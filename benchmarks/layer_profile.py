@@ -14,7 +14,8 @@ packed-document attention. Prints one JSON line per case:
   autograd's bookkeeping);
 - ``attention``: forward + backward of attention alone with each kernel choice: SDPA with the
   boolean (B, 1, T, T) packed mask, SDPA causal (flash-eligible), and FlexAttention with a document
-  BlockMask (CUDA only), for the same tokens.
+  BlockMask (CUDA only; its largest difference from the masked SDPA output is printed beside), for
+  the same tokens.
 
     python benchmarks/layer_profile.py --shape llama-3.2-3b --micro-batch 8 64 --seq 1024
     python benchmarks/layer_profile.py --tiny      # CPU dry run
@@ -167,6 +168,10 @@ def attention_variants(spec, B, T, device, dtype, reps) -> dict[str, float]:
             return (d[qi] == d[ki]) & (qi >= ki)
         bm = create_block_mask(document, None, None, T, T, device=device)
         out["flex_document_packed"] = run(lambda: flex(q, k, v, block_mask=bm, enable_gqa=gqa))
+        with torch.no_grad():  # the same maths as the masked SDPA it is timed against
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            out["flex_max_abs_diff_vs_sdpa"] = (flex(q, k, v, block_mask=bm, enable_gqa=gqa)
+                                                - ref).abs().max().item()
     return out
 
 
