@@ -156,7 +156,9 @@ class SlidingExecutor:
         self.G = min(shape.device_layers, L)
         disk = [i for i in range(L) if host[f"layer{i}"].disk is not None]
         self.snapshots = Speculation(host, speculative_layers(L, self.G, shape.spec_layers, disk),
-                                backend.host_alloc, lambda k, dt: torch.empty(k, dtype=dt))
+                                backend.host_alloc, lambda k, dt: torch.zeros(k, dtype=dt))
+        # zeros, not empty: the pages are resident from the start, as the planner counts them,
+        # even while steps clip early and skip speculating (tests/test_plan_rss.py)
         self.speculated: list[int] = []
         """Layers of the current step whose speculative update was submitted."""
         borrow = [i for i in range(L) if host[f"layer{i}"].g is None and i not in self.snapshots]
