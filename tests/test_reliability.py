@@ -374,7 +374,8 @@ def _oom(g):
 
 
 def test_out_of_memory_rolls_the_step_back_and_saves(base, reference, monkeypatch):
-    """With clipping no update starts before the backward ends: the step rolls back exactly."""
+    """With clipping the updates made in the backward are speculative and undone: the step
+    rolls back exactly."""
     cfg = run_cfg(base, "oom", train__save_every=0)
     run = Path(cfg.output.run_dir)
     _in_layer_backward(monkeypatch, step=3, layer=1, what=_oom)

@@ -77,6 +77,10 @@ class ModelSpec:
     qk_norm: bool
     """Per-head RMSNorm on q and k (qwen3)."""
     max_position_embeddings: int
+    sliding_window: int | None
+    """Attention window of the layers config.json makes windowed (Mistral's ``sliding_window``;
+    Qwen2/3's ``use_sliding_window`` with ``max_window_layers``; ``layer_types``), None if none.
+    Not implemented: :func:`check_window` refuses sequences longer than it."""
     torch_dtype: str
     """Checkpoint dtype declared in config.json (for display and export)."""
     raw_config: dict = field(compare=False, hash=False, repr=False)
@@ -180,6 +184,33 @@ def _rope_scaling(cfg: dict, path: Path) -> tuple[tuple[str, object], ...] | Non
     return tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))
 
 
+def _sliding_window(cfg: dict, mt: str, num_layers: int) -> int | None:
+    """The window of config.json's windowed layers as transformers reads it, or None."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return int(window) if "sliding_attention" in types else None
+    if mt == "mistral":
+        return int(window)
+    if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", num_layers)  # layers from this index on are windowed
+        return int(window) if first < num_layers else None
+    return None
+
+
+def check_window(spec: "ModelSpec", seq_len: int, path: Path | str) -> None:
+    """Refuse sequences longer than a windowed model's attention window: attention here is full
+    causal, which equals windowed attention only up to the window's length."""
+    if spec.sliding_window is not None and seq_len > spec.sliding_window:
+        raise UserError(Path(path) / "config.json",
+                        f"makes attention windowed (sliding_window={spec.sliding_window}), which "
+                        f"this engine does not implement; sequences of {seq_len} tokens would "
+                        f"train a different model", f"set data.max_seq_len to at most "
+                        f"{spec.sliding_window} (within the window, full attention is the same)")
+
+
 def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     """Build a :class:`ModelSpec` from a parsed config.json dict."""
     path = Path(path)
@@ -209,6 +240,7 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
         qkv_bias=(mt == "qwen2") or attn_bias, o_bias=attn_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=(mt == "qwen3"),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        sliding_window=_sliding_window(cfg, mt, _need(cfg, "num_hidden_layers", path)),
         torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
         raw_config=cfg)
 

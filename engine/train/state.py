@@ -8,6 +8,7 @@ business); the final export writes a Hugging Face folder of the master weights.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -18,16 +19,20 @@ from engine.runtime.host_state import HostItem
 
 
 def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
-                     tier=None, layer_grads: bool = True) -> dict[str, HostItem]:
+                     tier=None, layer_grads: bool = True,
+                     borrowed: Collection[int] = ()) -> dict[str, HostItem]:
     """Allocate the host state of every item (zero moments, uninitialised weights).
 
     ``tier``: an engine.runtime.nvme.NvmeTier; the items it chose keep their moments on disk.
     ``layer_grads``: decoder layers own gradient buffers (needed with clipping); False: they
-    borrow the executor's gradient ring (training without clipping only).
+    borrow the executor's gradient ring (training without clipping only). ``borrowed``: layers
+    that own none in any case (with clipping, the executor's speculative layers:
+    engine.runtime.grad_ring.speculative_layers).
     """
+    def owns_grad(name: str) -> bool:
+        return not name.startswith("layer") or (layer_grads and int(name[5:]) not in borrowed)
     return {name: HostItem(name, item_layout(spec, name), compute_dtype, moments_dtype,
-                           backend.host_alloc, _alloc, tier,
-                           grad=layer_grads or not name.startswith("layer"))
+                           backend.host_alloc, _alloc, tier, grad=owns_grad(name))
             for name in item_names(spec)}
 
 

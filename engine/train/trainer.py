@@ -27,14 +27,15 @@ from engine.config import RunConfig, parse_bytes
 from engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
 from engine.errors import UserError
 from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
-from engine.models.spec import load_spec
+from engine.models.spec import check_window, load_spec
 from engine.models.tokenizer import load_tokenizer
 from engine.models.weights import Checkpoint
 from engine.plan.planner import Plan, plan_run
 from engine.runtime.backend import make_backend
 from engine.runtime.executor import SlidingExecutor
 from engine.runtime.host_state import AdamHyper
-from engine.runtime.nvme import NvmeTier, disk_layers
+from engine.runtime.nvme import NvmeTier
+from engine.runtime.shapes import disk_layers, speculative_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from engine.train.schedule import lr_at
@@ -116,6 +117,7 @@ class Trainer:
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
+        check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
         self.backend = make_backend(cfg.train.device)
         self.dtype = torch_dtype(compute_dtype_name(cfg.train.compute_dtype,
                                                     "cuda" if self.backend.is_cuda else "cpu"))
@@ -127,8 +129,11 @@ class Trainer:
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
         self.tier = self._open_tier()
+        L = self.spec.num_layers
+        speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
+                                         disk_layers(L, self.plan.disk_layers))
         self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
-                                     layer_grads=cfg.optim.max_grad_norm > 0)
+                                     layer_grads=cfg.optim.max_grad_norm > 0, borrowed=speculative)
         if resume:  # the checkpoint holds the whole state: only check the model folder
             Checkpoint(cfg.model.path).check(self.spec)
         else:
@@ -258,6 +263,7 @@ class Trainer:
         t0 = time.perf_counter()
         position = self.stream.state_dict()
         mbs = self.stream.next_step()
+        lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
         try:
             out = self.executor.train_step(mbs, self.hyper, self.cfg.optim.max_grad_norm)
         except torch.cuda.OutOfMemoryError:
@@ -268,7 +274,7 @@ class Trainer:
             self.step += 1
         seen = sum(mb.input_ids.numel() for mb in mbs)
         self.emit(StepMetrics(step=self.step, total_steps=self.total_steps,
-                              loss=None if out.skipped else out.loss, lr=self.hyper(1.0).lr,
+                              loss=None if out.skipped else out.loss, lr=lr,
                               grad_norm=out.grad_norm if math.isfinite(out.grad_norm) else None,
                               tokens=out.tokens, tokens_per_s=seen / dt, step_time=dt,
                               peak_vram=self.backend.peak_memory(), peak_ram=peak_rss(),
@@ -291,10 +297,11 @@ class Trainer:
     def _out_of_memory(self, position: dict) -> None:
         """Roll the failed step back: its batch is put back, the state is the previous step's.
 
-        With clipping no update of a step starts before its backward ends, so the host state is
-        untouched; without it, updates overlap the backward and some may have been applied.
+        With clipping the step's speculative updates are undone, so the host state is the
+        previous step's; without it, updates overlap the backward and some may have been applied.
         """
-        self.executor.drain()  # the previous step's updates (they belong to it)
+        self.executor.roll_back()  # the last step's updates finish, this one's are undone
+        self.executor.drain()
         self.stream.load_state_dict(position)
         plan = getattr(self, "plan", None)
         fixes = [f.change for f in getattr(plan, "fixes", ()) if f.available][:2]
