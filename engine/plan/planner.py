@@ -23,6 +23,7 @@ from engine.plan.machine import gpu_memory, host_memory
 from engine.plan.memory import Allocation, Precision, peak
 from engine.plan.speed import SpeedEstimate
 from engine.runtime.executor import ExecShape
+from engine.validate import validate
 
 GiB = 1 << 30
 _TIER_NAMES = {"gpu": "GPU memory", "host": "host RAM", "disk": "NVMe disk"}
@@ -144,26 +145,9 @@ def run_device(cfg: RunConfig, hardware: HardwareProfile) -> str:
 
 
 def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
-    """The planner's settings of a run config (checked, with one error per bad value)."""
+    """The planner's settings of a run config (one that engine.validate accepts)."""
     t, o, b = cfg.train, cfg.optim, cfg.budget
     name = t.compute_dtype if t.compute_dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    if name not in _DTYPES:
-        raise UserError("train.compute_dtype", f"{name!r} is not supported", "use auto, bfloat16 or float32")
-    if o.moments_dtype not in _DTYPES:
-        raise UserError("optim.moments_dtype", f"{o.moments_dtype!r} is not supported",
-                        "use \"float32\" (exact) or \"bfloat16\"")
-    if b.checkpoints not in ("auto", "gpu", "host"):
-        raise UserError("budget.checkpoints", f"{b.checkpoints!r} is not a placement",
-                        "use auto, gpu or host")
-    for key, value in (("data.max_seq_len", cfg.data.max_seq_len), ("train.micro_batch", t.micro_batch),
-                       ("train.grad_accum", t.grad_accum)):
-        if value < 1:
-            raise UserError(key, f"is {value}", "give a positive integer")
-    if b.slots < 0:
-        raise UserError("budget.slots", f"is {b.slots}", "give 0 (planner's choice) or a positive count")
-    if b.gpu_layers < -1:
-        raise UserError("budget.gpu_layers", f"is {b.gpu_layers}",
-                        "give -1 (planner's choice), 0 (none) or a layer count")
     prec = Precision(_DTYPES[name], _DTYPES[o.moments_dtype], _FILE_BYTES.get(spec.torch_dtype, 2))
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                  precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
@@ -178,6 +162,7 @@ def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
         device: the backend the run uses; None derives it from ``train.device`` and the profile.
         hardware: a profile, or where to get one (engine.plan.hardware.load_profile).
     """
+    validate(cfg, "values")
     hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     device = device or run_device(cfg, hw)
     budgets = resolve_budgets(cfg.budget, device, hw, gpu_memory(), host_memory())

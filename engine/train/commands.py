@@ -9,6 +9,7 @@ from pathlib import Path
 from engine import config as config_mod
 from engine.errors import UserError
 from engine.events import Log, RunState, StepMetrics
+from engine.validate import validate
 
 # flag -> config key; every flag overrides the same key of the TOML file
 FLAGS = {"model": "model.path", "data": "data.train", "validation": "data.validation",
@@ -46,12 +47,7 @@ def build_config(a) -> config_mod.RunConfig:
         if not sep:
             raise UserError("--set", f"{item!r} is not SECTION.KEY=VALUE", "e.g. --set optim.lr=2e-5")
         over[key.strip()] = _toml_value(value.strip(), item)
-    cfg = config_mod.override(cfg, over)
-    if not cfg.model.path:
-        raise UserError("model.path", "is not set", "pass --model DIR or set [model] path in the config")
-    if not cfg.data.train:
-        raise UserError("data.train", "is not set", "pass --data FILE or set [data] train in the config")
-    return cfg
+    return validate(config_mod.override(cfg, over), "train")
 
 
 def _toml_value(text: str, where: str):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import resource
 import threading
 import time
@@ -39,6 +38,7 @@ from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest,
 from engine.train.schedule import lr_at
 from engine.train.state import (DTYPES, build_host_state, export_model, load_weights,
                                 state_tensors)
+from engine.validate import validate
 
 GiB = 1 << 30
 RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints"}
@@ -110,17 +110,14 @@ class Trainer:
         settings, the plan (a run whose host state cannot fit host RAM is refused here).
         """
         cfg = self.cfg
+        validate(cfg, "train" if data is None else "plan")
         self._check_run_dir(resume)
-        self._check_settings()
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
         self.backend = make_backend(cfg.train.device)
         self.dtype = self._compute_dtype()
-        moments = DTYPES.get(cfg.optim.moments_dtype)
-        if moments not in (torch.float32, torch.bfloat16):
-            raise UserError("optim.moments_dtype", f"{cfg.optim.moments_dtype!r} is not supported",
-                            "use \"float32\" (exact) or \"bfloat16\"")
+        moments = DTYPES[cfg.optim.moments_dtype]
         shape = self.exec_shape()
         self._check_host_memory()
         self.tok = load_tokenizer(cfg.model.path)
@@ -170,9 +167,6 @@ class Trainer:
         name = self.cfg.train.compute_dtype
         if name == "auto":
             return torch.bfloat16 if self.backend.is_cuda else torch.float32
-        if name not in ("float32", "bfloat16"):
-            raise UserError("train.compute_dtype", f"{name!r} is not supported",
-                            "use auto, bfloat16 or float32")
         return DTYPES[name]
 
     def _check_run_dir(self, resume: bool) -> None:
@@ -188,26 +182,6 @@ class Trainer:
             raise UserError(d, "already holds a run", "resume it (--resume) or choose another "
                             "output.run_dir" if has_checkpoint else "choose another output.run_dir")
         d.mkdir(parents=True, exist_ok=True)
-
-    def _check_settings(self) -> None:
-        """The run-loop and output settings (the planner and engine.data check the rest)."""
-        t = self.cfg.train
-        for key, value, low in (("train.save_every", t.save_every, 0),
-                                ("train.eval_every", t.eval_every, 0),
-                                ("train.max_steps", t.max_steps, 0),
-                                ("train.keep_checkpoints", t.keep_checkpoints, 1)):
-            if value < low:
-                raise UserError(key, f"is {value}", f"give an integer >= {low}")
-        if not t.max_steps and not t.epochs > 0:
-            raise UserError("train.epochs", f"is {t.epochs} and train.max_steps is 0",
-                            "give a positive number of epochs, or set train.max_steps")
-        dev = t.device
-        if dev not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", dev):
-            raise UserError("train.device", f"{dev!r} is not a device",
-                            "use auto, cuda, cuda:N or cpu")
-        lr_at(1, 1, self.cfg.optim)  # an unknown schedule is an error now, not at the first step
-        if parse_bytes(self.cfg.output.shard_size, "output.shard_size") <= 0:
-            raise UserError("output.shard_size", "is not a positive size", "e.g. 5GiB")
 
     def _check_host_memory(self) -> None:
         """Refuse a run the plan says cannot fit host RAM, before anything is loaded."""
