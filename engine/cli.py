@@ -3,7 +3,8 @@
 Each subcommand lives next to the code it drives and registers itself through a
 ``register(subparsers)`` function listed in :data:`COMMANDS`; the handler it sets as ``func``
 receives the parsed arguments and returns an exit code. A :class:`UserError` anywhere becomes one
-message on stderr and exit code 2, never a traceback.
+message on stderr and exit code 2, never a traceback; so does an ``OSError`` about a path (a file
+standing where a folder should be, a read-only folder).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import importlib
 import sys
 
 from engine import __version__
-from engine.errors import UserError
+from engine.errors import UserError, path_error
 
 # Modules with a ``register(subparsers)`` function, in the order shown by --help.
 COMMANDS = [
@@ -38,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 must still print
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
@@ -49,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:  # not about a path the user gave: a bug to report as is
+            raise
+        print(f"error: {path_error(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

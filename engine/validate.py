@@ -24,6 +24,8 @@ MAX_SEQ_LEN = 1 << 20
 """Tokens per sequence: 1M, 8x the longest context of the supported families."""
 MAX_BATCH = 1 << 16
 """Sequences per micro-batch, and micro-batches per step."""
+MAX_TOKENS = 1 << 24
+"""Tokens per micro-batch: their hidden states alone fill 128 GiB at hidden size 4096."""
 MAX_STEPS = 10**9
 MAX_EPOCHS = 10**6
 MAX_COUNT = 10**6
@@ -36,6 +38,7 @@ COMPUTE_DTYPES = ("auto", "bfloat16", "float32")
 MOMENTS_DTYPES = ("float32", "bfloat16")
 PLACEMENTS = ("auto", "gpu", "host")
 PURPOSES = {"train": ("model.path", "data.train"), "plan": ("model.path",), "values": ()}
+PATHS = ("model.path", "data.train", "data.validation", "output.run_dir", "budget.nvme_dir")
 _HOW = {"model.path": "pass --model DIR or set [model] path in the run config",
         "data.train": "pass --data FILE or set [data] train in the run config"}
 
@@ -51,6 +54,8 @@ def validate(cfg: RunConfig, purpose: str = "train") -> RunConfig:
     for key in PURPOSES[purpose]:
         if not _get(cfg, key):
             raise UserError(key, "is not set", _HOW[key])
+    for key in PATHS:
+        _check_utf8(key, _get(cfg, key))
     _check_data(cfg)
     _check_optim(cfg)
     _check_train(cfg)
@@ -60,6 +65,16 @@ def validate(cfg: RunConfig, purpose: str = "train") -> RunConfig:
     if parse_bytes(cfg.output.shard_size, "output.shard_size") <= 0:
         raise UserError("output.shard_size", "is not a positive size", "e.g. 5GiB")
     return cfg
+
+
+def _check_utf8(key: str, path: str) -> None:
+    """A path setting must be text: the run's config.toml and events store it as UTF-8."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = path.encode("utf-8", "backslashreplace").decode()
+        raise UserError(key, f"names {shown!r}, which is not a UTF-8 name",
+                        "rename the file or folder to a UTF-8 name") from None
 
 
 def _get(cfg: RunConfig, key: str):
@@ -123,6 +138,11 @@ def _check_train(cfg: RunConfig) -> None:
     t = cfg.train
     _int("train.micro_batch", t.micro_batch, 1, MAX_BATCH, " sequences")
     _int("train.grad_accum", t.grad_accum, 1, MAX_BATCH, " micro-batches")
+    tokens = t.micro_batch * cfg.data.max_seq_len
+    if tokens > MAX_TOKENS:
+        raise UserError("train.micro_batch", f"x data.max_seq_len is {tokens:,} tokens per "
+                        f"micro-batch, more than {MAX_TOKENS:,}",
+                        "lower train.micro_batch (raise train.grad_accum for the same batch)")
     _int("train.max_steps", t.max_steps, 0, MAX_STEPS, " (0: run train.epochs)")
     if not t.max_steps:
         if not (math.isfinite(t.epochs) and 0 < t.epochs <= MAX_EPOCHS):

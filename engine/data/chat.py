@@ -2,8 +2,8 @@
 
 The model's own ``chat_template`` is used (rendered in the tokenizer module's sandbox); a built-in
 ChatML template only when the model has none, and the caller is told (:attr:`ChatRenderer.
-builtin`). The template is compiled once: compiling costs ~0.8 ms, rendering ~10 us, and the
-span search renders each conversation several times.
+builtin`). The template is compiled once (engine.models.tokenizer caches it): compiling costs
+~0.8 ms, rendering ~10 us, and the span search renders each conversation several times.
 
 Assistant spans are found by rendering prefixes of the conversation: for assistant message i,
 ``render(m[:i], add_generation_prompt=True)`` ends where the reply starts and ``render(m[:i+1])``
@@ -16,8 +16,6 @@ the trained sequence is exactly what tokenizing the rendering gives.
 """
 from __future__ import annotations
 
-import functools
-
 from engine.errors import UserError
 from engine.models import tokenizer as tokmod
 from engine.models.tokenizer import TokenizerInfo
@@ -27,13 +25,6 @@ CHATML = ("{{ bos_token }}{% for m in messages %}"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 BUILTIN_WHERE = "built-in ChatML template"
 _OPEN, _CLOSE = "\ue000", "\ue001"  # private-use code points: never in real text
-
-
-@functools.lru_cache(maxsize=16)
-def _compiled(source: str):
-    # Same sandboxed environment as TokenizerInfo.render_chat; errors are re-raised through
-    # tokmod.render_template so they read the same.
-    return tokmod._ENV.from_string(source)
 
 
 class ChatRenderer:
@@ -48,10 +39,7 @@ class ChatRenderer:
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The rendered conversation; a template failure is a :class:`UserError`."""
         ctx = dict(self._ctx, messages=messages, add_generation_prompt=add_generation_prompt)
-        try:
-            return _compiled(self.source).render(**ctx)
-        except Exception:  # noqa: BLE001 - the reference path turns it into one clear message
-            return tokmod.render_template(self.source, self.where, **ctx)
+        return tokmod.render_template(self.source, self.where, **ctx)  # sandboxed, budgeted
 
     def spans(self, messages: list[dict], full: str) -> list[tuple[int, int]]:
         """Character spans [start, end) of every assistant reply within ``full``."""

@@ -101,7 +101,12 @@ def _bench(a) -> int:
     if not folder.is_dir():
         if a.disk_dir:
             raise UserError(folder, "is not a folder", "give an existing folder with --disk-dir")
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(folder, f"cannot be created for the hardware profile ({e.strerror})",
+                            "remove the file that stands there, or set XDG_CACHE_HOME to "
+                            "another folder") from None
     print("measuring this machine for the planner:")
     profile = measure(folder)
     for note in profile.notes:

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.jsonfile import read_json
 
 GiB = 1 << 30
 
@@ -61,11 +63,37 @@ class HardwareProfile:
 
     @staticmethod
     def from_dict(d: dict) -> "HardwareProfile":
+        """The profile of a JSON object; ValueError names a figure that is absent or absurd."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON {type(d).__name__}, not an object")
         names = {f.name for f in dataclasses.fields(HardwareProfile)}
         kw = {k: v for k, v in d.items() if k in names}
         kw["measured"] = tuple(kw.get("measured", ()))
         kw["notes"] = tuple(kw.get("notes", ()))
+        _check_figures(kw)
         return HardwareProfile(**kw)
+
+
+RATES = ("matmul_tflops", "cpu_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs", "adam_params_per_s",
+         "disk_read_gbs", "disk_write_gbs")
+"""The throughput figures of a profile (each must be a positive number)."""
+
+
+def _check_figures(kw: dict) -> None:
+    """ValueError for a figure that is missing or absurd: the speed model divides by every rate,
+    so a zero, negative or NaN figure would fail far from here."""
+    missing = [f.name for f in dataclasses.fields(HardwareProfile) if f.name not in kw
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"no {', '.join(missing)}")
+    sizes = ("ram_total", "cpu_cores") + (("vram_total",) if kw["vram_total"] is not None else ())
+    for key in RATES + sizes:
+        v = kw[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"'{key}' is {v!r}, not a positive number")
+    for key in ("name", "gpu"):
+        if not isinstance(kw[key], str) and not (key == "gpu" and kw[key] is None):
+            raise ValueError(f"'{key}' is {kw[key]!r}, not a string")
 
 
 # The reference GPU machine. Sources: shared/GPU_MACHINE.md ("Ceilings measured there",
@@ -108,8 +136,8 @@ def read_profile(path: Path) -> HardwareProfile:
     if not path.is_file():
         raise UserError(path, "does not exist", fix)
     try:
-        return HardwareProfile.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError) as e:
+        return HardwareProfile.from_dict(read_json(path, fix))
+    except (TypeError, ValueError) as e:
         raise UserError(path, f"is not a hardware profile ({e})", fix) from None
 
 

@@ -27,7 +27,7 @@ from engine.config import RunConfig, parse_bytes
 from engine.errors import UserError
 from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
 from engine.models.spec import load_spec
-from engine.models.tokenizer import load_tokenizer
+from engine.models.tokenizer import check_vocab, load_tokenizer
 from engine.models.weights import Checkpoint
 from engine.runtime.backend import make_backend
 from engine.runtime.executor import ExecShape, SlidingExecutor
@@ -121,6 +121,7 @@ class Trainer:
         shape = self.exec_shape()
         self._check_host_memory()
         self.tok = load_tokenizer(cfg.model.path)
+        check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
         self.prepared, self.stream = data if data is not None else self._prepare_data()
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
@@ -181,7 +182,14 @@ class Trainer:
         if not resume and (has_checkpoint or foreign):
             raise UserError(d, "already holds a run", "resume it (--resume) or choose another "
                             "output.run_dir" if has_checkpoint else "choose another output.run_dir")
-        d.mkdir(parents=True, exist_ok=True)
+        if (d / "checkpoints").exists() and not (d / "checkpoints").is_dir():
+            raise UserError(d / "checkpoints", "is a file, not the run's checkpoint folder",
+                            "move the file away, or choose another output.run_dir")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(d, f"cannot be created ({e.strerror})",
+                            "choose an output.run_dir in a folder you can write to") from None
 
     def _check_host_memory(self) -> None:
         """Refuse a run the plan says cannot fit host RAM, before anything is loaded."""
@@ -335,8 +343,8 @@ class Trainer:
             return "stopped"
         if self._failure is None:
             self.evaluate()
-        if (self._failure is None or self._failure[1]) and self.step < self.total_steps:
-            self.save_checkpoint()
+        if self._failure is None or self._failure[1]:
+            self.save_checkpoint()  # first: an export that fails must not lose the trained steps
         if self._failure is None:
             self.emit(RunState("saving", "exporting the final model", self.step))
             out = self.run_dir / "final"
@@ -344,9 +352,10 @@ class Trainer:
                 self.export(out)
             except OSError as e:
                 self._fail(f"could not write the final model to {out}: "
-                           f"{write_error(e, self.run_dir)}", "free disk space, then continue "
-                           "with --resume (it repeats the steps after the newest checkpoint)",
-                           save=False)
+                           f"{write_error(e, self.run_dir)}; the trained state is safe in "
+                           f"checkpoints/step-{self.step}", "free disk space, then run the same "
+                           "command with --resume: it writes the final model without training "
+                           "again", save=False)
         if self._failure is not None:
             self.emit(RunState("failed", self._failure[0], self.step))
             return "failed"
