@@ -423,3 +423,25 @@ def run_subprocess(case: Case, w: Path, env_changes: dict) -> tuple[int, str, st
                        capture_output=True, timeout=TIMEOUT)
     return (p.returncode, p.stdout.decode(errors="backslashreplace"),
             p.stderr.decode(errors="backslashreplace"), time.perf_counter() - t0)
+
+
+def run_in_process(case: Case, pristine: Path, tmp: Path, capsys, monkeypatch) -> None:
+    """Run ``engine.cli.main`` on a case in this process and check its outcome."""
+    from engine.cli import main
+    w = tmp / "w"
+    for k, v in prepare_case(case, pristine, w).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(w)
+    try:
+        code = main(list(case.args))
+    except SystemExit as e:  # argparse
+        code = e.code
+    out, err = capsys.readouterr()
+    check_outcome(case, code, out, err)
+
+
+def params(cases: list[Case]) -> list:
+    """pytest parameters: a case that trains to the end (a documented success) is slow."""
+    import pytest
+    return [pytest.param(c, id=c.name, marks=[pytest.mark.slow] if c.code == 0 else [])
+            for c in cases]

@@ -53,6 +53,9 @@ class HardwareProfile:
     master, fp32 moments), parameters per second."""
     disk_read_gbs: float
     disk_write_gbs: float
+    adam_fallback_params_per_s: float | None = None
+    """The same update through the PyTorch-op fallback (no C compiler); None: not measured,
+    taken as FALLBACK_SHARE of ``adam_params_per_s``."""
     measured: tuple[str, ...] = ()
     """Names of the fields measured on this machine; the others are defaults."""
     notes: tuple[str, ...] = field(default=())
@@ -60,6 +63,13 @@ class HardwareProfile:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    def without_native_adam(self, reason: str) -> "HardwareProfile":
+        """This profile as the planner must see it when the compiled CPU AdamW is unavailable."""
+        rate = self.adam_fallback_params_per_s or FALLBACK_SHARE * self.adam_params_per_s
+        return dataclasses.replace(self, adam_params_per_s=rate, notes=self.notes + (
+            f"compiled CPU AdamW unavailable ({reason}): the PyTorch fallback's "
+            f"{rate / 1e9:.2f} G params/s is used",))
 
     @staticmethod
     def from_dict(d: dict) -> "HardwareProfile":
@@ -74,6 +84,9 @@ class HardwareProfile:
         return HardwareProfile(**kw)
 
 
+FALLBACK_SHARE = 0.87 / 3.01
+"""Fallback / compiled CPU AdamW throughput, fp32 moments, measured on the development machine
+(benchmarks/RESULTS.md: 0.87 vs 3.01 G params/s); used where the fallback was not measured."""
 RATES = ("matmul_tflops", "cpu_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs", "adam_params_per_s",
          "disk_read_gbs", "disk_write_gbs")
 """The throughput figures of a profile (each must be a positive number)."""
@@ -91,6 +104,9 @@ def _check_figures(kw: dict) -> None:
         v = kw[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
             raise ValueError(f"'{key}' is {v!r}, not a positive number")
+    v = kw.get("adam_fallback_params_per_s")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+        raise ValueError(f"'adam_fallback_params_per_s' is {v!r}, not a positive number")
     for key in ("name", "gpu"):
         if not isinstance(kw[key], str) and not (key == "gpu" and kw[key] is None):
             raise ValueError(f"'{key}' is {kw[key]!r}, not a string")

@@ -14,6 +14,7 @@ import torch
 
 from engine.config import RunConfig
 from engine.errors import UserError
+from engine.kernels import cpu_adam
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets, resolve_budgets
 from engine.plan.evaluate import TIGHT, Evaluation, Evaluator, Knobs, TierUse
@@ -164,6 +165,8 @@ def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
     """
     validate(cfg, "values")
     hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    if hardware == "auto" and cpu_adam.unavailable_reason():  # a plan of this machine
+        hw = hw.without_native_adam(cpu_adam.unavailable_reason())
     device = device or run_device(cfg, hw)
     budgets = resolve_budgets(cfg.budget, device, hw, gpu_memory(), host_memory())
     return make_plan(spec, knobs_from_config(cfg, spec, device), device, budgets, hw)

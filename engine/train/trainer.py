@@ -26,6 +26,7 @@ from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
 from engine.errors import UserError
 from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
+from engine.kernels import cpu_adam
 from engine.models.spec import load_spec
 from engine.models.tokenizer import check_vocab, load_tokenizer
 from engine.models.weights import Checkpoint
@@ -133,6 +134,10 @@ class Trainer:
         else:
             load_weights(self.host, self.spec, cfg.model.path, self.emit)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype)
+        if cpu_adam.unavailable_reason():
+            self.emit(Log("warning", f"compiled CPU AdamW unavailable "
+                                     f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "
+                                     "does the CPU updates, about 3x slower"))
         if resume:
             self._restore()
         _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
