@@ -29,6 +29,7 @@ from engine.data.commands import sample_counts
 from engine.data.analysis import DataAnalysis, analyse_data
 from engine.data.formats import FORMATS
 from engine.errors import UserError
+from engine.validate import validate
 from engine.events import (CheckpointSaved, EvalMetrics, Log, Progress, RunState, Span,
                            StepMetrics, Timeline, from_json, read_events)
 from engine.models.commands import model_report as inspect_model
@@ -74,17 +75,17 @@ __all__ = [
 
 
 # ---- run configs ---------------------------------------------------------------------------------
-def validate_config(cfg: RunConfig) -> RunConfig:
-    """Check a run config's values against each other; returns it unchanged when it is sound.
+def validate_config(cfg: RunConfig, purpose: str = "values") -> RunConfig:
+    """Check every field of a run config (types, ranges, choices); returns it unchanged.
+
+    Args:
+        purpose: ``train`` (model and data must be set), ``plan`` (the model must be set) or
+            ``values`` (only the values that are given are checked).
 
     Raises:
-        UserError: naming the first bad field and how to fix it.
+        UserError: naming the first bad field (``section.key``) and how to fix it.
     """
-    # The config module's cross-field checks, where every front end's config passes.
-    check = getattr(_config, "validate", None)
-    if check is not None:
-        check(cfg)
-    return cfg
+    return validate(cfg, purpose)
 
 
 def load_config(path: Path | str) -> RunConfig:

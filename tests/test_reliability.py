@@ -132,14 +132,15 @@ def copy_run(src: Path, base: Path, name: str) -> Path:
 def test_checkpoints_are_complete_rotated_and_readable(reference):
     run = reference()
     found = checkpoint_dirs(run)
-    assert sorted(found) == [STEPS - 2, STEPS - 1]  # keep_checkpoints = 2, no checkpoint at the end
+    # keep_checkpoints = 2; the last one is written before the export (a failed export keeps it)
+    assert sorted(found) == [STEPS - 1, STEPS]
     assert all(intact(p) for p in found.values())
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     from safetensors.torch import load_file
-    newest = found[STEPS - 1]
+    newest = found[STEPS]
     assert set(load_file(str(newest / "layer0.safetensors"))) == {"w", "m", "v"}  # fp32: no rem
     meta = json.loads((newest / "trainer.json").read_text())
-    assert meta["step"] == STEPS - 1 and meta["data"]["step"] == STEPS - 1
+    assert meta["step"] == STEPS and meta["data"]["step"] == STEPS
     assert {"next_lr", "rng", "config", "total_steps"} <= set(meta)
 
 
@@ -156,21 +157,21 @@ DAMAGE = {
     "file missing": lambda d: (d / "layer2.safetensors").unlink(),
     "manifest missing": lambda d: (d / "manifest.json").unlink(),
     "trainer state altered": lambda d: (d / "trainer.json").write_text(
-        (d / "trainer.json").read_text().replace('"step": 5', '"step": 4')),
+        (d / "trainer.json").read_text().replace(f'"step": {STEPS}', f'"step": {STEPS - 1}')),
 }
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(base, reference, damage):
     run = copy_run(reference(), base, f"damaged-{damage.replace(' ', '-')}")
-    newest = checkpoint_dirs(run)[STEPS - 1]
+    newest = checkpoint_dirs(run)[STEPS]
     DAMAGE[damage](newest)
     n = len(read_events(run / "events.jsonl"))
     assert run_training(run_cfg(base, run.name), resume=True) == "finished"
     logs = [e.message for e in events_of(run, Log, n)]
-    assert any(m.startswith(f"checkpoint step-{STEPS - 1} is damaged") for m in logs), logs
-    assert f"resumed from step-{STEPS - 2}" in logs
-    assert (run / "checkpoints" / f"step-{STEPS - 1}.corrupt").is_dir()
+    assert any(m.startswith(f"checkpoint step-{STEPS} is damaged") for m in logs), logs
+    assert f"resumed from step-{STEPS - 1}" in logs
+    assert (run / "checkpoints" / f"step-{STEPS}.corrupt").is_dir()
     assert_same_run(run, reference())
 
 
@@ -181,8 +182,8 @@ def test_resume_restores_schedule_data_and_rng(base, reference):
     torch.manual_seed(123)
     random.seed(123)
     t.setup(resume=True)
-    meta = json.loads((run / "checkpoints" / f"step-{STEPS - 1}" / "trainer.json").read_text())
-    assert t.step == STEPS - 1 and t.stream.state_dict() == meta["data"]
+    meta = json.loads((run / "checkpoints" / f"step-{STEPS}" / "trainer.json").read_text())
+    assert t.step == STEPS and t.stream.state_dict() == meta["data"]
     assert t.hyper(1.0).lr == meta["next_lr"]
     assert bytes(torch.get_rng_state().tolist()) == base64.b64decode(meta["rng"]["torch"])
     assert list(random.getstate()[1]) == meta["rng"]["python"][1]

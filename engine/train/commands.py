@@ -9,6 +9,7 @@ from pathlib import Path
 from engine import config as config_mod
 from engine.errors import UserError
 from engine.events import Log, RunState, StepMetrics
+from engine.validate import validate
 
 # flag -> config key; every flag overrides the same key of the TOML file
 FLAGS = {"model": "model.path", "data": "data.train", "validation": "data.validation",
@@ -46,12 +47,7 @@ def build_config(a) -> config_mod.RunConfig:
         if not sep:
             raise UserError("--set", f"{item!r} is not SECTION.KEY=VALUE", "e.g. --set optim.lr=2e-5")
         over[key.strip()] = _toml_value(value.strip(), item)
-    cfg = config_mod.override(cfg, over)
-    if not cfg.model.path:
-        raise UserError("model.path", "is not set", "pass --model DIR or set [model] path in the config")
-    if not cfg.data.train:
-        raise UserError("data.train", "is not set", "pass --data FILE or set [data] train in the config")
-    return cfg
+    return validate(config_mod.override(cfg, over), "train")
 
 
 def _toml_value(text: str, where: str):
@@ -85,25 +81,29 @@ class ProgressPrinter:
 
 
 def run_training(cfg, resume: bool = False, callbacks=()) -> str:
-    """Set up and run a Trainer; Ctrl-C stops and saves, a second Ctrl-C aborts."""
+    """Set up and run a Trainer; Ctrl-C (or SIGTERM) stops and saves, a second one aborts.
+
+    During setup there is nothing to save yet: the first signal aborts at once (every file the
+    setup writes is replaced atomically, so an abort leaves each as it was or complete).
+    """
     from engine.train.control import RunControl
     from engine.train.trainer import Trainer
     control = RunControl(cfg.output.run_dir)  # pause/resume/stop from other processes
     trainer = Trainer(cfg, callbacks=[*callbacks, control.on_event])
-    hits = []
+    hits, training = [], []
 
     def on_signal(signum, frame):
         hits.append(signum)
-        if len(hits) == 1:
-            print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
-            trainer.stop(save=True)
-        else:
+        if not training or len(hits) > 1:
             raise KeyboardInterrupt
+        print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
+        trainer.stop(save=True)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with control.attached(trainer):
             trainer.setup(resume=resume)
+            training.append(True)
             return trainer.train()
     finally:
         for s, h in old.items():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.errors import UserError
 from engine.models.spec import ModelSpec
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names, write_hf_folder
 from engine.runtime.host_state import HostItem
@@ -46,11 +47,25 @@ def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | s
     ckpt.check(spec)
     for k, (name, item) in enumerate(host.items()):
         buf = torch.empty(item.numel, dtype=torch.float32)
-        item.set_master(ckpt.read_item(spec, name, buf))
+        _check_finite(ckpt, spec, name, ckpt.read_item(spec, name, buf))
+        item.set_master(buf)
         if emit is not None:
             from engine.events import Progress
             emit(Progress("loading weights", k + 1, len(host)))
     ckpt.close()
+
+
+def _check_finite(ckpt: Checkpoint, spec: ModelSpec, item: str, flat: torch.Tensor) -> None:
+    """Refuse weights holding NaN or infinity (training from them only yields NaN losses)."""
+    if bool(torch.isfinite(flat).all()):
+        return
+    for local, view in item_layout(spec, item).views(flat).items():
+        bad = int((~torch.isfinite(view)).sum())
+        if bad:
+            name = hf_name(item, local)
+            raise UserError(ckpt.where[name], f"tensor '{name}' holds {bad:,} NaN or infinite "
+                            "values", "the weights are damaged: download or copy them again, or "
+                            "use another checkpoint of the model")
 
 
 def master_tensors(host: dict[str, HostItem], spec: ModelSpec):

@@ -24,11 +24,12 @@ import torch
 
 from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
-from engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
+from engine.devices import compute_dtype_name, moments_dtype_name, torch_dtype
 from engine.errors import UserError
 from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
+from engine.kernels import cpu_adam
 from engine.models.spec import check_window, load_spec
-from engine.models.tokenizer import load_tokenizer
+from engine.models.tokenizer import check_vocab, load_tokenizer
 from engine.models.weights import Checkpoint
 from engine.plan.planner import Plan, plan_run
 from engine.runtime.backend import make_backend
@@ -41,6 +42,7 @@ from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest,
 from engine.train.schedule import lr_at
 from engine.train.state import (build_host_state, export_model, load_weights,
                                 state_tensors)
+from engine.validate import validate
 
 GiB = 1 << 30
 RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints"}
@@ -112,8 +114,8 @@ class Trainer:
         settings, the plan (a run whose host state cannot fit host RAM is refused here).
         """
         cfg = self.cfg
+        validate(cfg, "train" if data is None else "plan")
         self._check_run_dir(resume)
-        self._check_settings()
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
@@ -125,6 +127,7 @@ class Trainer:
         shape = self.make_plan().exec_shape
         self._check_host_memory()
         self.tok = load_tokenizer(cfg.model.path)
+        check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
         self.prepared, self.stream = data if data is not None else self._prepare_data()
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
@@ -139,6 +142,10 @@ class Trainer:
         else:
             load_weights(self.host, self.spec, cfg.model.path, self.emit)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype)
+        if cpu_adam.unavailable_reason():
+            self.emit(Log("warning", f"compiled CPU AdamW unavailable "
+                                     f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "
+                                     "does the CPU updates, about 3x slower"))
         if resume:
             self._restore()
         _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
@@ -183,24 +190,14 @@ class Trainer:
         if not resume and (has_checkpoint or foreign):
             raise UserError(d, "already holds a run", "resume it (--resume) or choose another "
                             "output.run_dir" if has_checkpoint else "choose another output.run_dir")
-        d.mkdir(parents=True, exist_ok=True)
-
-    def _check_settings(self) -> None:
-        """The run-loop and output settings (the planner and engine.data check the rest)."""
-        t = self.cfg.train
-        for key, value, low in (("train.save_every", t.save_every, 0),
-                                ("train.eval_every", t.eval_every, 0),
-                                ("train.max_steps", t.max_steps, 0),
-                                ("train.keep_checkpoints", t.keep_checkpoints, 1)):
-            if value < low:
-                raise UserError(key, f"is {value}", f"give an integer >= {low}")
-        if not t.max_steps and not t.epochs > 0:
-            raise UserError("train.epochs", f"is {t.epochs} and train.max_steps is 0",
-                            "give a positive number of epochs, or set train.max_steps")
-        device_kind(t.device, gpu=False)  # names a device (which one is the backend's choice)
-        lr_at(1, 1, self.cfg.optim)  # an unknown schedule is an error now, not at the first step
-        if parse_bytes(self.cfg.output.shard_size, "output.shard_size") <= 0:
-            raise UserError("output.shard_size", "is not a positive size", "e.g. 5GiB")
+        if (d / "checkpoints").exists() and not (d / "checkpoints").is_dir():
+            raise UserError(d / "checkpoints", "is a file, not the run's checkpoint folder",
+                            "move the file away, or choose another output.run_dir")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(d, f"cannot be created ({e.strerror})",
+                            "choose an output.run_dir in a folder you can write to") from None
 
     def _check_host_memory(self) -> None:
         """Refuse a run the plan says cannot fit host RAM, before anything is loaded."""
@@ -356,8 +353,8 @@ class Trainer:
             return "stopped"
         if self._failure is None:
             self.evaluate()
-        if (self._failure is None or self._failure[1]) and self.step < self.total_steps:
-            self.save_checkpoint()
+        if self._failure is None or self._failure[1]:
+            self.save_checkpoint()  # first: an export that fails must not lose the trained steps
         if self._failure is None:
             self.emit(RunState("saving", "exporting the final model", self.step))
             out = self.run_dir / "final"
@@ -365,9 +362,10 @@ class Trainer:
                 self.export(out)
             except OSError as e:
                 self._fail(f"could not write the final model to {out}: "
-                           f"{write_error(e, self.run_dir)}", "free disk space, then continue "
-                           "with --resume (it repeats the steps after the newest checkpoint)",
-                           save=False)
+                           f"{write_error(e, self.run_dir)}; the trained state is safe in "
+                           f"checkpoints/step-{self.step}", "free disk space, then run the same "
+                           "command with --resume: it writes the final model without training "
+                           "again", save=False)
         if self._failure is not None:
             self.emit(RunState("failed", self._failure[0], self.step))
             return "failed"
