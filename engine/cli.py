@@ -18,6 +18,7 @@ from engine.errors import UserError
 COMMANDS = [
     "slideformer_gui.commands",
     "engine.models.commands",
+    "engine.gguf.commands",
     "engine.data.commands",
     "engine.train.commands",
     "engine.plan.commands",
