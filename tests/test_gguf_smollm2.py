@@ -39,6 +39,27 @@ def ids(imported):
     return torch.tensor([load_tokenizer(imported).encode(PROMPT)])
 
 
+def test_imported_tensors_equal_the_references_dequantisation(imported):
+    """Tensors of the folder = gguf's dequantisation with transformers' Q/K reordering, in bf16."""
+    import gguf
+    from safetensors import safe_open
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+    reader = gguf.GGUFReader(SMOL)
+    proc = LlamaTensorProcessor({"num_attention_heads": 9, "num_key_value_heads": 3})
+    names = {"token_embd.weight": "model.embed_tokens.weight",
+             "blk.0.attn_q.weight": "model.layers.0.self_attn.q_proj.weight",
+             "blk.29.attn_k.weight": "model.layers.29.self_attn.k_proj.weight",
+             "blk.29.ffn_down.weight": "model.layers.29.mlp.down_proj.weight",
+             "output_norm.weight": "model.norm.weight"}
+    with safe_open(str(imported / "model.safetensors"), framework="pt") as f:
+        for t in reader.tensors:
+            if t.name in names:
+                ref = proc.process(gguf.quants.dequantize(t.data, t.tensor_type), t.name).weights
+                ref = torch.from_numpy(ref.copy()).to(torch.bfloat16)
+                assert torch.equal(f.get_tensor(names[t.name]), ref), t.name
+
+
+@pytest.mark.slow  # transformers' GGUF loader takes minutes on a 2-core machine
 def test_import_equals_transformers_gguf_loading(imported, ids):
     theirs, ours = load(SMOL.parent, SMOL.name), load(imported)
     a, b = theirs.state_dict(), ours.state_dict()
@@ -62,6 +83,7 @@ def test_tokenizer_and_chat_template(imported):
     assert (ours.bos_token, ours.eos_token) == ("<|im_start|>", "<|im_end|>")
 
 
+@pytest.mark.slow
 def test_export_loads_back(imported, ids, tmp_path):
     ref = load(imported)
     f = export_gguf(imported, tmp_path / "smol-bf16.gguf", "bf16")
