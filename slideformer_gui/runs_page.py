@@ -109,6 +109,7 @@ class RunsPage(QWidget):
         self.details_title.setWordWrap(True)
         self.details_title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
         self.export_status = status_label("")
+        self.export_status.hide()  # shown once an export starts
         self.config_view = QPlainTextEdit()
         self.config_view.setReadOnly(True)
         self.log_view = QPlainTextEdit()
@@ -272,6 +273,7 @@ class RunsPage(QWidget):
         self._exporting = True
         self._update_buttons()
         self.export_status.setText(f"Exporting {short_path(final_dir)} as {kind} GGUF…")
+        self.export_status.show()
         run_task(export_run_gguf, final_dir, kind, name="export-gguf",
                  done=lambda text: self._export_finished(text),
                  failed=lambda msg: self._export_finished(f"Export failed: {msg}"))
