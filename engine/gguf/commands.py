@@ -5,10 +5,10 @@ import time
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.gguf.kinds import EXPORT_KINDS
 
 
 def register(sub) -> None:
-    from engine.gguf.exporter import TYPES
     p = sub.add_parser("import-gguf", help="turn a GGUF file into a Hugging Face model folder")
     p.add_argument("file", help="the .gguf file (llama, mistral, qwen2 or qwen3)")
     p.add_argument("--out", required=True, help="folder to create (bf16 safetensors)")
@@ -16,7 +16,7 @@ def register(sub) -> None:
 
     p = sub.add_parser("export-gguf", help="write a model folder as GGUF, with an Ollama Modelfile")
     p.add_argument("model", help="Hugging Face model folder (e.g. a run's final/)")
-    p.add_argument("--type", choices=list(TYPES), default="bf16", help="type of the matrices")
+    p.add_argument("--type", choices=EXPORT_KINDS, default="bf16", help="type of the matrices")
     p.add_argument("--out", help="GGUF file to create (default: NAME-TYPE.gguf next to the folder)")
     p.set_defaults(func=_export)
 

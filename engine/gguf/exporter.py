@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from engine.errors import UserError
+from engine.gguf.kinds import EXPORT_KINDS
 from engine.gguf.names import arch_name, qk_heads, tensor_names, to_gguf_order
 from engine.gguf.tokenizer import gguf_vocab
 from engine.models.layers import rope_inv_freq
@@ -28,7 +29,7 @@ from engine.models.tokenizer import load_tokenizer
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names
 
 Q = gguf.GGMLQuantizationType
-TYPES = {"f32": Q.F32, "bf16": Q.BF16, "f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+TYPES = dict(zip(EXPORT_KINDS, (Q.F32, Q.BF16, Q.F16, Q.Q8_0, Q.Q4_0)))
 """--type -> the GGUF type of the matrices (1-D tensors, norms and biases, stay F32)."""
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
