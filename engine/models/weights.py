@@ -260,6 +260,7 @@ def write_streamed_shards(folder: Path, shapes: list[tuple[str, tuple[int, ...]]
             used = 0
         shards[-1].append((name, shape))
         used += nbytes
+    import torch
     n, it, weight_map = len(shards), iter(tensors), {}
     for k, entries in enumerate(shards):
         fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
