@@ -29,6 +29,9 @@ from engine.data.commands import sample_counts
 from engine.data.analysis import DataAnalysis, analyse_data
 from engine.data.formats import FORMATS
 from engine.errors import UserError
+from engine.gguf.commands import default_out as gguf_export_path
+from engine.gguf.installed import SMOLLM2_INSTALL, smollm2_gguf
+from engine.gguf.kinds import EXPORT_KINDS as GGUF_EXPORT_TYPES
 from engine.validate import validate
 from engine.events import (CheckpointSaved, EvalMetrics, Log, Progress, RunState, Span,
                            StepMetrics, Timeline, from_json, read_events)
@@ -65,6 +68,8 @@ __all__ = [
     # models
     "SUPPORTED", "ModelSpec", "TinyShape", "inspect_model", "load_spec", "load_tokenizer",
     "make_tiny_model",
+    # GGUF files and the SmolLM2 demo model
+    "GGUF_EXPORT_TYPES", "SMOLLM2_INSTALL", "gguf_export_path", "smollm2_gguf",
     # data
     "FORMATS", "DataAnalysis", "DataStats", "Preview", "Sample", "analyse_data", "sample_counts",
     "write_task",

@@ -20,13 +20,14 @@ from types import ModuleType
 from engine import __version__
 from engine.data import commands as data_commands
 from engine.errors import UserError, path_error
+from engine.gguf import commands as gguf_commands
 from engine.generate import commands as generate_commands
 from engine.models import commands as model_commands
 from engine.plan import commands as plan_commands
 from engine.train import commands as train_commands
 
-COMMANDS: tuple[ModuleType, ...] = (model_commands, data_commands, train_commands, plan_commands,
-                                   generate_commands)
+COMMANDS: tuple[ModuleType, ...] = (model_commands, gguf_commands, data_commands, train_commands,
+                                   plan_commands, generate_commands)
 """Modules with a ``register(subparsers)`` function, in the order shown by --help."""
 
 

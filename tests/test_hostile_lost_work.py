@@ -61,7 +61,7 @@ def test_failed_final_export_keeps_the_trained_state_and_resume_writes_it(base, 
 
     run = base / f"fail-{failure.__name__}"
     with monkeypatch.context() as m:
-        m.setattr("engine.models.weights.save_file", failure)
+        m.setattr("safetensors.torch.save_file", failure)  # _save_shard imports it per call
         assert run_training(cfg_of(base, run.name)) == "failed"
     end = [e for e in read_events(run / "events.jsonl") if isinstance(e, RunState)][-1]
     assert end.state == "failed" and end.step == 3

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import shutil
@@ -192,12 +193,7 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
 
     dtype = torch.bfloat16 if dtype is None else dtype
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    old = out_dir.with_name(out_dir.name + ".old")
-    if old.is_dir() and not out_dir.exists():  # a crash between the two renames below
-        os.replace(old, out_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     # Each shard is written as soon as it is full (peak memory: one shard), under a temporary
     # name, and renamed once the shard count is known.
     parts: list[list[str]] = []
@@ -223,10 +219,7 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
         fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
         os.replace(tmp / f"part-{k}.safetensors", tmp / fname)
         weight_map.update({key: fname for key in keys})
-    if n > 1:
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
-            indent=2))
+    _write_index(tmp, weight_map, size, n)
     cfg = dict(spec.raw_config)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -235,6 +228,23 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
             src = Path(tokenizer_dir) / f
             if src.is_file():
                 shutil.copy2(src, tmp / f)
+    return publish_dir(tmp, out_dir)
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """An empty temporary folder next to ``out_dir``, to fill and then :func:`publish_dir`."""
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    old = out_dir.with_name(out_dir.name + ".old")
+    if old.is_dir() and not out_dir.exists():  # a crash between the two renames of publish_dir
+        os.replace(old, out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, out_dir: Path) -> Path:
+    """Flush the staged folder ``tmp`` and rename it to ``out_dir`` (replacing it whole)."""
+    old = out_dir.with_name(out_dir.name + ".old")
     _fsync_dir(tmp)
     if out_dir.exists():  # the previous export stays whole until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
@@ -261,6 +271,55 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
         code = re.search(r"code: (\d+)", str(e))
         err = int(code.group(1)) if code else errno.EIO
         raise OSError(err, os.strerror(err), str(path)) from None
+
+
+def _write_index(folder: Path, weight_map: dict[str, str], size: int, n_shards: int) -> None:
+    if n_shards > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2))
+
+
+def write_streamed_shards(folder: Path, shapes: list[tuple[str, tuple[int, ...]]],
+                          tensors: Iterable[torch.Tensor], max_shard_bytes: int = 5 << 30) -> None:
+    """Write bf16 safetensors shards whose tensors arrive one at a time (peak: one tensor).
+
+    The shapes are known before the data (a GGUF file's tensor table), so each shard's header
+    is written first and every tensor goes to disk as soon as it arrives.
+
+    Args:
+        shapes: (checkpoint name, shape) in the order ``tensors`` yields them.
+        tensors: the tensors, any float dtype (converted to bf16).
+    """
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    used = 0
+    for name, shape in shapes:
+        nbytes = 2 * math.prod(shape)
+        if used and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, shape))
+        used += nbytes
+    import torch
+    n, it, weight_map = len(shards), iter(tensors), {}
+    for k, entries in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape in entries:
+            header[name] = {"dtype": "BF16", "shape": list(shape),
+                            "data_offsets": [off, off + 2 * math.prod(shape)]}
+            off += 2 * math.prod(shape)
+            weight_map[name] = fname
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        with open(folder / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for name, shape in entries:
+                t = next(it).to(torch.bfloat16).contiguous()
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{name}: got shape {tuple(t.shape)}, planned {shape}")
+                f.write(t.view(torch.uint8).numpy().data)
+    _write_index(folder, weight_map, sum(2 * math.prod(s) for _, s in shapes), n)
 
 
 def _sharded(tensors, dtype, limit) -> Iterator[tuple[str | None, torch.Tensor | None]]:

