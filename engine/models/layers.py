@@ -62,13 +62,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask) -> torch.Tensor:
+def linear(p: dict, name: str, x: torch.Tensor, lora=None) -> torch.Tensor:
+    """Projection ``name`` (e.g. "mlp.up_proj") of x, plus its adapter's update if ``lora``
+    (an engine.models.lora.LoraForward) has one."""
+    y = F.linear(x, p[name + ".weight"], p.get(name + ".bias"))
+    return y if lora is None else lora.add(name, x, y)
+
+
+def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, lora=None) -> torch.Tensor:
     """Self-attention of normed input h (B, T, H) -> (B, T, H)."""
     B, T, _ = h.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
-    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
-    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
+    q = linear(p, "self_attn.q_proj", h, lora)
+    k = linear(p, "self_attn.k_proj", h, lora)
+    v = linear(p, "self_attn.v_proj", h, lora)
     q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
     k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(B, T, nkv, hd).transpose(1, 2)
@@ -80,17 +87,18 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask) -> torch.Te
     a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                        enable_gqa=nh != nkv)  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
-    return F.linear(a, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+    return linear(p, "self_attn.o_proj", a, lora)
 
 
-def mlp(p: dict, h: torch.Tensor) -> torch.Tensor:
+def mlp(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
     """SwiGLU: down(silu(gate(h)) * up(h))."""
-    g = F.linear(h, p["mlp.gate_proj.weight"], p.get("mlp.gate_proj.bias"))
-    u = F.linear(h, p["mlp.up_proj.weight"], p.get("mlp.up_proj.bias"))
-    return F.linear(F.silu(g) * u, p["mlp.down_proj.weight"], p.get("mlp.down_proj.bias"))
+    g = linear(p, "mlp.gate_proj", h, lora)
+    u = linear(p, "mlp.up_proj", h, lora)
+    return linear(p, "mlp.down_proj", F.silu(g) * u, lora)
 
 
-def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None) -> torch.Tensor:
+def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
+                  lora=None) -> torch.Tensor:
     """One pre-norm decoder layer: x (B, T, H) -> (B, T, H).
 
     Args:
@@ -98,10 +106,11 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None) ->
         rope: (cos, sin) from :func:`rope_tables`.
         mask: None for plain causal attention, else a boolean (B, 1, T, T) mask
             (True = may attend), e.g. block-diagonal causal for packed documents.
+        lora: the layer's adapters (engine.models.lora.LoraForward), or None.
     """
     eps = spec.rms_norm_eps
-    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask)
-    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps))
+    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask, lora)
+    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps), lora)
 
 
 def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,11 @@ parameter slots (DESIGN §3.3):
               update order as soon as the step's updates are known (after the clip barrier; at
               the step's start without clipping) and written behind after their update;
               the update waits for its read, the next forward only for the update.
+    frozen    with ``lora`` (train.method lora / qlora) the base items are frozen: they stream
+              through the same slots but get no gradient, and only the adapters ``lora{i}``
+              (engine.runtime.lora) train, updated on the device after the backward; the
+              backward of a layer computes its input and adapter gradients only, and the base
+              layers still resident when a step ends serve the next forward without a copy.
 """
 from __future__ import annotations
 
@@ -37,10 +42,12 @@ import torch
 
 from engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
 from engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
-from engine.models.model import embed, positions_for
+from engine.models.lora import LoraForward, LoraSpec, dropout_seed
+from engine.models.model import embed, head_weight, positions_for
 from engine.models.spec import ModelSpec
 from engine.runtime.activations import DeviceStore, HostStore
 from engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
+from engine.runtime.lora import adapter_name
 from engine.runtime.slots import SlotPool
 from engine.runtime.timeline import StepTimeline
 
@@ -123,17 +130,21 @@ class SlidingExecutor:
     """Owns the device buffers and runs training steps over the host state."""
 
     def __init__(self, spec: ModelSpec, backend, host: dict[str, HostItem], shape: ExecShape,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, lora: LoraSpec | None = None, seed: int = 0):
+        """``lora``: train the adapters ``lora{i}`` of ``host`` over a frozen base (``seed``
+        seeds their dropout masks)."""
         self.spec, self.backend, self.host, self.shape = spec, backend, host, shape
         self.dtype = compute_dtype
+        self.lora, self.seed, self.step_no = lora, seed, 0
         L, n = spec.num_layers, spec.params_per_layer
         self.k = max(1, min(shape.slots, L))
         self.pool = SlotPool(backend, self.k, n, compute_dtype, L)
         self.embed_w = backend.alloc(spec.embed_layout.numel, compute_dtype)
         self.head_w = backend.alloc(spec.head_layout.numel, compute_dtype)
-        self.embed_g = backend.alloc(spec.embed_layout.numel, torch.float32)
-        self.head_g = backend.alloc(spec.head_layout.numel, torch.float32)
-        self.gslots = [backend.alloc(n, torch.float32) for _ in range(shape.grad_slots)]
+        trained = lora is None  # a frozen base needs no gradient buffers of its own
+        self.embed_g = backend.alloc(spec.embed_layout.numel, torch.float32) if trained else None
+        self.head_g = backend.alloc(spec.head_layout.numel, torch.float32) if trained else None
+        self.gslots = [backend.alloc(n, torch.float32) for _ in range(shape.grad_slots * trained)]
         self.gslot_free: list[list] = [[] for _ in self.gslots]
         store = HostStore if shape.checkpoints == "host" else DeviceStore
         self.store = store(backend, L, shape.n_micro,
@@ -148,7 +159,8 @@ class SlidingExecutor:
         self.pending: dict[str, Future] = {}
         self.resident_stale = {"embed": True, "head": True}
         self.grads_out: dict[str, object] = {}
-        ring = 0 if all(host[f"layer{i}"].g is not None for i in range(L)) else min(GRAD_RING, L)
+        ring = 0 if not trained or all(host[f"layer{i}"].g is not None for i in range(L)) \
+            else min(GRAD_RING, L)
         self.ring = [backend.host_alloc(n, torch.float32) for _ in range(ring)]
         self.ring_user: list[Future | None] = [None] * ring
         """The update that reads each ring buffer last (the next copy into it waits for it)."""
@@ -161,6 +173,11 @@ class SlidingExecutor:
             self.dev["head"] = DeviceItem(host["head"], backend.alloc, self.head_w, self.head_g)
         for i in range(self.G):
             self.dev[f"layer{i}"] = DeviceItem(host[f"layer{i}"], backend.alloc)
+        if lora is not None:
+            if self.G or shape.device_update:
+                raise ValueError("a frozen base has no device-updated base items")
+            for i in range(L):
+                self.dev[adapter_name(i)] = DeviceItem(host[adapter_name(i)], backend.alloc)
         self.dev_ws = None if not self.dev else AdamWorkspace(
             DEVICE_CHUNK, backend.device, next(iter(self.dev.values())).m.dtype != torch.float32)
         self.dev_loaded = False
@@ -229,6 +246,7 @@ class SlidingExecutor:
                              "known: build the host state with layer_grads=True")
         self._ensure_device_state()
         tl = StepTimeline(self.backend, timeline)
+        self.step_no = hyper(1.0).step
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
         self.step_updates = 0
@@ -242,7 +260,7 @@ class SlidingExecutor:
         del xs  # the last hidden states are not needed in the backward
         clip = max_grad_norm > 0
         guard = None
-        if not clip:
+        if not clip and self.lora is None:  # frozen: every update waits for the backward
             guard = _Guard(self.health_host)
             self.health[-1:].copy_(loss.reshape(1))
             self.backend.start_d2h(self.health_host[-1:], self.health[-1:],
@@ -257,12 +275,13 @@ class SlidingExecutor:
             self.pending.clear()
         else:
             names = ["embed"] + ([f"layer{i}" for i in range(self.spec.num_layers)] if clip else []) + ["head"]
-            names = [name for name in names if name not in self.dev]
+            names = [name for name in names if name not in self.dev and self.lora is None]
             self._prefetch_disk(names, tl)
             for name in names:
                 self._submit_update(name, hyper(coef), tl)
             self._device_updates(hyper(coef), tl)
-        self.pool.invalidate_all()
+        if self.lora is None:  # a frozen base stays valid: its resident layers serve the next step
+            self.pool.invalidate_all()
         applied = guard.applied if skipped and guard is not None else 0
         return StepOutput(float(loss), norm, tokens, skipped, tl, applied)
 
@@ -293,7 +312,7 @@ class SlidingExecutor:
                 for mb, (_, _, rope, mask) in enumerate(inp):
                     if save:
                         self.store.save(i, mb, xs[mb])
-                    xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask)
+                    xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask, self._adapters(i, mb, save))
                 tl.device_span("compute", f"layer{i}", t0, self.backend.mark())
                 if i >= self.G:
                     self.pool.release(i, evict=i < L - k)
@@ -304,25 +323,26 @@ class SlidingExecutor:
         spec = self.spec
         t0 = self.backend.mark()
         head = spec.head_layout.views(self.head_w)
-        ghead = spec.head_layout.views(self.head_g)
-        if spec.tie_word_embeddings:
-            w, gw = spec.embed_layout.views(self.embed_w)["embed_tokens.weight"], \
-                spec.embed_layout.views(self.embed_g)["embed_tokens.weight"]
-        else:
-            w, gw = head["lm_head.weight"], ghead["lm_head.weight"]
+        w = head_weight(spec, head, spec.embed_layout.views(self.embed_w))
+        trained = self.lora is None  # else the head is frozen: dL/dx only
+        if trained:
+            ghead = spec.head_layout.views(self.head_g)
+            gw = head_weight(spec, ghead, spec.embed_layout.views(self.embed_g))
         self._zero_resident_grads()
-        nw = head["norm.weight"].detach().requires_grad_()
+        nw = head["norm.weight"].detach().requires_grad_(trained)
         loss = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         gys = []
         for x, (_, labels, _, _) in zip(xs, inp):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
                 h = rms_norm(x, nw, spec.rms_norm_eps)
-            lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk, gw)
+            lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk,
+                                        gw if trained else None)
             loss += lmb
-            gx, gnw = torch.autograd.grad(h, [x, nw], gh)
-            ghead["norm.weight"].add_(gnw)
-            gys.append(gx)
+            grads = torch.autograd.grad(h, [x, nw] if trained else [x], gh)
+            if trained:
+                ghead["norm.weight"].add_(grads[1])
+            gys.append(grads[0])
         tl.device_span("compute", "head", t0, self.backend.mark())
         return loss, gys
 
@@ -330,8 +350,9 @@ class SlidingExecutor:
         for name in ("embed", "head"):
             for h in self.grads_out.pop(name, []):
                 self.backend.compute_waits(h)
-        self.embed_g.zero_()
-        self.head_g.zero_()
+        for g in (self.embed_g, self.head_g):
+            if g is not None:
+                g.zero_()
         self.norm_sq.zero_()
 
     def backward_window(self, gys, inp, tl: StepTimeline, hyper_now: AdamHyper | None,
@@ -348,7 +369,9 @@ class SlidingExecutor:
             for j in range(i, max(i - k, -1), -1):
                 self._load(j, tl)
             w = self._weights(i)
-            if i < self.G:  # its own gradient buffer, read by the device update on this stream
+            if self.lora is not None:  # the adapters' gradient buffer, on the device
+                g = self.dev[adapter_name(i)].g
+            elif i < self.G:  # its own gradient buffer, read by the device update on this stream
                 g = self.dev[f"layer{i}"].g
             else:
                 slot = i % len(self.gslots)
@@ -358,13 +381,18 @@ class SlidingExecutor:
             g.zero_()
             t0 = self.backend.mark()
             for mb, (_, _, rope, mask) in enumerate(inp):
-                gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask)
+                gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask,
+                                               i, mb)
             sq = torch.linalg.vector_norm(g).square()
             self.norm_sq += sq
             if guard is not None:
                 self.health[i].copy_(sq)
             t1 = self.backend.mark()
             tl.device_span("compute", f"layer{i}", t0, t1)
+            if self.lora is not None:  # frozen: nothing leaves; the low layers stay for the next step
+                self.store.done_with(i)
+                self.pool.release(i, evict=i >= k)
+                continue
             if i < self.G:
                 self.store.done_with(i)
                 continue
@@ -389,19 +417,42 @@ class SlidingExecutor:
                     self.ring_user[r] = self.pending[f"layer{i}"]
         self._embed_backward(gys, inp, tl)
 
-    def _layer_backward(self, w, g, x, gy, rope, mask) -> torch.Tensor:
-        """Recompute one layer for one micro-batch, add its parameter grads to g; return dL/dx."""
+    def _layer_backward(self, w, g, x, gy, rope, mask, layer: int, mb: int) -> torch.Tensor:
+        """Recompute one layer for one micro-batch, add its trained parameters' grads (the
+        layer's, or with a frozen base its adapters') to g; return dL/dx."""
         spec = self.spec
-        leaves = {name: v.detach().requires_grad_() for name, v in spec.layer_layout.views(w).items()}
+        base = spec.layer_layout.views(w)
+        if self.lora is None:
+            layout, leaves = spec.layer_layout, {k: v.detach().requires_grad_() for k, v in base.items()}
+            base, adapters = leaves, None
+        else:
+            item = self.dev[adapter_name(layer)]
+            layout = item.layout
+            leaves = {k: v.detach().requires_grad_() for k, v in layout.views(item.w).items()}
+            adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
         x = x.detach().requires_grad_()
         with torch.enable_grad():
-            y = decoder_layer(spec, leaves, x, rope, mask)
+            y = decoder_layer(spec, base, x, rope, mask, adapters)
             grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
-        for (_, off, _), gp in zip(spec.layer_layout.entries, grads[1:]):
+        for (_, off, _), gp in zip(layout.entries, grads[1:]):
             g[off:off + gp.numel()].add_(gp.reshape(-1))
         return grads[0]
 
+    def _dropout_seed(self, layer: int, mb: int, train: bool) -> int | None:
+        if not train or not self.lora.dropout:
+            return None
+        return dropout_seed(self.seed, self.step_no, layer, mb)
+
+    def _adapters(self, layer: int, mb: int, train: bool) -> LoraForward | None:
+        """The forward's view of a layer's adapters (None when the base is trained)."""
+        if self.lora is None:
+            return None
+        item = self.dev[adapter_name(layer)]
+        return LoraForward(self.lora, item.layout.views(item.w), self._dropout_seed(layer, mb, train))
+
     def _embed_backward(self, gys, inp, tl: StepTimeline) -> None:
+        if self.lora is not None:  # a frozen embedding needs no gradient
+            return
         t0 = self.backend.mark()
         H = self.spec.hidden_size
         ge = self.embed_g.view(-1, H)
