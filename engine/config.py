@@ -29,6 +29,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+METHODS = ("full", "lora", "qlora")
+"""train.method values."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""

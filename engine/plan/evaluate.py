@@ -55,6 +55,10 @@ class Knobs:
     gpu_layers: int = -1
     """Decoder layers updated on the device (with the embedding and head); -1: the planner's
     choice, 0: none."""
+    method: str = "full"
+    """full, lora or qlora (train.method): with lora / qlora the base is frozen."""
+    lora: object = None
+    """The adapters' engine.models.lora.LoraSpec (lora, qlora)."""
 
 
 @dataclass(frozen=True)
@@ -156,8 +160,9 @@ class Evaluator:
 
     def _device_items(self, k: Knobs, e: Evaluation) -> Evaluation:
         """``e`` with spare VRAM given to the device optimizer (module docstring)."""
-        if k.gpu_layers == 0 or (k.gpu_layers < 0 and (self.device != "cuda" or e.disk_layers)):
-            return e
+        if k.method != "full" or k.gpu_layers == 0 or (
+                k.gpu_layers < 0 and (self.device != "cuda" or e.disk_layers)):
+            return e  # a frozen base has no optimizer state to place
         L = self.spec.num_layers
         slots = e.shape.slots if k.slots else min(e.shape.slots, DEVICE_SLOTS)
 

@@ -12,8 +12,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.config import RunConfig
+from engine.config import METHODS, RunConfig
 from engine.errors import UserError
+from engine.models.lora import lora_spec
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets, resolve_budgets
 from engine.plan.evaluate import TIGHT, Evaluation, Evaluator, Knobs, TierUse
@@ -164,10 +165,13 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     if b.gpu_layers < -1:
         raise UserError("budget.gpu_layers", f"is {b.gpu_layers}",
                         "give -1 (planner's choice), 0 (none) or a layer count")
+    if t.method not in METHODS:
+        raise UserError("train.method", f"{t.method!r} is not a method", "use full, lora or qlora")
     prec = Precision(_DTYPES[name], _DTYPES[o.moments_dtype], _FILE_BYTES.get(spec.torch_dtype, 2))
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                  precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
-                 clip=o.max_grad_norm > 0, packed=cfg.data.packing)
+                 clip=o.max_grad_norm > 0, packed=cfg.data.packing, method=t.method,
+                 lora=None if t.method == "full" else lora_spec(cfg.lora))
 
 
 def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine import config as config_mod
-from engine.config import RunConfig, parse_bytes
+from engine.config import METHODS, RunConfig, parse_bytes
 from engine.errors import UserError
 from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
 from engine.models.spec import load_spec
@@ -37,8 +37,11 @@ from engine.runtime.nvme import NvmeTier, disk_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from engine.train.schedule import lr_at
-from engine.train.state import (DTYPES, build_host_state, export_model, load_weights,
-                                state_tensors)
+from engine.train.state import (DTYPES, build_frozen_state, build_host_state, export_model,
+                                load_weights, state_tensors)
+from engine.models.lora import lora_spec
+from engine.runtime.lora import init_adapters, is_adapter
+from engine.train.lora_export import write_adapter, write_merged
 
 GiB = 1 << 30
 RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints"}
@@ -128,19 +131,31 @@ class Trainer:
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
         self.tier = self._open_tier()
-        self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
-                                     layer_grads=cfg.optim.max_grad_norm > 0)
-        if resume:  # the checkpoint holds the whole state: only check the model folder
-            Checkpoint(cfg.model.path).check(self.spec)
-        else:
-            load_weights(self.host, self.spec, cfg.model.path, self.emit)
-        self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype)
+        self._build_state(moments, resume)
+        self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
+                                        self.lora, cfg.train.seed)
         if resume:
             self._restore()
         _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
                               f"{self.dtype}, {self.total_steps} steps"))
+
+    def _build_state(self, moments: torch.dtype, resume: bool) -> None:
+        """The host state: every item trained (full), or a frozen base (always read from the
+        model folder: checkpoints do not hold it) with adapters, initialised unless resumed."""
+        cfg = self.cfg
+        if self.lora is None:
+            self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
+                                         layer_grads=cfg.optim.max_grad_norm > 0)
+        else:
+            self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora)
+        if resume and self.lora is None:  # the checkpoint holds the whole state
+            Checkpoint(cfg.model.path).check(self.spec)
+        else:
+            load_weights(self.host, self.spec, cfg.model.path, self.emit)
+        if self.lora is not None and not resume:
+            init_adapters({k: v for k, v in self.host.items() if is_adapter(k)}, cfg.train.seed)
 
     def exec_shape(self) -> ExecShape:
         """The executor shape the planner picks (slots, checkpoint placement, LM-head chunk).
@@ -198,6 +213,10 @@ class Trainer:
                                 ("train.keep_checkpoints", t.keep_checkpoints, 1)):
             if value < low:
                 raise UserError(key, f"is {value}", f"give an integer >= {low}")
+        if t.method not in METHODS:
+            raise UserError("train.method", f"{t.method!r} is not a method",
+                            "use full, lora or qlora")
+        self.lora = None if t.method == "full" else lora_spec(self.cfg.lora)
         if not t.max_steps and not t.epochs > 0:
             raise UserError("train.epochs", f"is {t.epochs} and train.max_steps is 0",
                             "give a positive number of epochs, or set train.max_steps")
@@ -383,10 +402,18 @@ class Trainer:
         return "finished" if done else "stopped"
 
     def export(self, out_dir: Path) -> Path:
+        """The trained model (full), or the PEFT adapter folder (lora, qlora) and, with
+        lora.export_merged, the merged model in ``<out_dir>-merged``."""
         self.executor.drain()
         dtype = DTYPES.get(self.spec.torch_dtype, torch.bfloat16)
-        return export_model(self.host, self.spec, out_dir, self.cfg.model.path, dtype,
-                            parse_bytes(self.cfg.output.shard_size, "output.shard_size"))
+        shard = parse_bytes(self.cfg.output.shard_size, "output.shard_size")
+        base = self.cfg.model.path
+        if self.lora is None:
+            return export_model(self.host, self.spec, out_dir, base, dtype, shard)
+        if self.cfg.lora.export_merged:
+            write_merged(out_dir.with_name(out_dir.name + "-merged"), self.host, self.spec,
+                         self.lora, base, dtype, shard)
+        return write_adapter(out_dir, self.host, self.spec, self.lora, base)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:
