@@ -23,7 +23,8 @@ from engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
 from engine.runtime.host_state import AdamHyper  # noqa: E402
 from engine.runtime.lora import adapter_name, init_adapters  # noqa: E402
 from engine.train.schedule import lr_at  # noqa: E402
-from engine.train.state import build_frozen_state, load_weights  # noqa: E402
+from engine.models.weights import write_hf_folder  # noqa: E402
+from engine.train.state import build_frozen_state, load_weights, master_tensors  # noqa: E402
 from test_sliding_equivalence import STEPS, make_batches  # noqa: E402
 
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
@@ -78,10 +79,10 @@ def peft_steps(model, steps, optim: OptimConfig):
     return losses
 
 
-def lora_host(spec, model_dir, lora, seed=0):
+def lora_host(spec, model_dir, lora, seed=0, nf4=False):
     """Frozen base + adapters with PEFT's init of A and a random B (so the first step already
     moves the output and both A and B get gradients)."""
-    host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32, lora)
+    host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32, lora, nf4=nf4)
     load_weights(host, spec, model_dir)
     init_adapters({k: v for k, v in host.items() if k.startswith("lora")}, seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -166,6 +167,25 @@ def test_variants_match_peft(llama_models, slots, clip, targets, rslora, tie):
     ref_losses = peft_steps(model, steps, optim)
     losses = run_lora(spec, host, lora, steps, optim,
                       ExecShape(micro_batch=2, seq_len=12, n_micro=2, slots=slots))
+    assert_same(spec, lora, host, model, losses, ref_losses)
+
+
+@pytest.mark.parametrize("slots,clip", [(1, 0.5), (2, 0.0)])
+def test_qlora_matches_peft_lora_on_the_dequantised_base(llama_models, tmp_path, slots, clip):
+    """QLoRA (NF4 base bytes in the slots, dequantised on use) is LoRA over the NF4-rounded
+    base: equal to PEFT LoRA on a model folder holding the dequantised weights."""
+    spec, d = llama_models[False]
+    lora = lora_spec(LoraConfig(rank=4, alpha=8.0, target_modules=ALL))
+    host = lora_host(spec, d, lora, nf4=True)
+    assert host["layer0"].w.dtype == torch.uint8 and host["layer0"].w.numel() < spec.params_per_layer
+    deq = write_hf_folder(tmp_path / "deq", spec, master_tensors(host, spec), dtype=torch.float32,
+                          tokenizer_dir=d)
+    optim = OptimConfig(lr=4e-3, weight_decay=0.05, schedule="linear", max_grad_norm=clip)
+    steps = make_batches(spec, n_micro=2, B=1, T=12, seed=18)
+    model = peft_model(deq, lora, host, spec)
+    ref_losses = peft_steps(model, steps, optim)
+    losses = run_lora(spec, host, lora, steps, optim,
+                      ExecShape(micro_batch=1, seq_len=12, n_micro=2, slots=slots))
     assert_same(spec, lora, host, model, losses, ref_losses)
 
 

@@ -26,9 +26,9 @@ def setup_dir(tmp_path_factory):
     return root
 
 
-def lora_cfg(root, run_dir, **train):
+def lora_cfg(root, run_dir, method="lora", **train):
     from engine import config as config_mod
-    cfg = run_cfg(root, run_dir, method="lora", **train)
+    cfg = run_cfg(root, run_dir, method=method, **train)
     return config_mod.override(cfg, {"optim.lr": 2e-2, "lora.rank": 4, "lora.alpha": 8.0})
 
 
@@ -93,3 +93,30 @@ def test_bad_lora_settings_are_one_clear_error(setup_dir, tmp_path, capsys, key,
     assert main(args) != 0
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_qlora_run_trains_and_its_merged_export_is_base_nf4_plus_adapters(setup_dir, tmp_path):
+    """train.method = qlora: the decoder layers are NF4 on the host; the merged export is the
+    dequantised base plus the adapters, with the logits PEFT gives on that base."""
+    from engine import config as config_mod
+    from engine.models.spec import load_spec
+    from engine.models.weights import write_hf_folder
+    from engine.runtime.backend import CpuBackend
+    from engine.models.lora import lora_spec
+    from engine.train.state import build_frozen_state, load_weights, master_tensors
+    cfg = config_mod.override(lora_cfg(setup_dir, tmp_path / "q", method="qlora"),
+                              {"lora.export_merged": True, "train.max_steps": 3})
+    assert run_training(cfg) == "finished"
+    spec = load_spec(setup_dir / "model")
+    host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32,
+                              lora_spec(cfg.lora), nf4=True)
+    load_weights(host, spec, setup_dir / "model")
+    deq = write_hf_folder(tmp_path / "deq", spec, master_tensors(host, spec), dtype=torch.float32,
+                          tokenizer_dir=setup_dir / "model")
+    base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    ids = torch.randint(0, base.config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "q" / "final")(input_ids=ids).logits
+        merged = transformers.AutoModelForCausalLM.from_pretrained(
+            tmp_path / "q" / "final-merged", dtype=torch.float32)(input_ids=ids).logits
+    torch.testing.assert_close(merged, adapted, rtol=1e-4, atol=1e-5)

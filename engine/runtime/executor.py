@@ -138,7 +138,16 @@ class SlidingExecutor:
         self.lora, self.seed, self.step_no = lora, seed, 0
         L, n = spec.num_layers, spec.params_per_layer
         self.k = max(1, min(shape.slots, L))
-        self.pool = SlotPool(backend, self.k, n, compute_dtype, L)
+        self.quant = getattr(host["layer0"], "quant", None)
+        """NF4 byte layout of the decoder layers (qlora): a slot holds a layer's NF4 bytes,
+        dequantised on the device into ``scratch`` when used; None: slots hold the weights."""
+        if self.quant is None:
+            self.slot_numel = n
+            self.pool = SlotPool(backend, self.k, n, compute_dtype, L)
+        else:
+            self.slot_numel = self.quant.nbytes
+            self.pool = SlotPool(backend, self.k, self.quant.nbytes, torch.uint8, L)
+            self.scratch = backend.alloc(n, compute_dtype)
         self.embed_w = backend.alloc(spec.embed_layout.numel, compute_dtype)
         self.head_w = backend.alloc(spec.head_layout.numel, compute_dtype)
         trained = lora is None  # a frozen base needs no gradient buffers of its own
@@ -200,7 +209,9 @@ class SlidingExecutor:
     def _weights(self, layer: int) -> torch.Tensor:
         if layer < self.G:
             return self.dev[f"layer{layer}"].w
-        return self.pool.acquire(layer, self.spec.params_per_layer)
+        w = self.pool.acquire(layer, self.slot_numel)
+        # one scratch serves every layer: each use is queued on the compute stream after the last
+        return w if self.quant is None else self.quant.dequantize(w, self.scratch)
 
     def _wait_update(self, name: str) -> None:
         fut = self.pending.pop(name, None)

@@ -13,24 +13,37 @@ import torch
 from engine.models.lora import LoraSpec, adapter_layout, init_adapter
 from engine.models.spec import Layout, ModelSpec
 from engine.runtime.host_state import HostItem
+from engine.runtime.nf4 import Nf4Layout
 
 
 class FrozenItem:
-    """Weights of an item that is never updated (the executor reads ``w`` only)."""
+    """Weights of an item that is never updated (the executor reads ``w`` only).
 
-    def __init__(self, name: str, layout: Layout, dtype: torch.dtype, alloc_pinned):
+    ``nf4``: ``w`` holds the item quantised (engine.runtime.nf4: its matrices in NF4, the 1-D
+    tensors in ``dtype``); it is quantised as it is set, one item at a time while loading.
+    """
+
+    def __init__(self, name: str, layout: Layout, dtype: torch.dtype, alloc_pinned,
+                 nf4: bool = False):
         self.name, self.layout, self.numel = name, layout, layout.numel
-        self.w = alloc_pinned(self.numel, dtype)
+        self.quant = Nf4Layout.build(layout, dtype) if nf4 else None
+        """The byte layout of ``w`` when quantised, else None."""
+        self.w = alloc_pinned(self.quant.nbytes, torch.uint8) if nf4 else alloc_pinned(self.numel, dtype)
         self.g = None
         self.disk = None
         """Never in the NVMe tier (it has no optimizer state)."""
 
     def set_master(self, master: torch.Tensor) -> None:
-        self.w.copy_(master)
+        if self.quant is None:
+            self.w.copy_(master)
+        else:
+            self.quant.quantize(master, self.w)
 
     def master(self) -> torch.Tensor:
-        """The weights as fp32 (a new tensor)."""
-        return self.w.to(torch.float32, copy=True)
+        """The weights as fp32 (a new tensor; dequantised if quantised)."""
+        if self.quant is None:
+            return self.w.to(torch.float32, copy=True)
+        return self.quant.dequantize(self.w, torch.empty(self.numel, dtype=torch.float32))
 
 
 def adapter_name(layer: int) -> str:

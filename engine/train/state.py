@@ -34,11 +34,13 @@ def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
             for name in item_names(spec)}
 
 
-def build_frozen_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
-                       lora) -> dict[str, HostItem | FrozenItem]:
+def build_frozen_state(spec: ModelSpec, backend, compute_dtype, moments_dtype, lora,
+                       nf4: bool = False) -> dict[str, HostItem | FrozenItem]:
     """The host state of adapter training (engine.runtime.lora): the base items frozen in the
-    compute dtype, and one trained adapter item ``lora{i}`` per decoder layer."""
-    host: dict = {name: FrozenItem(name, item_layout(spec, name), compute_dtype, backend.host_alloc)
+    compute dtype (``nf4``: the decoder layers in NF4, as QLoRA; the embedding and head stay
+    unquantised), and one trained adapter item ``lora{i}`` per decoder layer."""
+    host: dict = {name: FrozenItem(name, item_layout(spec, name), compute_dtype, backend.host_alloc,
+                                   nf4=nf4 and name.startswith("layer"))
                   for name in item_names(spec)}
     host.update(build_adapters(spec, lora, backend, compute_dtype, moments_dtype))
     return host
@@ -65,8 +67,8 @@ def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | s
 
 def master_tensors(host: dict[str, HostItem], spec: ModelSpec):
     """(checkpoint name, fp32 master) of every tensor, one item materialised at a time."""
-    for name, item in host.items():
-        master = item.master()
+    for name in item_names(spec):
+        master = host[name].master()
         for local, view in item_layout(spec, name).views(master).items():
             yield hf_name(name, local), view
 

@@ -149,7 +149,8 @@ class Trainer:
             self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
                                          layer_grads=cfg.optim.max_grad_norm > 0)
         else:
-            self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora)
+            self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
+                                           nf4=cfg.train.method == "qlora")
         if resume and self.lora is None:  # the checkpoint holds the whole state
             Checkpoint(cfg.model.path).check(self.spec)
         else:
