@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets
+from engine.plan.frozen import frozen_allocations, frozen_estimate
 from engine.plan.hardware import HardwareProfile
 from engine.plan.memory import Allocation, Precision, allocations, peak, peak_phase
 from engine.plan.speed import SpeedEstimate, estimate
@@ -104,7 +105,7 @@ class Evaluator:
         if k.disk_layers is not None:
             return self._evaluate(k, shape, k.disk_layers)
         e = self._evaluate(k, shape, 0)
-        if not self.budgets.disk or e.tiers[1].peak <= e.tiers[1].budget:
+        if not self.budgets.disk or e.tiers[1].peak <= e.tiers[1].budget or k.method != "full":
             return e
         def host_fits(n: int) -> bool:
             return self._evaluate(k, shape, n).tiers[1].peak <= e.tiers[1].budget
@@ -116,8 +117,12 @@ class Evaluator:
         return self._evaluate(k, shape, lo)  # all layers when even that does not fit
 
     def _evaluate(self, k: Knobs, shape: ExecShape, disk_layers: int) -> Evaluation:
-        allocs = allocations(self.spec, shape, k.precision, self.device, k.packed, disk_layers,
-                             k.clip)
+        if k.method == "full":
+            allocs = allocations(self.spec, shape, k.precision, self.device, k.packed, disk_layers,
+                                 k.clip)
+        else:
+            allocs = frozen_allocations(self.spec, shape, k.precision, self.device, k.packed,
+                                        k.method, k.lora)
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),
@@ -184,6 +189,9 @@ class Evaluator:
         return best if self.speed(k, best).tokens_per_s > self.speed(k, e).tokens_per_s else e
 
     def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
+        if k.method != "full":
+            return frozen_estimate(self.spec, e.shape, k.precision, self.device, self.hw,
+                                   k.method, k.lora)
         return estimate(self.spec, e.shape, k.precision, self.device, k.clip, self.hw, e.disk_layers)
 
     @staticmethod

@@ -64,6 +64,8 @@ class Plan:
     disk_layers: int = 0
     """Decoder layers whose AdamW moments live in the NVMe tier (engine.runtime.nvme.disk_layers
     says which)."""
+    method: str = "full"
+    """full, lora or qlora (train.method)."""
 
     def tier(self, name: str) -> TierUse:
         return next(t for t in self.tiers if t.tier == name)
@@ -126,7 +128,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
                 verdict=verdict, reason=reason, fixes=fixes, max_micro_batch=m_max,
                 max_global_batch=g_max, speed=ev.speed(knobs, base), hardware=hardware,
                 tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
-                disk_layers=base.disk_layers)
+                disk_layers=base.disk_layers, method=knobs.method)
 
 
 # ---- from a run config --------------------------------------------------------------------------

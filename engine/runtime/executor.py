@@ -428,7 +428,7 @@ class SlidingExecutor:
                     self.ring_user[r] = self.pending[f"layer{i}"]
         self._embed_backward(gys, inp, tl)
 
-    def _layer_backward(self, w, g, x, gy, rope, mask, layer: int, mb: int) -> torch.Tensor:
+    def _layer_backward(self, w, g, x, gy, rope, mask, layer: int = 0, mb: int = 0) -> torch.Tensor:
         """Recompute one layer for one micro-batch, add its trained parameters' grads (the
         layer's, or with a frozen base its adapters') to g; return dL/dx."""
         spec = self.spec
