@@ -97,3 +97,13 @@ def test_plan_mirrors_what_the_executor_allocates(tmp_path, method):
               for t in (item.w, item.m, item.v, item.g))
     assert by["adapters and their optimizer state"] == dev == A * 16
     ex.close()
+
+
+def test_qlora_70b_preset_fits_a_70b(tmp_path):
+    """resources/presets/qlora-70b-24gb.toml on a Llama-3.1-70B with 128 GiB of RAM."""
+    from engine import config as config_mod
+    from pathlib import Path
+    preset = Path(__file__).parents[1] / "resources" / "presets" / "qlora-70b-24gb.toml"
+    cfg = override(config_mod.load(preset), {"budget.ram": "128GiB"})
+    p = plan_run(cfg, load_spec(model_folder(tmp_path, "llama-3.1-70b")), hardware=REFERENCE)
+    assert p.method == "qlora" and p.verdict == "fits", p.reason
