@@ -165,7 +165,7 @@ class Nf4Layout:
             codes, qabs, scales = self._parts(buf, t)
             absmax = self._absmax(t, qabs, scales)
             dst = views[t.name].view(-1)
-            pair_table = _pair_table(buf.device)
+            pair_table = _tables(buf.device)[0]
             for s in range(0, t.numel, CHUNK):
                 e = min(s + CHUNK, t.numel)
                 vals = pair_table[codes[s // 2:e // 2].long()].view(-1, BLOCK)  # (blocks, 64) fp32
@@ -177,7 +177,7 @@ class Nf4Layout:
 
     def _absmax(self, t: Nf4Tensor, qabs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """The fp32 absmax of each block of 64 from its codes and the second-level scales."""
-        a = DYNAMIC.to(qabs.device)[qabs.long()]  # (blocks,)
+        a = _tables(qabs.device)[1][qabs.long()]  # (blocks,)
         a2 = scales[:-1].repeat_interleave(BLOCK2)[:t.blocks]
         return a * a2 + scales[-1]
 
@@ -192,16 +192,21 @@ class Nf4Layout:
         return buf[off:off + numel * size].view(self.dtype)
 
 
-_PAIRS: dict = {}
+_TABLES: dict = {}
 
 
-def _pair_table(device) -> torch.Tensor:
-    """(256, 2) fp32: the two NF4 values a code byte holds (high nibble first)."""
+def _tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dequantisation tables on ``device``, copied there once: a per-use copy from pageable
+    host memory would make the host wait for the compute stream at every layer.
+
+    (256, 2) fp32: the two NF4 values a code byte holds (high nibble first); DYNAMIC.
+    """
     key = str(device)
-    if key not in _PAIRS:
+    if key not in _TABLES:
         b = torch.arange(256)
-        _PAIRS[key] = torch.stack([NF4[b // 16], NF4[b % 16]], dim=1).to(device)
-    return _PAIRS[key]
+        pairs = torch.stack([NF4[b // 16], NF4[b % 16]], dim=1)
+        _TABLES[key] = (pairs.to(device), DYNAMIC.to(device))
+    return _TABLES[key]
 
 
 def _align(n: int, a: int) -> int:
