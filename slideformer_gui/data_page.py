@@ -1,7 +1,6 @@
 """The Data page: choose a dataset, see what the model will be trained on.
 
-Every figure comes from the engine (:func:`engine.data.prepare_data` and
-:func:`engine.data.preview`), run on a worker thread with the chosen model's tokenizer and chat
+Every figure comes from the engine (:func:`engine.api.analyse_data`), run on a worker thread with the chosen model's tokenizer and chat
 template: the detected format, record and token counts, truncation, the validation split, the
 record-length histogram, and the first records as the model sees them, with the tokens that carry
 a loss marked. Tokenising fills the same cache the run reads, so Start does not tokenise again.
@@ -20,12 +19,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QPushButton, QScrollArea, QSpinBox, QTextBrowser, QVBoxLayout,
                                QWidget)
 
-from engine.config import DataConfig
-from engine.data import DataStats, prepare_data, preview
-from engine.data.formats import FORMATS
-from engine.events import Log, Progress
-from engine.models.tokenizer import load_tokenizer
-from engine.train.demo import write_task
+from engine.api import FORMATS, DataConfig, DataStats, Log, Progress, analyse_data, write_task
 from slideformer_gui.context import AppContext
 from slideformer_gui.formatting import human_count, short_path
 from slideformer_gui.tasks import run_task
@@ -72,9 +66,8 @@ def analyse(cfg: DataConfig, model_path: str, cache_dir: Path, progress: _Progre
         elif isinstance(ev, Log) and ev.level != "info":
             warnings.append(ev.message)
 
-    tok = load_tokenizer(model_path)
-    stats = prepare_data(cfg, tok, cache_dir, emit).stats
-    return DataReport(cfg, stats, preview(cfg, tok, SAMPLES), warnings)
+    found = analyse_data(cfg, model_path, cache_dir, SAMPLES, emit)
+    return DataReport(cfg, found.stats, found.samples, warnings)
 
 
 def make_demo_dataset(path: Path) -> str:

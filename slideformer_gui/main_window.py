@@ -14,6 +14,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFrame, QHBoxLayout, Q
                                QStackedWidget, QWidget)
 
 from slideformer_gui.about import AboutDialog
+from slideformer_gui.chat_page import ChatPage
 from slideformer_gui.context import AppContext
 from slideformer_gui.data_page import DataPage
 from slideformer_gui.formatting import short_path
@@ -32,6 +33,7 @@ PAGES = (
     ("Plan", "plan.svg", PlanPage),
     ("Train", "train.svg", TrainPage),
     ("Runs", "runs.svg", RunsPage),
+    ("Chat", "chat.svg", ChatPage),
 )
 
 

@@ -12,9 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from engine.config import BudgetConfig
-from engine.plan import REFERENCE, resolve_budgets
-from engine.plan.machine import GpuMemory, HostMemory
+from engine.api import REFERENCE, BudgetConfig, GpuMemory, HostMemory, resolve_budgets
 from slideformer_gui.main_window import MainWindow
 from slideformer_gui.plan_inputs import Machine
 from slideformer_gui.screenshots import out_parser, print_paths, save, studio_window, wait_until

@@ -17,7 +17,7 @@ from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
                                QScrollArea, QSplitter, QVBoxLayout, QWidget)
 
-from engine.events import RunState
+from engine.api import RunState
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_bridge import EngineBridge, RunEnd, launch_argv
 from slideformer_gui.formatting import short_path

@@ -217,7 +217,7 @@ def test_dropout_recompute_reuses_the_mask(tmp_path):
     x = torch.randn(1, 16, spec.hidden_size)
     rope = rope_tables(spec, positions_for(torch.zeros(1, 16, dtype=torch.long), None), x.dtype)
     p = spec.layer_layout.views(host["layer0"].w)
-    run = lambda mb, train: decoder_layer(spec, p, x, rope, None, ex._adapters(0, mb, train))  # noqa: E731
+    run = lambda mb, train: decoder_layer(spec, p, x, rope, None, lora=ex._adapters(0, mb, train))  # noqa: E731
     torch.testing.assert_close(run(0, True), run(0, True), rtol=0, atol=0)
     assert not torch.equal(run(0, True), run(1, True))
     assert not torch.equal(run(0, True), run(0, False))
@@ -227,6 +227,7 @@ def test_dropout_recompute_reuses_the_mask(tmp_path):
     # the dropped-out forward is what the backward's recompute differentiates
     item = ex.dev[adapter_name(0)]
     leaves = {k: v.detach().requires_grad_() for k, v in item.layout.views(item.w).items()}
-    y = decoder_layer(spec, p, x, rope, None, LoraForward(lora, leaves, ex._dropout_seed(0, 0, True)))
+    y = decoder_layer(spec, p, x, rope, None,
+                      lora=LoraForward(lora, leaves, ex._dropout_seed(0, 0, True)))
     torch.testing.assert_close(y, run(0, True), rtol=0, atol=0)
     ex.close()

@@ -5,13 +5,15 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import DataConfig
 from engine.data.formats import FORMATS
-from engine.data.prepare import DataStats, prepare_data
-from engine.data.preview import Sample, preview
 from engine.events import Log, Progress
-from engine.models.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:  # the handler imports them: --help stays free of torch
+    from engine.data.prepare import DataStats
+    from engine.data.preview import Sample
 
 _GREEN, _RESET = "\033[32m", "\033[0m"
 
@@ -42,15 +44,15 @@ def default_cache_dir() -> Path:
 def _inspect(a) -> int:
     cfg = DataConfig(train=a.file, format=a.format, max_seq_len=a.max_seq_len,
                      train_on=a.train_on, truncation=a.truncation, packing=not a.no_packing)
-    tok = load_tokenizer(a.model)
-    prepared = prepare_data(cfg, tok, Path(a.cache_dir) if a.cache_dir else default_cache_dir(),
-                            emit=_print_event)
-    samples = preview(cfg, tok, a.samples)
+    from engine.data.analysis import analyse_data
+
+    found = analyse_data(cfg, a.model, Path(a.cache_dir) if a.cache_dir else default_cache_dir(),
+                         a.samples, emit=_print_event)
     if a.json:
-        print(json.dumps({"file": a.file, "stats": dataclasses.asdict(prepared.stats),
-                          "samples": samples}, indent=2, ensure_ascii=False))
+        print(json.dumps({"file": a.file, "stats": dataclasses.asdict(found.stats),
+                          "samples": found.samples}, indent=2, ensure_ascii=False))
     else:
-        print(report(a.file, prepared.stats, samples, color=sys.stdout.isatty()))
+        print(report(a.file, found.stats, found.samples, color=sys.stdout.isatty()))
     return 0
 
 

@@ -30,7 +30,7 @@ from engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Allocation, Preci
 from engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
                                LAYER_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result)
 from engine.kernels.linear_ce import fused_ce_available
-from engine.runtime.executor import ExecShape
+from engine.runtime.shapes import ExecShape
 from engine.runtime.nf4 import CHUNK as NF4_CHUNK, Nf4Layout
 
 

@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from engine.kernels import IGNORE
 from engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
 from engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
 from engine.models.lora import LoraForward, LoraSpec, dropout_seed
@@ -48,36 +49,9 @@ from engine.models.spec import ModelSpec
 from engine.runtime.activations import DeviceStore, HostStore
 from engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
 from engine.runtime.lora import adapter_name
+from engine.runtime.shapes import DEVICE_CHUNK, GRAD_RING, ExecShape
 from engine.runtime.slots import SlotPool
 from engine.runtime.timeline import StepTimeline
-
-
-GRAD_RING = 4
-"""Host gradient buffers shared by the decoder layers when they own none (training without
-clipping): the backward may run this many layers ahead of the CPU updates."""
-DEVICE_CHUNK = 1 << 24
-"""Parameters per chunk of the device-side update (64 MB of fp32 scratch; few kernel launches)."""
-
-
-@dataclass(frozen=True)
-class ExecShape:
-    """Buffer shapes of the executor (from the plan)."""
-    micro_batch: int
-    seq_len: int
-    n_micro: int
-    """Micro-batches per step (gradient accumulation), all processed layer-wise."""
-    slots: int
-    """K parameter slots (clamped to the layer count)."""
-    checkpoints: str = "gpu"
-    """Where activation checkpoints live: gpu or host."""
-    head_chunk: int = 4096
-    """Tokens per chunk of the LM-head cross-entropy."""
-    grad_slots: int = 2
-    device_update: bool = False
-    """The embedding and head are updated on the device (remainders and moments in VRAM)."""
-    device_layers: int = 0
-    """Decoder layers 0 .. device_layers-1 live in VRAM with their optimizer state: no slot,
-    no PCIe, updated on the device."""
 
 
 @dataclass(frozen=True)
@@ -261,7 +235,7 @@ class SlidingExecutor:
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
         self.step_updates = 0
-        tokens = sum(int((mb.labels != -100).sum()) for mb in micro_batches)
+        tokens = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)
         inp = [self._inputs(mb) for mb in micro_batches]
         self._refresh("embed", self.embed_w, tl)
@@ -323,7 +297,8 @@ class SlidingExecutor:
                 for mb, (_, _, rope, mask) in enumerate(inp):
                     if save:
                         self.store.save(i, mb, xs[mb])
-                    xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask, self._adapters(i, mb, save))
+                    xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask,
+                                           lora=self._adapters(i, mb, save))
                 tl.device_span("compute", f"layer{i}", t0, self.backend.mark())
                 if i >= self.G:
                     self.pool.release(i, evict=i < L - k)
@@ -443,7 +418,7 @@ class SlidingExecutor:
             adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
         x = x.detach().requires_grad_()
         with torch.enable_grad():
-            y = decoder_layer(spec, base, x, rope, mask, adapters)
+            y = decoder_layer(spec, base, x, rope, mask, lora=adapters)
             grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
         for (_, off, _), gp in zip(layout.entries, grads[1:]):
             g[off:off + gp.numel()].add_(gp.reshape(-1))
@@ -540,7 +515,7 @@ class SlidingExecutor:
         for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
             if self.pool.has(i):
                 self.pool.release(i, evict=True)
-        return float(loss), int((mb.labels != -100).sum())
+        return float(loss), int((mb.labels != IGNORE).sum())
 
     def drain(self) -> None:
         """Wait for every update in flight and its disk writes (before saving or reading the state)."""

@@ -17,8 +17,6 @@ from engine.models.weights import Checkpoint, hf_name, item_layout, item_names, 
 from engine.runtime.host_state import HostItem
 from engine.runtime.lora import FrozenItem, build_adapters
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
                      tier=None, layer_grads: bool = True) -> dict[str, HostItem]:
