@@ -29,6 +29,10 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
+METHODS = ("full", "lora", "qlora")
+"""train.method values."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
@@ -157,11 +161,35 @@ class TrainConfig:
     """auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32."""
     device: str = "auto"
     """auto, cuda or cpu."""
+    method: str = "full"
+    """full (every weight trained), lora (frozen base, trained low-rank adapters; see [lora]) or
+    qlora (lora over a base quantised to 4-bit NF4 with double-quantised scales)."""
     save_every: int = 0
     """Checkpoint every N steps; 0: only at the end."""
     keep_checkpoints: int = 2
     eval_every: int = 0
     """Validation loss every N steps; 0: never (only at the end if a split exists)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapter settings of train.method = lora / qlora; names and defaults as in PEFT's
+    LoraConfig (r=8, lora_alpha=8, lora_dropout=0), except that every linear projection of the
+    decoder is a target by default."""
+    rank: int = 8
+    """r: inner dimension of each adapter (A is r x in, B is out x r)."""
+    alpha: float = 8.0
+    """lora_alpha: the adapter's output is scaled by alpha / rank (alpha / sqrt(rank) with
+    use_rslora)."""
+    dropout: float = 0.0
+    """lora_dropout: dropout probability on each adapter's input."""
+    target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated projections of every decoder layer that get an adapter."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski 2023)."""
+    export_merged: bool = False
+    """Also write final/merged: the base with the adapters folded in, a plain Hugging Face
+    folder (written one layer at a time)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +226,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

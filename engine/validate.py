@@ -17,7 +17,7 @@ import re
 from dataclasses import fields
 from typing import get_origin, get_type_hints
 
-from engine.config import RunConfig, parse_bytes
+from engine.config import METHODS, RunConfig, parse_bytes
 from engine.errors import UserError
 
 MAX_SEQ_LEN = 1 << 20
@@ -151,6 +151,10 @@ def _check_train(cfg: RunConfig) -> None:
                             f"give a positive number of epochs up to {MAX_EPOCHS:,}, "
                             "or set train.max_steps")
     _int("train.seed", t.seed, 0, MAX_SEED)
+    _choice("train.method", t.method, METHODS)
+    if t.method != "full":
+        from engine.models.lora import lora_spec  # torch: only for adapter runs
+        lora_spec(cfg.lora)  # rank, alpha, dropout and targets, each named when wrong
     _choice("train.compute_dtype", t.compute_dtype, COMPUTE_DTYPES)
     if t.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d{1,3}", t.device):
         raise UserError("train.device", f"{t.device!r} is not a device",

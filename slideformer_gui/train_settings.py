@@ -147,6 +147,7 @@ class RunSettings(QWidget):
                               ("Validate every", self.eval_every), ("Device", self.device)):
             form.addRow(label, widget)
         form.addRow("Run folder", out_row)
+        self._add_method_rows(form)
         self.max_steps.setToolTip("Optimizer steps; \"by epochs\" runs the epochs above")
         self.micro_batch.setToolTip("Sequences per micro-batch")
         self.grad_accum.setToolTip("Micro-batches per optimizer step")
@@ -157,13 +158,46 @@ class RunSettings(QWidget):
                   self.grad_accum, self.seq_len, self.clip, self.weight_decay, self.save_every,
                   self.eval_every):
             w.valueChanged.connect(self._edited)
-        for w in (self.schedule, self.device):
+        for w in (self.schedule, self.device, self.method):
             w.currentIndexChanged.connect(self._edited)
+        for w in (self.rank, self.alpha, self.dropout):
+            w.valueChanged.connect(self._edited)
         self.output.textChanged.connect(self._edited)
-        for combo in (self.preset, self.schedule, self.device):
+        self.targets.textChanged.connect(self._edited)
+        for combo in (self.preset, self.schedule, self.device, self.method):
             narrow(combo)
         self.preset.setMinimumContentsLength(16)
         self.show_config(self.base)
+
+    def _add_method_rows(self, form: QFormLayout) -> None:
+        """Method (full / LoRA / QLoRA) and the adapter settings, PEFT's names and defaults."""
+        self.method = QComboBox()
+        for value, text in (("full", "full fine-tuning"), ("lora", "LoRA (frozen bf16 base)"),
+                            ("qlora", "QLoRA (frozen 4-bit NF4 base)")):
+            self.method.addItem(text, value)
+        self.rank = spin(1, 4096)
+        self.alpha = dspin(0.01, 100_000.0, 1.0, 2)
+        self.dropout = dspin(0.0, 0.99, 0.05, 2, "off")
+        self.targets = QLineEdit()
+        self.method.setToolTip("LoRA / QLoRA train small adapters over a frozen base: "
+                               "the only way to fit 70B-class models in host RAM")
+        self.rank.setToolTip("lora.rank (PEFT's r)")
+        self.alpha.setToolTip("lora.alpha: adapters are scaled by alpha / rank")
+        self.targets.setToolTip("Comma-separated projections with adapters (PEFT's target_modules)")
+        form.addRow("Method", self.method)
+        for label, widget in (("LoRA rank", self.rank), ("LoRA alpha", self.alpha),
+                              ("LoRA dropout", self.dropout), ("LoRA targets", self.targets)):
+            form.addRow(label, widget)
+
+    def _show_method(self, cfg: RunConfig) -> None:
+        lo = cfg.lora
+        self.method.setCurrentIndex(self.method.findData(cfg.train.method))
+        self.rank.setValue(lo.rank)
+        self.alpha.setValue(lo.alpha)
+        self.dropout.setValue(lo.dropout)
+        self.targets.setText(lo.target_modules)
+        for w in (self.rank, self.alpha, self.dropout, self.targets):
+            w.setEnabled(cfg.train.method != "full")
 
     # ---- the config ------------------------------------------------------------------------
     def config(self) -> RunConfig:
@@ -178,7 +212,10 @@ class RunSettings(QWidget):
             train=replace(b.train, epochs=self.epochs.value(), max_steps=self.max_steps.value(),
                           micro_batch=self.micro_batch.value(),
                           grad_accum=self.grad_accum.value(), save_every=self.save_every.value(),
-                          eval_every=self.eval_every.value(), device=self.device.currentData()),
+                          eval_every=self.eval_every.value(), device=self.device.currentData(),
+                          method=self.method.currentData()),
+            lora=replace(b.lora, rank=self.rank.value(), alpha=self.alpha.value(),
+                         dropout=self.dropout.value(), target_modules=self.targets.text().strip()),
             output=replace(b.output, run_dir=self.output.text().strip()))
 
     def show_config(self, cfg: RunConfig) -> None:
@@ -201,6 +238,7 @@ class RunSettings(QWidget):
         self.device.setCurrentIndex(self.device.findData(t.device))
         self.output.setText(cfg.output.run_dir)
         self.epochs.setEnabled(t.max_steps == 0)
+        self._show_method(cfg)
         self._updating = False
 
     def apply_preset(self, preset: Preset) -> None:
@@ -220,6 +258,8 @@ class RunSettings(QWidget):
             return
         self.base = self.config()
         self.epochs.setEnabled(self.max_steps.value() == 0)
+        for w in (self.rank, self.alpha, self.dropout, self.targets):
+            w.setEnabled(self.base.train.method != "full")
         if self.preset.currentData() is not None and not self._matches(self.preset.currentData()):
             self.preset.setCurrentIndex(0)
             self.preset_note.setText("")

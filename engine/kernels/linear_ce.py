@@ -74,13 +74,14 @@ def _chunk_grads_torch(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale:
 
 
 def linear_ce_fwd_bwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, scale: float,
-                      chunk: int, gw_out: torch.Tensor, use_triton: bool | None = None
+                      chunk: int, gw_out: torch.Tensor | None, use_triton: bool | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and gradients in one pass over token chunks.
 
     Args:
         h: hidden states (..., H); w: head (V, H); labels: (...) with -100 = not trained.
-        gw_out: fp32 (V, H) buffer that dL/dW is ADDED to (gradient accumulation).
+        gw_out: fp32 (V, H) buffer that dL/dW is ADDED to (gradient accumulation); None: W
+            is frozen, dL/dW is not computed.
         use_triton: force the Triton (True) or PyTorch (False) softmax; None picks (see
             ``_use_triton``).
     Returns:
@@ -95,7 +96,8 @@ def linear_ce_fwd_bwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, sc
         lc, dz = _chunk_grads(hc, w, y[s:s + chunk], scale, use_triton)
         loss += lc
         gh[s:s + chunk] = dz @ w
-        _add_outer(gw_out, dz, hc)
+        if gw_out is not None:
+            _add_outer(gw_out, dz, hc)
     return loss * scale, gh.view(h.shape)
 
 

@@ -62,17 +62,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
+def linear(p: dict, name: str, x: torch.Tensor, lora=None) -> torch.Tensor:
+    """Projection ``name`` (e.g. "mlp.up_proj") of x, plus its adapter's update if ``lora``
+    (an engine.models.lora.LoraForward) has one."""
+    y = F.linear(x, p[name + ".weight"], p.get(name + ".bias"))
+    return y if lora is None else lora.add(name, x, y)
+
+
+def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
+              lora=None) -> torch.Tensor:
     """Self-attention of normed input h (B, T, H) -> (B, T, H).
 
     ``cache``: a layer's KV cache (:class:`engine.generate.cache.LayerCache`) for generation;
     the new keys and values are appended to it and the queries attend to all of them.
+    ``lora``: the layer's adapters (engine.models.lora.LoraForward), or None.
     """
     B, T, _ = h.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
-    k = F.linear(h, p["self_attn.k_proj.weight"], p.get("self_attn.k_proj.bias"))
-    v = F.linear(h, p["self_attn.v_proj.weight"], p.get("self_attn.v_proj.bias"))
+    q = linear(p, "self_attn.q_proj", h, lora)
+    k = linear(p, "self_attn.k_proj", h, lora)
+    v = linear(p, "self_attn.v_proj", h, lora)
     q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
     k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(B, T, nkv, hd).transpose(1, 2)
@@ -89,18 +98,18 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None)
     a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                        enable_gqa=nh != nkv)  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
-    return F.linear(a, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
+    return linear(p, "self_attn.o_proj", a, lora)
 
 
-def mlp(p: dict, h: torch.Tensor) -> torch.Tensor:
+def mlp(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
     """SwiGLU: down(silu(gate(h)) * up(h))."""
-    g = F.linear(h, p["mlp.gate_proj.weight"], p.get("mlp.gate_proj.bias"))
-    u = F.linear(h, p["mlp.up_proj.weight"], p.get("mlp.up_proj.bias"))
-    return F.linear(F.silu(g) * u, p["mlp.down_proj.weight"], p.get("mlp.down_proj.bias"))
+    g = linear(p, "mlp.gate_proj", h, lora)
+    u = linear(p, "mlp.up_proj", h, lora)
+    return linear(p, "mlp.down_proj", F.silu(g) * u, lora)
 
 
 def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
-                  cache=None) -> torch.Tensor:
+                  cache=None, lora=None) -> torch.Tensor:
     """One pre-norm decoder layer: x (B, T, H) -> (B, T, H).
 
     Args:
@@ -110,10 +119,11 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
             (True = may attend), e.g. block-diagonal causal for packed documents; with a
             ``cache``, (T, past + T).
         cache: the layer's KV cache when generating (see :func:`attention`).
+        lora: the layer's adapters (engine.models.lora.LoraForward), or None.
     """
     eps = spec.rms_norm_eps
-    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask, cache)
-    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps))
+    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask, cache, lora)
+    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps), lora)
 
 
 def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,9 @@ def register(sub) -> None:
     p.add_argument("--ram", help="host memory budget, e.g. 128GiB "
                                  "(default: available RAM less a margin)")
     p.add_argument("--disk", metavar="PATH[:SIZE]", help="NVMe tier folder and budget, e.g. /nvme:2TB")
+    p.add_argument("--method", choices=config_mod.METHODS,
+                   help="full fine-tuning, or LoRA / QLoRA adapters over a frozen base")
+    p.add_argument("--rank", type=int, help="LoRA rank (lora.rank)")
     p.add_argument("--moments", choices=("float32", "bfloat16"), help="AdamW moment precision")
     p.add_argument("--checkpoints", choices=("auto", "gpu", "host"),
                    help="activation checkpoint placement")
@@ -68,7 +71,8 @@ def config_from_args(a) -> RunConfig:
     given = {"model.path": a.model, "data.max_seq_len": a.seq_len, "train.micro_batch": a.micro_batch,
              "train.grad_accum": a.grad_accum, "budget.vram": a.vram, "budget.ram": a.ram,
              "optim.moments_dtype": a.moments, "budget.checkpoints": a.checkpoints,
-             "budget.slots": a.slots, "train.compute_dtype": a.compute_dtype, "train.device": a.device}
+             "budget.slots": a.slots, "train.compute_dtype": a.compute_dtype, "train.device": a.device,
+             "train.method": a.method, "lora.rank": a.rank}
     if a.no_clip:
         given["optim.max_grad_norm"] = 0.0
     if a.no_packing:

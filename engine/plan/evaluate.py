@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets
+from engine.plan.frozen import frozen_allocations, frozen_estimate
 from engine.plan.hardware import HardwareProfile
 from engine.plan.memory import Allocation, Precision, allocations, peak, peak_phase
 from engine.plan.speed import SpeedEstimate, estimate
@@ -62,6 +63,10 @@ class Knobs:
     gpu_layers: int = -1
     """Decoder layers updated on the device (with the embedding and head); -1: the planner's
     choice, 0: none."""
+    method: str = "full"
+    """full, lora or qlora (train.method): with lora / qlora the base is frozen."""
+    lora: object = None
+    """The adapters' engine.models.lora.LoraSpec (lora, qlora)."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,7 @@ class Evaluator:
         if k.disk_layers is not None:
             return self._evaluate(k, shape, k.disk_layers)
         e = self._evaluate(k, shape, 0)
-        if not self.budgets.disk or e.tiers[1].peak <= e.tiers[1].budget:
+        if not self.budgets.disk or e.tiers[1].peak <= e.tiers[1].budget or k.method != "full":
             return e
         def host_fits(n: int) -> bool:
             return self._evaluate(k, shape, n).tiers[1].peak <= e.tiers[1].budget
@@ -129,8 +134,12 @@ class Evaluator:
         return self._evaluate(k, shape, lo)  # all layers when even that does not fit
 
     def _evaluate(self, k: Knobs, shape: ExecShape, disk_layers: int) -> Evaluation:
-        allocs = allocations(self.spec, shape, k.precision, self.device, k.packed, disk_layers,
-                             k.clip)
+        if k.method == "full":
+            allocs = allocations(self.spec, shape, k.precision, self.device, k.packed, disk_layers,
+                                 k.clip)
+        else:
+            allocs = frozen_allocations(self.spec, shape, k.precision, self.device, k.packed,
+                                        k.method, k.lora)
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),
@@ -174,8 +183,9 @@ class Evaluator:
 
     def _device_items(self, k: Knobs, e: Evaluation) -> Evaluation:
         """``e`` with spare VRAM given to the device optimizer (module docstring)."""
-        if k.gpu_layers == 0 or (k.gpu_layers < 0 and (self.device != "cuda" or e.disk_layers)):
-            return e
+        if k.method != "full" or k.gpu_layers == 0 or (
+                k.gpu_layers < 0 and (self.device != "cuda" or e.disk_layers)):
+            return e  # a frozen base has no optimizer state to place
         L = self.spec.num_layers
         slots = e.shape.slots if k.slots else min(e.shape.slots, DEVICE_SLOTS)
 
@@ -197,6 +207,9 @@ class Evaluator:
         return best if self.speed(k, best).tokens_per_s > self.speed(k, e).tokens_per_s else e
 
     def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
+        if k.method != "full":
+            return frozen_estimate(self.spec, e.shape, k.precision, self.device, self.hw,
+                                   k.method, k.lora)
         return estimate(self.spec, e.shape, k.precision, self.device, k.clip, self.hw, e.disk_layers)
 
     @staticmethod

@@ -3,8 +3,9 @@
 Each fix changes one setting and is evaluated by the same memory model as the plan itself:
 smaller micro-batch; the same global batch through more accumulation; checkpoints to host;
 fewer parameter slots; bf16 moments (changes the numerics: opt-in); optimizer state on disk
-(the NVMe tier: the moments of the fewest layers that make host RAM fit). They come cheapest first:
-those that make the run fit, exact ones before numerics-changing ones, faster ones first.
+(the NVMe tier: the moments of the fewest layers that make host RAM fit); another method (LoRA or
+QLoRA adapters over a frozen base). They come cheapest first: those that make the run fit, exact
+ones before numerics-changing ones, the chosen method before another, faster ones first.
 """
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def _fewer_slots(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list
 
 
 def _bf16_moments(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
-    if k.precision.moments == torch.bfloat16:
+    if k.precision.moments == torch.bfloat16 or k.method != "full":
         return []
     kk = replace(k, precision=replace(k.precision, moments=torch.bfloat16))
     return [_fix(ev, base, kk, goal, "bf16 moments",
@@ -114,7 +115,8 @@ def _states_to_disk(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> l
     """The NVMe tier with room for what host RAM needs moved (the planner then moves exactly
     that: the fewest layers that fit, see engine.plan.evaluate). Only for a host over its
     budget: a tight one stays in RAM (disk layers cost a read and a write per step)."""
-    if "host" not in goal.tiers or goal.share < 1.0 or base.disk_layers == ev.spec.num_layers:
+    if ("host" not in goal.tiers or goal.share < 1.0 or base.disk_layers == ev.spec.num_layers
+            or k.method != "full"):
         return []
     roomy = Evaluator(ev.spec, ev.device, replace(ev.budgets, disk=_NO_LIMIT), ev.hw)
     e = roomy.choose(k)
@@ -129,15 +131,31 @@ def _states_to_disk(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> l
     return [fix] if fix is not None else []
 
 
+def _frozen_base(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
+    """Train adapters over a frozen base instead (LoRA), or over a 4-bit base (QLoRA): a
+    different method, so never counted as exact."""
+    from engine.config import LoraConfig
+    from engine.models.lora import lora_spec
+    lora = k.lora or lora_spec(LoraConfig())
+    methods = {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(k.method, ())
+    words = {"lora": "LoRA adapters over the frozen bf16 base",
+             "qlora": "QLoRA: LoRA adapters over the base quantised to 4-bit NF4"}
+    return [_fix(ev, base, replace(k, method=m, lora=lora), goal, f"switch to {m}",
+                 f"train.method {k.method} -> {m} ({words[m]})", {"train.method": m}, exact=False)
+            for m in methods]
+
+
 def find_fixes(ev: Evaluator, base: Evaluation, k: Knobs, tiers: tuple[str, ...],
                share: float) -> tuple[Fix, ...]:
     """Every fix that relieves ``tiers`` (peaks above ``share`` of their budgets), cheapest first."""
     goal = _Goal(tiers, share)
     fixes = []
     for make in (_smaller_micro_batch, _checkpoints_to_host, _fewer_slots, _bf16_moments,
-                 _states_to_disk):
+                 _states_to_disk, _frozen_base):
         fixes += [f for f in make(ev, base, k, goal) if f is not None]
+    # another training method comes after every change within the chosen one
     return tuple(sorted(fixes, key=lambda f: (not f.fits, not f.available, not f.exact,
+                                              "train.method" in dict(f.settings),
                                               -(f.tokens_per_s or 0.0), -f.saves)))
 
 

@@ -175,7 +175,6 @@ def device_buffers(spec: ModelSpec, shape: ExecShape, prec: Precision, device: s
     c, P, L = prec.c, spec.params_per_layer, spec.num_layers
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     k = max(1, min(shape.slots, L))
-    act = shape.micro_batch * shape.seq_len * spec.hidden_size * c  # one checkpoint (B, T, H)
     out = [Allocation("gpu", "parameter slots", k * P * c, f"{k} slots x {P:,} params x {c} B"),  # SlotPool
            Allocation("gpu", "embedding weights", E * c, f"{E:,} params x {c} B"),  # embed_w
            Allocation("gpu", "head weights", Hd * c, f"{Hd:,} params x {c} B"),  # head_w
@@ -183,20 +182,31 @@ def device_buffers(spec: ModelSpec, shape: ExecShape, prec: Precision, device: s
            Allocation("gpu", "head grads", Hd * 4, f"{Hd:,} params x 4 B (fp32)"),  # head_g
            Allocation("gpu", "gradient slots", shape.grad_slots * P * 4,  # gslots
                       f"{shape.grad_slots} slots x {P:,} params x 4 B (fp32)")]
-    ck = f"{shape.n_micro} micro-batches x {shape.micro_batch}x{shape.seq_len}x{spec.hidden_size} x {c} B"
-    if shape.checkpoints == "host":  # HostStore: pinned host copy + two device staging layers
-        out += [Allocation("gpu", "checkpoint staging", 2 * shape.n_micro * act, f"2 layers x {ck}"),
-                Allocation("host", "pinned activation checkpoints", L * shape.n_micro * act,
-                           f"{L} layers x {ck}")]
-    else:  # DeviceStore
-        out.append(Allocation("gpu", "activation checkpoints", L * shape.n_micro * act, f"{L} layers x {ck}"))
+    out += checkpoint_store(spec, shape, prec)
     out.append(optimizer_scratch(prec))
     out += device_optimizer(spec, shape, prec)
-    if device == "cuda":
-        out += [Allocation("gpu", "CUDA context", CUDA_CONTEXT, "driver context and kernels", "state"),
-                Allocation("gpu", "cuBLAS workspaces", CUDA_WORKSPACES,
-                           "library workspaces and small buffers in the allocator", "state")]
-    return out
+    return out + cuda_fixed(device)
+
+
+def checkpoint_store(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list[Allocation]:
+    """The activation checkpoints: one layer input per layer and micro-batch."""
+    c, L = prec.c, spec.num_layers
+    act = shape.micro_batch * shape.seq_len * spec.hidden_size * c  # one checkpoint (B, T, H)
+    ck = f"{shape.n_micro} micro-batches x {shape.micro_batch}x{shape.seq_len}x{spec.hidden_size} x {c} B"
+    if shape.checkpoints == "host":  # HostStore: pinned host copy + two device staging layers
+        return [Allocation("gpu", "checkpoint staging", 2 * shape.n_micro * act, f"2 layers x {ck}"),
+                Allocation("host", "pinned activation checkpoints", L * shape.n_micro * act,
+                           f"{L} layers x {ck}")]
+    return [Allocation("gpu", "activation checkpoints", L * shape.n_micro * act, f"{L} layers x {ck}")]  # DeviceStore
+
+
+def cuda_fixed(device: str) -> list[Allocation]:
+    """The CUDA context and library workspaces (none on the CPU backend)."""
+    if device != "cuda":
+        return []
+    return [Allocation("gpu", "CUDA context", CUDA_CONTEXT, "driver context and kernels", "state"),
+            Allocation("gpu", "cuBLAS workspaces", CUDA_WORKSPACES,
+                       "library workspaces and small buffers in the allocator", "state")]
 
 
 def device_optimizer(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list[Allocation]:
@@ -215,9 +225,13 @@ def device_optimizer(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list
         b = prec.c + rem + 2 * prec.mo + 4
         out.append(Allocation("gpu", "device layers", G * P * b,
                               f"{G} layers x {P:,} params x {b} B (weights, remainder, m, v, fp32 grad)"))
+    return out + [device_optimizer_scratch(prec)]
+
+
+def device_optimizer_scratch(prec: Precision) -> Allocation:
+    """The device update's AdamWorkspace (DEVICE_CHUNK fp32; upcast moments if bf16)."""
     scratch = DEVICE_CHUNK * 4 * (1 if prec.moments == torch.float32 else 3)
-    out.append(Allocation("gpu", "device optimizer scratch", scratch, f"chunks of {DEVICE_CHUNK:,} params in fp32"))
-    return out
+    return Allocation("gpu", "device optimizer scratch", scratch, f"chunks of {DEVICE_CHUNK:,} params in fp32")
 
 
 def optimizer_scratch(prec: Precision) -> Allocation:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from engine.config import RunConfig
 from engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
 from engine.kernels import cpu_adam
+from engine.models.lora import lora_spec
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets, resolve_budgets
 from engine.plan.evaluate import TIGHT, Evaluation, Evaluator, Knobs, TierUse
@@ -63,6 +64,8 @@ class Plan:
     disk_layers: int = 0
     """Decoder layers whose AdamW moments live in the NVMe tier (engine.runtime.nvme.disk_layers
     says which)."""
+    method: str = "full"
+    """full, lora or qlora (train.method)."""
 
     def tier(self, name: str) -> TierUse:
         return next(t for t in self.tiers if t.tier == name)
@@ -125,7 +128,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
                 verdict=verdict, reason=reason, fixes=fixes, max_micro_batch=m_max,
                 max_global_batch=g_max, speed=ev.speed(knobs, base), hardware=hardware,
                 tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
-                disk_layers=base.disk_layers)
+                disk_layers=base.disk_layers, method=knobs.method)
 
 
 # ---- from a run config --------------------------------------------------------------------------
@@ -145,7 +148,8 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2))
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                  precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
-                 clip=o.max_grad_norm > 0, packed=cfg.data.packing)
+                 clip=o.max_grad_norm > 0, packed=cfg.data.packing, method=t.method,
+                 lora=None if t.method == "full" else lora_spec(cfg.lora))
 
 
 def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,

@@ -16,7 +16,8 @@ def format_plan(plan: Plan) -> str:
     """The text ``slideformer plan`` prints."""
     s, L = plan.exec_shape, next(a for a in plan.allocations if a.purpose == "parameter slots")
     lines = [f"model: {plan.model_type}, {plan.total_params:,} parameters",
-             f"run: {plan.device}, {plan.compute_dtype} compute, {plan.moments_dtype} moments, "
+             f"run: {plan.device}, {plan.method}, {plan.compute_dtype} compute, "
+             f"{plan.moments_dtype} moments, "
              f"micro-batch {s.micro_batch} x {s.seq_len} tokens x {s.n_micro} accumulated "
              f"= {plan.tokens_per_step:,} tokens/step",
              f"hardware: {plan.hardware.name}",

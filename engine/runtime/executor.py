@@ -26,6 +26,11 @@ parameter slots (DESIGN §3.3):
               update order as soon as the step's updates are known (after the clip barrier; at
               the step's start without clipping) and written behind after their update;
               the update waits for its read, the next forward only for the update.
+    frozen    with ``lora`` (train.method lora / qlora) the base items are frozen: they stream
+              through the same slots but get no gradient, and only the adapters ``lora{i}``
+              (engine.runtime.lora) train, updated on the device after the backward; the
+              backward of a layer computes its input and adapter gradients only, and the base
+              layers still resident when a step ends serve the next forward without a copy.
 """
 from __future__ import annotations
 
@@ -40,11 +45,13 @@ import torch
 from engine.kernels import IGNORE
 from engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
 from engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
-from engine.models.model import embed, positions_for
+from engine.models.lora import LoraForward, LoraSpec, dropout_seed
+from engine.models.model import embed, head_weight, positions_for
 from engine.models.spec import ModelSpec
 from engine.runtime.activations import DeviceStore, HostStore
 from engine.runtime.grad_ring import GradRing, Speculation
 from engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
+from engine.runtime.lora import adapter_name
 from engine.runtime.shapes import DEVICE_CHUNK, ExecShape, speculative_layers
 from engine.runtime.slots import SlotPool
 from engine.runtime.timeline import StepTimeline
@@ -100,17 +107,30 @@ class SlidingExecutor:
     """Owns the device buffers and runs training steps over the host state."""
 
     def __init__(self, spec: ModelSpec, backend, host: dict[str, HostItem], shape: ExecShape,
-                 compute_dtype: torch.dtype):
+                 compute_dtype: torch.dtype, lora: LoraSpec | None = None, seed: int = 0):
+        """``lora``: train the adapters ``lora{i}`` of ``host`` over a frozen base (``seed``
+        seeds their dropout masks)."""
         self.spec, self.backend, self.host, self.shape = spec, backend, host, shape
         self.dtype = compute_dtype
+        self.lora, self.seed, self.step_no = lora, seed, 0
         L, n = spec.num_layers, spec.params_per_layer
         self.k = max(1, min(shape.slots, L))
-        self.pool = SlotPool(backend, self.k, n, compute_dtype, L)
+        self.quant = getattr(host["layer0"], "quant", None)
+        """NF4 byte layout of the decoder layers (qlora): a slot holds a layer's NF4 bytes,
+        dequantised on the device into ``scratch`` when used; None: slots hold the weights."""
+        if self.quant is None:
+            self.slot_numel = n
+            self.pool = SlotPool(backend, self.k, n, compute_dtype, L)
+        else:
+            self.slot_numel = self.quant.nbytes
+            self.pool = SlotPool(backend, self.k, self.quant.nbytes, torch.uint8, L)
+            self.scratch = backend.alloc(n, compute_dtype)
         self.embed_w = backend.alloc(spec.embed_layout.numel, compute_dtype)
         self.head_w = backend.alloc(spec.head_layout.numel, compute_dtype)
-        self.embed_g = backend.alloc(spec.embed_layout.numel, torch.float32)
-        self.head_g = backend.alloc(spec.head_layout.numel, torch.float32)
-        self.gslots = [backend.alloc(n, torch.float32) for _ in range(shape.grad_slots)]
+        trained = lora is None  # a frozen base needs no gradient buffers of its own
+        self.embed_g = backend.alloc(spec.embed_layout.numel, torch.float32) if trained else None
+        self.head_g = backend.alloc(spec.head_layout.numel, torch.float32) if trained else None
+        self.gslots = [backend.alloc(n, torch.float32) for _ in range(shape.grad_slots * trained)]
         self.gslot_free: list[list] = [[] for _ in self.gslots]
         store = HostStore if shape.checkpoints == "host" else DeviceStore
         self.store = store(backend, L, shape.n_micro,
@@ -127,13 +147,15 @@ class SlidingExecutor:
         self.grads_out: dict[str, object] = {}
         self.G = min(shape.device_layers, L)
         disk = [i for i in range(L) if host[f"layer{i}"].disk is not None]
-        self.snapshots = Speculation(host, speculative_layers(L, self.G, shape.spec_layers, disk),
+        self.snapshots = Speculation(host, speculative_layers(L, self.G, shape.spec_layers * trained,
+                                                              disk),
                                 backend.host_alloc, lambda k, dt: torch.zeros(k, dtype=dt))
         # zeros, not empty: the pages are resident from the start, as the planner counts them,
         # even while steps clip early and skip speculating (tests/test_plan_rss.py)
         self.speculated: list[int] = []
         """Layers of the current step whose speculative update was submitted."""
-        borrow = [i for i in range(L) if host[f"layer{i}"].g is None and i not in self.snapshots]
+        borrow = [i for i in range(L)
+                  if trained and host[f"layer{i}"].g is None and i not in self.snapshots]
         self.ring = GradRing(backend.host_alloc, min(shape.grad_ring, L) if borrow else 0, n)
         self.dev: dict[str, DeviceItem] = {}
         """Items updated on the device; their host items are refreshed by drain()."""
@@ -142,6 +164,11 @@ class SlidingExecutor:
             self.dev["head"] = DeviceItem(host["head"], backend.alloc, self.head_w, self.head_g)
         for i in range(self.G):
             self.dev[f"layer{i}"] = DeviceItem(host[f"layer{i}"], backend.alloc)
+        if lora is not None:
+            if self.G or shape.device_update:
+                raise ValueError("a frozen base has no device-updated base items")
+            for i in range(L):
+                self.dev[adapter_name(i)] = DeviceItem(host[adapter_name(i)], backend.alloc)
         self.dev_ws = None if not self.dev else AdamWorkspace(
             DEVICE_CHUNK, backend.device, next(iter(self.dev.values())).m.dtype != torch.float32)
         self.dev_loaded = False
@@ -164,7 +191,9 @@ class SlidingExecutor:
     def _weights(self, layer: int) -> torch.Tensor:
         if layer < self.G:
             return self.dev[f"layer{layer}"].w
-        return self.pool.acquire(layer, self.spec.params_per_layer)
+        w = self.pool.acquire(layer, self.slot_numel)
+        # one scratch serves every layer: each use is queued on the compute stream after the last
+        return w if self.quant is None else self.quant.dequantize(w, self.scratch)
 
     def _wait_update(self, name: str) -> None:
         fut = self.pending.pop(name, None)
@@ -211,6 +240,7 @@ class SlidingExecutor:
                              "layers excepted)")
         self._ensure_device_state()
         tl = StepTimeline(self.backend, timeline)
+        self.step_no = hyper(1.0).step
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
         self.step_updates = 0
@@ -226,7 +256,7 @@ class SlidingExecutor:
         del xs  # the last hidden states are not needed in the backward
         clip = max_grad_norm > 0
         guard = None
-        if not clip:
+        if not clip and self.lora is None:  # frozen: every update waits for the backward
             guard = _Guard(self.health_host)
             self.health[-1:].copy_(loss.reshape(1))
             self.backend.start_d2h(self.health_host[-1:], self.health[-1:],
@@ -240,13 +270,14 @@ class SlidingExecutor:
             self.roll_back()
         else:
             names = ["embed"] + ([f"layer{i}" for i in range(self.spec.num_layers)] if clip else []) + ["head"]
-            names = [name for name in names if name not in self.dev]
+            names = [name for name in names if name not in self.dev and self.lora is None]
             self._prefetch_disk(names, tl)
             for name in names:
                 self._barrier_update(name, hyper(coef), coef, tl)
             self.speculated = []  # settled: they are this step's updates now
             self._device_updates(hyper(coef), tl)
-        self.pool.invalidate_all()
+        if self.lora is None:  # a frozen base stays valid: its resident layers serve the next step
+            self.pool.invalidate_all()
         applied = guard.applied if skipped and guard is not None else 0
         return StepOutput(float(loss), norm, tokens, skipped, tl, applied)
 
@@ -320,7 +351,8 @@ class SlidingExecutor:
                 for mb, (_, _, rope, mask) in enumerate(inp):
                     if save:
                         self.store.save(i, mb, xs[mb])
-                    xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask)
+                    xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask,
+                                           lora=self._adapters(i, mb, save))
                 tl.device_span("compute", f"layer{i}", t0, self.backend.mark())
                 if i >= self.G:
                     self.pool.release(i, evict=i < L - k)
@@ -331,25 +363,26 @@ class SlidingExecutor:
         spec = self.spec
         t0 = self.backend.mark()
         head = spec.head_layout.views(self.head_w)
-        ghead = spec.head_layout.views(self.head_g)
-        if spec.tie_word_embeddings:
-            w, gw = spec.embed_layout.views(self.embed_w)["embed_tokens.weight"], \
-                spec.embed_layout.views(self.embed_g)["embed_tokens.weight"]
-        else:
-            w, gw = head["lm_head.weight"], ghead["lm_head.weight"]
+        w = head_weight(spec, head, spec.embed_layout.views(self.embed_w))
+        trained = self.lora is None  # else the head is frozen: dL/dx only
+        if trained:
+            ghead = spec.head_layout.views(self.head_g)
+            gw = head_weight(spec, ghead, spec.embed_layout.views(self.embed_g))
         self._zero_resident_grads()
-        nw = head["norm.weight"].detach().requires_grad_()
+        nw = head["norm.weight"].detach().requires_grad_(trained)
         loss = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         gys = []
         for x, (_, labels, _, _) in zip(xs, inp):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
                 h = rms_norm(x, nw, spec.rms_norm_eps)
-            lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk, gw)
+            lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk,
+                                        gw if trained else None)
             loss += lmb
-            gx, gnw = torch.autograd.grad(h, [x, nw], gh)
-            ghead["norm.weight"].add_(gnw)
-            gys.append(gx)
+            grads = torch.autograd.grad(h, [x, nw] if trained else [x], gh)
+            if trained:
+                ghead["norm.weight"].add_(grads[1])
+            gys.append(grads[0])
         tl.device_span("compute", "head", t0, self.backend.mark())
         return loss, gys
 
@@ -357,8 +390,9 @@ class SlidingExecutor:
         for name in ("embed", "head"):
             for h in self.grads_out.pop(name, []):
                 self.backend.compute_waits(h)
-        self.embed_g.zero_()
-        self.head_g.zero_()
+        for g in (self.embed_g, self.head_g):
+            if g is not None:
+                g.zero_()
         self.norm_sq.zero_()
 
     def backward_window(self, gys, inp, tl: StepTimeline, hyper_now: AdamHyper | None,
@@ -376,7 +410,9 @@ class SlidingExecutor:
             for j in range(i, max(i - k, -1), -1):
                 self._load(j, tl)
             w = self._weights(i)
-            if i < self.G:  # its own gradient buffer, read by the device update on this stream
+            if self.lora is not None:  # the adapters' gradient buffer, on the device
+                g = self.dev[adapter_name(i)].g
+            elif i < self.G:  # its own gradient buffer, read by the device update on this stream
                 g = self.dev[f"layer{i}"].g
             else:
                 slot = i % len(self.gslots)
@@ -386,7 +422,8 @@ class SlidingExecutor:
             g.zero_()
             t0 = self.backend.mark()
             for mb, (_, _, rope, mask) in enumerate(inp):
-                gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask)
+                gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask,
+                                               i, mb)
             sq = torch.linalg.vector_norm(g).square()
             self.norm_sq += sq
             watched = guard is not None or hyper_spec is not None  # norms on the host, per layer
@@ -394,7 +431,9 @@ class SlidingExecutor:
                 self.health[i].copy_(sq)
             t1 = self.backend.mark()
             tl.device_span("compute", f"layer{i}", t0, t1)
-            if i >= self.G:
+            if self.lora is not None:  # frozen: nothing leaves; the low layers stay for the next step
+                self.pool.release(i, evict=i >= k)
+            elif i >= self.G:
                 self.gslot_free[slot] = self._send_grad(i, g, t1, tl, hyper_now, guard, hyper_spec,
                                                         watched)
                 self.pool.release(i, evict=True)
@@ -427,19 +466,42 @@ class SlidingExecutor:
             self.speculated.append(i)
         return [h]
 
-    def _layer_backward(self, w, g, x, gy, rope, mask) -> torch.Tensor:
-        """Recompute one layer for one micro-batch, add its parameter grads to g; return dL/dx."""
+    def _layer_backward(self, w, g, x, gy, rope, mask, layer: int = 0, mb: int = 0) -> torch.Tensor:
+        """Recompute one layer for one micro-batch, add its trained parameters' grads (the
+        layer's, or with a frozen base its adapters') to g; return dL/dx."""
         spec = self.spec
-        leaves = {name: v.detach().requires_grad_() for name, v in spec.layer_layout.views(w).items()}
+        base = spec.layer_layout.views(w)
+        if self.lora is None:
+            layout, leaves = spec.layer_layout, {k: v.detach().requires_grad_() for k, v in base.items()}
+            base, adapters = leaves, None
+        else:
+            item = self.dev[adapter_name(layer)]
+            layout = item.layout
+            leaves = {k: v.detach().requires_grad_() for k, v in layout.views(item.w).items()}
+            adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
         x = x.detach().requires_grad_()
         with torch.enable_grad():
-            y = decoder_layer(spec, leaves, x, rope, mask)
+            y = decoder_layer(spec, base, x, rope, mask, lora=adapters)
             grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
-        for (_, off, _), gp in zip(spec.layer_layout.entries, grads[1:]):
+        for (_, off, _), gp in zip(layout.entries, grads[1:]):
             g[off:off + gp.numel()].add_(gp.reshape(-1))
         return grads[0]
 
+    def _dropout_seed(self, layer: int, mb: int, train: bool) -> int | None:
+        if not train or not self.lora.dropout:
+            return None
+        return dropout_seed(self.seed, self.step_no, layer, mb)
+
+    def _adapters(self, layer: int, mb: int, train: bool) -> LoraForward | None:
+        """The forward's view of a layer's adapters (None when the base is trained)."""
+        if self.lora is None:
+            return None
+        item = self.dev[adapter_name(layer)]
+        return LoraForward(self.lora, item.layout.views(item.w), self._dropout_seed(layer, mb, train))
+
     def _embed_backward(self, gys, inp, tl: StepTimeline) -> None:
+        if self.lora is not None:  # a frozen embedding needs no gradient
+            return
         t0 = self.backend.mark()
         H = self.spec.hidden_size
         ge = self.embed_g.view(-1, H)

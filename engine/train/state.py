@@ -17,6 +17,7 @@ from engine.errors import UserError
 from engine.models.spec import ModelSpec
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names, write_hf_folder
 from engine.runtime.host_state import HostItem
+from engine.runtime.lora import FrozenItem, build_adapters
 
 
 def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
@@ -37,21 +38,35 @@ def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
             for name in item_names(spec)}
 
 
+def build_frozen_state(spec: ModelSpec, backend, compute_dtype, moments_dtype, lora,
+                       nf4: bool = False) -> dict[str, HostItem | FrozenItem]:
+    """The host state of adapter training (engine.runtime.lora): the base items frozen in the
+    compute dtype (``nf4``: the decoder layers in NF4, as QLoRA; the embedding and head stay
+    unquantised), and one trained adapter item ``lora{i}`` per decoder layer."""
+    host: dict = {name: FrozenItem(name, item_layout(spec, name), compute_dtype, backend.host_alloc,
+                                   nf4=nf4 and name.startswith("layer"))
+                  for name in item_names(spec)}
+    host.update(build_adapters(spec, lora, backend, compute_dtype, moments_dtype))
+    return host
+
+
 def _alloc(numel: int, dtype) -> torch.Tensor:
     return torch.zeros(numel, dtype=dtype)
 
 
 def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | str, emit=None) -> None:
-    """Fill every item's master from the model folder (one item in memory at a time)."""
+    """Fill every model item's master from the model folder (one item in memory at a time)."""
     ckpt = Checkpoint(model_dir)
     ckpt.check(spec)
-    for k, (name, item) in enumerate(host.items()):
+    names = item_names(spec)
+    for k, name in enumerate(names):
+        item = host[name]
         buf = torch.empty(item.numel, dtype=torch.float32)
         _check_finite(ckpt, spec, name, ckpt.read_item(spec, name, buf))
         item.set_master(buf)
         if emit is not None:
             from engine.events import Progress
-            emit(Progress("loading weights", k + 1, len(host)))
+            emit(Progress("loading weights", k + 1, len(names)))
     ckpt.close()
 
 
@@ -70,8 +85,8 @@ def _check_finite(ckpt: Checkpoint, spec: ModelSpec, item: str, flat: torch.Tens
 
 def master_tensors(host: dict[str, HostItem], spec: ModelSpec):
     """(checkpoint name, fp32 master) of every tensor, one item materialised at a time."""
-    for name, item in host.items():
-        master = item.master()
+    for name in item_names(spec):
+        master = host[name].master()
         for local, view in item_layout(spec, name).views(master).items():
             yield hf_name(name, local), view
 
@@ -90,5 +105,7 @@ def export_model(host, spec: ModelSpec, out_dir: Path | str, tokenizer_dir: Path
 
 
 def state_tensors(host: dict[str, HostItem]) -> dict[str, dict[str, torch.Tensor]]:
-    """What a training checkpoint stores, per item (engine.train.checkpoint writes and reads it)."""
-    return {name: item.state_tensors() for name, item in host.items()}
+    """What a training checkpoint stores, per trained item (engine.train.checkpoint writes and
+    reads it); a frozen base is not rewritten."""
+    return {name: item.state_tensors() for name, item in host.items()
+            if not isinstance(item, FrozenItem)}

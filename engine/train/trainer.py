@@ -36,13 +36,16 @@ from engine.runtime.backend import make_backend
 from engine.runtime.executor import SlidingExecutor
 from engine.runtime.host_state import AdamHyper
 from engine.runtime.nvme import NvmeTier
-from engine.runtime.shapes import disk_layers, speculative_layers
+from engine.runtime.shapes import ExecShape, disk_layers, speculative_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from engine.train.schedule import lr_at
-from engine.train.state import (build_host_state, export_model, load_weights,
-                                state_tensors)
+from engine.train.state import (build_frozen_state, build_host_state, export_model,
+                                load_weights, state_tensors)
 from engine.validate import validate
+from engine.models.lora import lora_spec
+from engine.runtime.lora import init_adapters, is_adapter
+from engine.train.lora_export import write_adapter, write_merged
 
 GiB = 1 << 30
 RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints"}
@@ -115,6 +118,7 @@ class Trainer:
         """
         cfg = self.cfg
         validate(cfg, "train" if data is None else "plan")
+        self.lora = None if cfg.train.method == "full" else lora_spec(cfg.lora)
         self._check_run_dir(resume)
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
@@ -132,17 +136,10 @@ class Trainer:
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
         self.tier = self._open_tier()
-        L = self.spec.num_layers
-        speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
-                                         disk_layers(L, self.plan.disk_layers))
-        self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
-                                     layer_grads=cfg.optim.max_grad_norm > 0, borrowed=speculative)
-        if resume:  # the checkpoint holds the whole state: only check the model folder
-            Checkpoint(cfg.model.path).check(self.spec)
-        else:
-            load_weights(self.host, self.spec, cfg.model.path, self.emit)
-        self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype)
-        if cpu_adam.unavailable_reason():
+        self._build_state(shape, moments, resume)
+        self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
+                                        self.lora, cfg.train.seed)
+        if cpu_adam.unavailable_reason() and self.lora is None:
             self.emit(Log("warning", f"compiled CPU AdamW unavailable "
                                      f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "
                                      "does the CPU updates, about 3x slower"))
@@ -152,6 +149,27 @@ class Trainer:
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
                               f"{self.dtype}, {self.total_steps} steps"))
+
+    def _build_state(self, shape: ExecShape, moments: torch.dtype, resume: bool) -> None:
+        """The host state: every item trained (full), or a frozen base (always read from the
+        model folder: checkpoints do not hold it) with adapters, initialised unless resumed."""
+        cfg = self.cfg
+        if self.lora is None:
+            L = self.spec.num_layers
+            speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
+                                             disk_layers(L, self.plan.disk_layers))
+            self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
+                                         layer_grads=cfg.optim.max_grad_norm > 0,
+                                         borrowed=speculative)
+        else:
+            self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
+                                           nf4=cfg.train.method == "qlora")
+        if resume and self.lora is None:  # the checkpoint holds the whole state
+            Checkpoint(cfg.model.path).check(self.spec)
+        else:
+            load_weights(self.host, self.spec, cfg.model.path, self.emit)
+        if self.lora is not None and not resume:
+            init_adapters({k: v for k, v in self.host.items() if is_adapter(k)}, cfg.train.seed)
 
     def make_plan(self) -> Plan:
         """Run the planner for this run and keep its answer as ``self.plan``; a plan that does
@@ -376,10 +394,18 @@ class Trainer:
         return "finished" if done else "stopped"
 
     def export(self, out_dir: Path) -> Path:
+        """The trained model (full), or the PEFT adapter folder (lora, qlora) and, with
+        lora.export_merged, the merged model in ``<out_dir>-merged``."""
         self.executor.drain()
         dtype = torch_dtype(self.spec.torch_dtype) or torch.bfloat16
-        return export_model(self.host, self.spec, out_dir, self.cfg.model.path, dtype,
-                            parse_bytes(self.cfg.output.shard_size, "output.shard_size"))
+        shard = parse_bytes(self.cfg.output.shard_size, "output.shard_size")
+        base = self.cfg.model.path
+        if self.lora is None:
+            return export_model(self.host, self.spec, out_dir, base, dtype, shard)
+        if self.cfg.lora.export_merged:
+            write_merged(out_dir.with_name(out_dir.name + "-merged"), self.host, self.spec,
+                         self.lora, base, dtype, shard)
+        return write_adapter(out_dir, self.host, self.spec, self.lora, base)
 
     # ---- checkpoints ------------------------------------------------------------------------
     def save_checkpoint(self) -> Path | None:

@@ -1,0 +1,286 @@
+"""LoRA / QLoRA on the sliding engine against Hugging Face + PEFT (+ bitsandbytes), one table
+per invocation, every contender in a process of its own (fresh CUDA context, clean peaks).
+
+    python3 benchmarks/lora_bench.py --table 8b     # Llama-3.1-8B shape: ours lora, qlora vs
+                                                    # HF+PEFT lora, HF+PEFT+bnb qlora; 16K, 64K
+    python3 benchmarks/lora_bench.py --table 70b    # Llama-3.1-70B shape, ours qlora at 64K
+    python3 benchmarks/lora_bench.py --table 123b   # Mistral-Large-2 shape, ours qlora
+    add --tiny for a CPU dry run of the same table on a tiny shape
+
+Weights are random (N(0, 0.02)); ours quantises them layer by layer on the GPU into the host
+state (the loading path from safetensors is tested in tests/). VRAM is capped in-process at
+--vram-cap GiB (torch.cuda.set_per_process_memory_fraction) for every contender, after set-up.
+Tokens/step = micro_batch x seq x grad_accum; HF trains micro-batches one after another with
+gradient checkpointing, ours layer-wise. Reported: tokens/s (median of the timed steps), peak
+VRAM allocated / reserved, peak RSS (VmHWM), the GPU busy share of our step (compute spans of
+the timeline over the step time) and the planner's prediction for our runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from sliding_step import SHAPES, random_batches  # noqa: E402
+
+BIG = {  # published config.json values
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          tie_word_embeddings=False, head_dim=128),
+    "mistral-large-2": dict(hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
+                            num_attention_heads=96, num_key_value_heads=8, vocab_size=32768,
+                            tie_word_embeddings=False, head_dim=128),
+}
+TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 1024)
+    "8b": ("llama-3.1-8b", ("ours-lora", "ours-qlora", "hf-lora", "hf-qlora"), ((4, 4), (4, 16))),
+    "70b": ("llama-3.1-70b", ("ours-qlora",), ((8, 8),)),
+    "123b": ("mistral-large-2", ("ours-qlora",), ((4, 4),)),
+}
+GiB = 1 << 30
+MARK = "@@LORA "
+
+
+def shape_config(name: str) -> dict:
+    shape = {**SHAPES, **BIG}[name]
+    return dict(shape, model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                max_position_embeddings=131072, torch_dtype="bfloat16")
+
+
+def peak_rss() -> float:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024 / GiB
+    return 0.0
+
+
+def cap(vram_gib: float) -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, vram_gib * GiB / total))
+        torch.cuda.reset_peak_memory_stats()
+
+
+def vram() -> dict:
+    if not torch.cuda.is_available():
+        return {"peak_vram_alloc_gib": None, "peak_vram_reserved_gib": None}
+    return {"peak_vram_alloc_gib": round(torch.cuda.max_memory_allocated() / GiB, 2),
+            "peak_vram_reserved_gib": round(torch.cuda.max_memory_reserved() / GiB, 2)}
+
+
+# ---- ours --------------------------------------------------------------------------------------
+def random_frozen_state(spec, backend, lora, nf4: bool, device: str, dtype: torch.dtype):
+    """Frozen base with random weights, quantised layer by layer on ``device`` (qlora)."""
+    from engine.runtime.lora import init_adapters, is_adapter
+    from engine.train.state import build_frozen_state
+    host = build_frozen_state(spec, backend, dtype, torch.float32, lora, nf4=nf4)
+    g = torch.Generator(device).manual_seed(0)
+    for name, item in host.items():
+        if is_adapter(name):
+            continue
+        w = torch.randn(item.numel, generator=g, device=device) * 0.02
+        if item.quant is None:
+            item.w.copy_(w)
+        else:
+            out = torch.empty(item.quant.nbytes, dtype=torch.uint8, device=device)
+            item.w.copy_(item.quant.quantize(w, out))
+        del w
+    init_adapters({k: v for k, v in host.items() if is_adapter(k)}, seed=0)
+    return host
+
+
+def run_ours(a: dict) -> dict:
+    from engine.config import RunConfig, override
+    from engine.models.lora import lora_spec
+    from engine.models.spec import spec_from_config
+    from engine.plan import plan_run
+    from engine.runtime.backend import make_backend
+    from engine.runtime.executor import SlidingExecutor
+    from engine.runtime.host_state import AdamHyper
+    method = a["contender"].removeprefix("ours-")
+    spec = spec_from_config(shape_config(a["shape"]))
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = override(RunConfig(), {"train.method": method, "train.micro_batch": a["micro_batch"],
+                                 "train.grad_accum": a["accum"], "data.max_seq_len": a["seq"],
+                                 "data.packing": False, "budget.vram": f"{a['vram_cap']}GiB",
+                                 "train.device": dev})
+    plan = plan_run(cfg, spec, device=dev)
+    lora = lora_spec(cfg.lora)
+    backend = make_backend(dev)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    t0 = time.perf_counter()
+    host = random_frozen_state(spec, backend, lora, method == "qlora", dev, dtype)
+    setup = time.perf_counter() - t0
+    cap(a["vram_cap"])
+    ex = SlidingExecutor(spec, backend, host, plan.exec_shape, dtype, lora=lora)
+    mbs = random_batches(spec.vocab_size, a["micro_batch"], a["seq"], a["accum"])
+    times, busy = [], []
+    for k in range(a["warmup"] + a["steps"]):
+        hyper = lambda coef, k=k: AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, k + 1, coef)  # noqa: E731
+        t = time.perf_counter()
+        out = ex.train_step(mbs, hyper, 1.0)
+        if dev == "cuda":  # the adapters' update is queued on the device after the backward
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+        spans = out.timeline.resolve()
+        busy.append(sum(s.end - s.start for s in spans if s.lane == "compute") / times[-1])
+    ex.close()
+    med = statistics.median(times[a["warmup"]:])
+    tokens = a["micro_batch"] * a["seq"] * a["accum"]
+    return dict(tokens_per_s=round(tokens / med, 1), step_time_s=round(med, 3),
+                gpu_busy=round(statistics.median(busy[a["warmup"]:]), 3), slots=ex.k,
+                checkpoints=plan.exec_shape.checkpoints, setup_s=round(setup, 1),
+                last_loss=round(out.loss, 4), **vram(), peak_rss_gib=round(peak_rss(), 2),
+                planned_tokens_per_s=round(plan.speed.tokens_per_s, 1),
+                planned_vram_gib=round(plan.tier("gpu").peak / GiB, 2),
+                planned_host_gib=round(plan.tier("host").peak / GiB, 2), plan_verdict=plan.verdict)
+
+
+# ---- Hugging Face + PEFT -----------------------------------------------------------------------
+def hf_model(a: dict, dev: str):
+    """The random-init HF model: bf16 for lora; for qlora saved and reloaded through
+    BitsAndBytesConfig (NF4, double quantisation, bf16 compute), as users load one."""
+    import transformers
+    cfg = transformers.LlamaConfig(**shape_config(a["shape"]))
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    if a["contender"] == "hf-lora":
+        return model
+    import peft
+    with tempfile.TemporaryDirectory(dir=a.get("tmp")) as d:
+        model.save_pretrained(d)
+        del model
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                            bnb_4bit_use_double_quant=True,
+                                            bnb_4bit_compute_dtype=dtype)
+        model = transformers.LlamaForCausalLM.from_pretrained(d, quantization_config=q,
+                                                              dtype=dtype, device_map={"": dev})
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+
+
+def run_hf(a: dict) -> dict:
+    import peft
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    model = hf_model(a, dev)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=8, lora_dropout=0.0,
+                                                       target_modules=targets))
+    model.enable_input_require_grads()
+    setup = time.perf_counter() - t0
+    cap(a["vram_cap"])
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=1e-4, fused=dev == "cuda")
+    mbs = random_batches(model.config.vocab_size, a["micro_batch"], a["seq"], a["accum"])
+    times = []
+    for _ in range(a["warmup"] + a["steps"]):
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        for mb in mbs:
+            ids = mb.input_ids.to(dev)
+            loss = model(input_ids=ids, labels=ids).loss / len(mbs)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(trained, 1.0)
+        opt.step()
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    med = statistics.median(times[a["warmup"]:])
+    tokens = a["micro_batch"] * a["seq"] * a["accum"]
+    return dict(tokens_per_s=round(tokens / med, 1), step_time_s=round(med, 3),
+                setup_s=round(setup, 1), **vram(), peak_rss_gib=round(peak_rss(), 2))
+
+
+# ---- driver ------------------------------------------------------------------------------------
+def one(a: dict) -> None:
+    try:
+        res = run_ours(a) if a["contender"].startswith("ours") else run_hf(a)
+    except torch.cuda.OutOfMemoryError as e:
+        res = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+    except ImportError as e:
+        res = {"error": f"not installed: {e}"}
+    print(MARK + json.dumps({**a, **res}), flush=True)
+
+
+def versions() -> dict:
+    out = {"torch": torch.__version__, "cuda": torch.cuda.is_available() and torch.cuda.get_device_name(0)}
+    for mod in ("transformers", "peft", "bitsandbytes"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except ImportError:
+            out[mod] = None
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table", choices=TABLES, default="8b")
+    ap.add_argument("--tiny", action="store_true", help="CPU dry run on a tiny shape")
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--vram-cap", type=float, default=24.0)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", help="also append the JSON records to this file")
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one:
+        return one(json.loads(args.one))
+    shape, contenders, sizes = TABLES[args.table]
+    seq = args.seq
+    if args.tiny:
+        shape, seq, sizes = "tiny", 32, tuple((2, acc // 4 or 1) for _, acc in sizes)
+    print(json.dumps({"versions": versions(), "table": args.table, "shape": shape}))
+    rows = []
+    for mb, acc in sizes:
+        for c in contenders:
+            a = dict(contender=c, shape=shape, seq=seq, micro_batch=mb, accum=acc,
+                     vram_cap=args.vram_cap, warmup=args.warmup, steps=args.steps)
+            p = subprocess.run([sys.executable, __file__, "--one", json.dumps(a)],
+                               capture_output=True, text=True)
+            lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
+            rec = json.loads(lines[-1][len(MARK):]) if lines else {
+                **a, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"}
+            rows.append(rec)
+            print(json.dumps(rec), flush=True)
+            if args.out:
+                with open(args.out, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(rec) + "\n")
+    print(table(rows))
+
+
+def table(rows: list[dict]) -> str:
+    head = ("contender", "tokens/step", "tok/s", "GPU busy", "VRAM alloc / reserved GiB",
+            "RSS GiB", "planned tok/s", "planned VRAM / host GiB")
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        tok = r["micro_batch"] * r["seq"] * r["accum"]
+        if "error" in r:
+            out.append(f"| {r['contender']} | {tok:,} | {r['error']} |" + " |" * (len(head) - 3))
+            continue
+        plan = (f"{r['planned_tokens_per_s']:,.0f}", f"{r['planned_vram_gib']} / {r['planned_host_gib']}") \
+            if "planned_tokens_per_s" in r else ("-", "-")
+        out.append(f"| {r['contender']} | {tok:,} | {r['tokens_per_s']:,.0f} | {r.get('gpu_busy', '-')} "
+                   f"| {r['peak_vram_alloc_gib']} / {r['peak_vram_reserved_gib']} | {r['peak_rss_gib']} "
+                   f"| {plan[0]} | {plan[1]} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    main()
