@@ -109,3 +109,8 @@ class StreamedWeights:
     def close(self) -> None:
         self.reader_thread.shutdown(wait=True)
         self.reads.clear()
+        for h in self.copied:  # the last copies out of the staging buffers
+            if h is not None:
+                h.wait()
+        self.backend.release_host()  # unpin the staging buffers before they are freed
+        self.staging.clear()
