@@ -132,7 +132,7 @@ def copy_run(src: Path, base: Path, name: str) -> Path:
 def test_checkpoints_are_complete_rotated_and_readable(reference):
     run = reference()
     found = checkpoint_dirs(run)
-    assert sorted(found) == [STEPS - 2, STEPS - 1]  # keep_checkpoints = 2, no checkpoint at the end
+    assert sorted(found) == [STEPS - 1, STEPS]  # keep_checkpoints = 2, the last one at the end
     assert all(intact(p) for p in found.values())
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
     from safetensors.torch import load_file
@@ -156,27 +156,28 @@ DAMAGE = {
     "file missing": lambda d: (d / "layer2.safetensors").unlink(),
     "manifest missing": lambda d: (d / "manifest.json").unlink(),
     "trainer state altered": lambda d: (d / "trainer.json").write_text(
-        (d / "trainer.json").read_text().replace('"step": 5', '"step": 4')),
+        (d / "trainer.json").read_text().replace(f'"step": {STEPS}', f'"step": {STEPS - 1}')),
 }
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(base, reference, damage):
     run = copy_run(reference(), base, f"damaged-{damage.replace(' ', '-')}")
-    newest = checkpoint_dirs(run)[STEPS - 1]
+    newest = checkpoint_dirs(run)[STEPS]  # the one written at the end
     DAMAGE[damage](newest)
     n = len(read_events(run / "events.jsonl"))
     assert run_training(run_cfg(base, run.name), resume=True) == "finished"
     logs = [e.message for e in events_of(run, Log, n)]
-    assert any(m.startswith(f"checkpoint step-{STEPS - 1} is damaged") for m in logs), logs
-    assert f"resumed from step-{STEPS - 2}" in logs
-    assert (run / "checkpoints" / f"step-{STEPS - 1}.corrupt").is_dir()
+    assert any(m.startswith(f"checkpoint step-{STEPS} is damaged") for m in logs), logs
+    assert f"resumed from step-{STEPS - 1}" in logs
+    assert (run / "checkpoints" / f"step-{STEPS}.corrupt").is_dir()
     assert_same_run(run, reference())
 
 
 def test_resume_restores_schedule_data_and_rng(base, reference):
     import base64
     run = copy_run(reference(), base, "restore")
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")  # as if killed before the final save
     t = Trainer(run_cfg(base, run.name))
     torch.manual_seed(123)
     random.seed(123)
@@ -275,7 +276,8 @@ def test_failed_export_keeps_the_previous_final_model(base, reference, monkeypat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr("engine.models.weights.save_file", no_space)
-    assert run_training(run_cfg(base, run.name), resume=True) == "failed"
+    extended = run_cfg(base, run.name, train__max_steps=STEPS + 1)
+    assert run_training(extended, resume=True) == "failed"
     assert "could not write the final model" in last_state(run).message
     assert {p.name: p.read_bytes() for p in (run / "final").iterdir()} == before
     assert not (run / "final.partial").exists()

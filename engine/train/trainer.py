@@ -26,7 +26,8 @@ import torch
 from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
 from engine.errors import UserError
-from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
+from engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
+                           Timeline, read_events)
 from engine.models.spec import load_spec
 from engine.models.tokenizer import load_tokenizer
 from engine.models.weights import Checkpoint
@@ -36,12 +37,13 @@ from engine.runtime.host_state import AdamHyper
 from engine.runtime.nvme import NvmeTier, disk_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
+from engine.train.lock import LOCK_FILE, RunLock, run_owner
 from engine.train.schedule import lr_at
 from engine.train.state import (DTYPES, build_host_state, export_model, load_weights,
                                 state_tensors)
 
 GiB = 1 << 30
-RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints"}
+RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints", LOCK_FILE}
 """What a run leaves in its folder before its first complete checkpoint: with nothing else
 there (and no complete checkpoint), the folder may start a new run."""
 NONFINITE_LIMIT = 3
@@ -85,6 +87,7 @@ class Trainer:
         self.executor = None
         self.tier = None
         self.sink = None
+        self.lock = RunLock(self.run_dir)
 
     # ---- control from other threads ---------------------------------------------------------
     def pause(self) -> None:
@@ -137,6 +140,11 @@ class Trainer:
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype)
         if resume:
             self._restore()
+            if self.step >= self.total_steps and self._exported_at(self.step):
+                raise UserError(self.run_dir, f"has finished: its newest checkpoint is step "
+                                f"{self.step} of {self.total_steps}",
+                                f"to train on, resume with more steps, e.g. --max-steps "
+                                f"{2 * self.step}; the fine-tuned model is in {self.run_dir / 'final'}")
         _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
@@ -179,6 +187,8 @@ class Trainer:
         d = self.run_dir
         if d.exists() and not d.is_dir():
             raise UserError(d, "is a file, not a run folder", "choose another output.run_dir")
+        if d.is_dir() and run_owner(d) is not None:
+            self.lock.acquire()  # raises, naming the process that trains this folder
         has_checkpoint = bool(checkpoints(d / "checkpoints"))
         if resume and not has_checkpoint:
             raise UserError(d, "has no checkpoint to resume from",
@@ -188,6 +198,7 @@ class Trainer:
             raise UserError(d, "already holds a run", "resume it (--resume) or choose another "
                             "output.run_dir" if has_checkpoint else "choose another output.run_dir")
         d.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()  # held until cleanup(); the OS drops it if this process dies
 
     def _check_settings(self) -> None:
         """The run-loop and output settings (the planner and engine.data check the rest)."""
@@ -361,7 +372,9 @@ class Trainer:
             return "stopped"
         if self._failure is None:
             self.evaluate()
-        if (self._failure is None or self._failure[1]) and self.step < self.total_steps:
+        if self._failure is None or self._failure[1]:
+            # At the last step too: extending a finished run (--resume --max-steps M)
+            # continues from here instead of redoing the steps since the last periodic save.
             self.save_checkpoint()
         if self._failure is None:
             self.emit(RunState("saving", "exporting the final model", self.step))
@@ -371,7 +384,7 @@ class Trainer:
             except OSError as e:
                 self._fail(f"could not write the final model to {out}: "
                            f"{write_error(e, self.run_dir)}", "free disk space, then continue "
-                           "with --resume (it repeats the steps after the newest checkpoint)",
+                           f"with --resume (it writes the model of step {self.step} again)",
                            save=False)
         if self._failure is not None:
             self.emit(RunState("failed", self._failure[0], self.step))
@@ -437,6 +450,13 @@ class Trainer:
             self.emit(Log("warning", "resuming with changed settings: " + ", ".join(changed)))
         self.emit(Log("info", f"resumed from {folder.name}"))
 
+    def _exported_at(self, step: int) -> bool:
+        """Whether this folder's run finished at ``step`` with its final model written (a
+        run whose export failed resumes to write it again)."""
+        states = [e for e in read_events(self.run_dir / "events.jsonl") if isinstance(e, RunState)
+                  and e.state in ("finished", "stopped", "failed")]
+        return bool(states) and states[-1].state == "finished" and states[-1].step == step
+
     def cleanup(self) -> None:
         if self.executor is not None:
             self.executor.close()
@@ -447,6 +467,7 @@ class Trainer:
             self.tier = None
         if self.sink is not None:
             self.sink.close()
+        self.lock.release()
 
 
 def _write_atomic(path: Path, text: str) -> None:
