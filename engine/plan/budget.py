@@ -3,7 +3,7 @@
 ``auto`` budgets leave a safety margin for everything that is not this run:
 - VRAM: the GPU's free memory plus what this process holds already, less
   max(512 MiB, 3% of the GPU) for the display server, other programs and the driver's growth;
-  with no GPU here, the hardware profile's VRAM less the same margin (a plan for that machine).
+  when the plan is for a GPU preset (or no GPU is here), the profile's VRAM less the same margin.
 - RAM: available memory plus this process's resident memory, less max(2 GiB, 5% of RAM) for
   the OS, the page cache of the data and the GUI.
 - Disk (the NVMe tier): none unless a folder is given; a folder without a size gets its free
