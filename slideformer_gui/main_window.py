@@ -95,6 +95,7 @@ class MainWindow(QMainWindow):
         ctx.model_changed.connect(
             lambda path: self.model_label.setText(f"Model: {short_path(path)}"))
         ctx.run_requested.connect(lambda *_: self.show_page("Train"))
+        ctx.plan_used.connect(lambda *_: self.show_page("Train"))
 
         self._build_menus()
         self.set_theme(ctx.settings.theme())

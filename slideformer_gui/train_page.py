@@ -17,7 +17,8 @@ from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
                                QScrollArea, QSplitter, QVBoxLayout, QWidget)
 
-from engine.events import RunState
+from engine import config as config_mod
+from engine.events import RunState, StepMetrics
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_bridge import EngineBridge, RunEnd, launch_argv
 from slideformer_gui.formatting import short_path
@@ -50,6 +51,12 @@ class TrainPage(QWidget):
         self.run_dir: Path | None = None
         self.phase = "idle"
         self.end: RunEnd | None = None
+        self.plan = None
+        """The Plan page's plan the settings came from ("Use this plan"), or None."""
+        self.plan_settings: dict = {}
+        self.run_plan = None
+        """The plan the run on screen was started with (its speed is compared with it)."""
+        self._measured_tps: float | None = None
         self.dashboard = Dashboard()
 
         self.settings = RunSettings()
@@ -91,6 +98,7 @@ class TrainPage(QWidget):
         ctx.data_changed.connect(self._inputs_changed)
         ctx.theme_changed.connect(lambda name: self.dashboard.set_colors(*PLOT_COLORS[name]))
         ctx.run_requested.connect(self.open_run)
+        ctx.plan_used.connect(self.use_plan)
         self.dashboard.set_colors(*PLOT_COLORS[ctx.settings.theme()])
         self._auto_output = ""
         """The run folder the page proposed; a folder the user typed is left alone."""
@@ -124,10 +132,16 @@ class TrainPage(QWidget):
             controls.addWidget(w)
         controls.addStretch(1)
         controls.addWidget(self.open_button)
+        self.plan_label = QLabel("No plan used: the Plan page's \"Use this plan\" sets the run "
+                                 "from a plan and shows its prediction here.")
+        self.plan_label.setObjectName("hint")
+        self.plan_label.setWordWrap(True)
+        self.plan_label.setTextFormat(Qt.TextFormat.PlainText)
         box = QWidget()
         lay = QVBoxLayout(box)
         lay.setContentsMargins(4, 0, 0, 0)
         lay.addLayout(controls)
+        lay.addWidget(self.plan_label)
         lay.addWidget(self.dashboard, 1)
         return box
 
@@ -161,6 +175,34 @@ class TrainPage(QWidget):
         """The sequence length is shared with the Data page."""
         self.ctx.set_data_config(replace(self.ctx.data_config,
                                          max_seq_len=self.settings.seq_len.value()))
+        self._show_plan()
+
+    @Slot(object, dict)
+    def use_plan(self, plan, settings: dict) -> None:
+        """Take the run's shape, precision and budgets from a plan, and show its prediction."""
+        self.plan, self.plan_settings = plan, dict(settings)
+        self.settings.show_config(config_mod.override(self.settings.config(), settings))
+        self._settings_changed()
+
+    def plan_matches(self) -> bool:
+        """Whether the settings are still those the plan was made for."""
+        cfg = self.settings.config()
+        return self.plan is not None and config_mod.override(cfg, self.plan_settings) == cfg
+
+    def _show_plan(self) -> None:
+        """The plan's verdict and predicted speed next to Start; measured speed once running."""
+        plan = self.plan
+        if plan is None:
+            return
+        predicted = plan.speed.tokens_per_s
+        text = (f"Plan: {plan.verdict} on {plan.hardware.name}; predicted {predicted:,.0f} "
+                f"tokens/s ({plan.speed.step_time:.2f} s per step, bound by {plan.speed.bound})")
+        if not self.plan_matches():
+            text += ". The settings changed since: plan them again on the Plan page."
+        elif self._measured_tps is not None and self.run_plan is plan:
+            text += (f"; measured {self._measured_tps:,.0f} tokens/s "
+                     f"({self._measured_tps / predicted:.0%} of the prediction)")
+        self.plan_label.setText(text + ".")
 
     def _preset_applied(self, preset) -> None:
         """A preset's [data] keys go to the Data page's settings."""
@@ -228,6 +270,7 @@ class TrainPage(QWidget):
             return
         config_file = write_config(cfg, run_dir / CONFIG_FILE)
         self._launch(run_dir, launch_argv(config_file, resume=False))
+        self.run_plan = self.plan if self.plan_matches() else None
         self._new_output()
 
     def resume_run(self, run_dir: Path | str) -> None:
@@ -260,6 +303,7 @@ class TrainPage(QWidget):
     def _launch(self, run_dir: Path, argv: list[str] | None) -> None:
         self.run_dir = run_dir
         self.end = None
+        self._measured_tps = self.run_plan = None
         self.dashboard.reset(run_dir)
         self.bridge = EngineBridge(run_dir, argv, parent=self)
         self.bridge.events.connect(self._on_events)
@@ -350,6 +394,13 @@ class TrainPage(QWidget):
     @Slot(list)
     def _on_events(self, events: list) -> None:
         self.dashboard.add_events(events)
+        speeds = [ev.tokens_per_s for ev in events if isinstance(ev, StepMetrics)
+                  and ev.tokens_per_s and ev.step > 1]  # step 1 carries the warm-up
+        if speeds and self.run_plan is not None:
+            for tps in speeds:  # smoothed like the CLI's progress bar
+                old = self._measured_tps
+                self._measured_tps = tps if old is None else 0.3 * tps + 0.7 * old
+            self._show_plan()
         for ev in events:
             if isinstance(ev, RunState) and ev.state in STATE_TEXT:
                 self._set_phase(ev.state)
