@@ -12,7 +12,7 @@ from PySide6.QtCore import QObject, Signal
 
 from slideformer_gui.monitor_source import GpuUnavailable, HostReader, open_gpu_reader, read_sample
 
-NO_GPU_NOTICE = "No NVIDIA GPU found: showing host figures only"
+NO_GPU_NOTICE = "No NVIDIA GPU found:\nhost figures only"  # two short lines: a narrow dock
 
 
 class MonitorSampler(QObject):

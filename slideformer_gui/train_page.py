@@ -14,8 +14,8 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QUrl, Slot
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
-                               QScrollArea, QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
+                               QSplitter, QVBoxLayout, QWidget)
 
 from engine import config as config_mod
 from engine.events import RunState, StepMetrics
@@ -26,7 +26,7 @@ from slideformer_gui.run_files import CONFIG_FILE, latest_checkpoint
 from slideformer_gui.theme import PLOT_COLORS
 from slideformer_gui.train_dashboard import Dashboard
 from slideformer_gui.train_settings import CommandDialog, RunSettings, write_config
-from slideformer_gui.widgets import page_header
+from slideformer_gui.widgets import ColumnScroll, page_header
 
 ACTIVE = ("starting", "setup", "running", "pausing", "paused", "resuming", "stopping", "saving")
 STATE_TEXT = {
@@ -73,20 +73,13 @@ class TrainPage(QWidget):
         sl.addWidget(self.settings)
         sl.addWidget(self.command_button)
         sl.addStretch(1)
-        scroll = QScrollArea()
-        scroll.setWidget(settings_box)
-        scroll.setWidgetResizable(True)
-        scroll.setFrameShape(QFrame.Shape.NoFrame)
-        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        # As wide as the form needs: the column scrolls vertically, never clips sideways.
-        scroll.setMinimumWidth(settings_box.minimumSizeHint().width()
-                               + scroll.verticalScrollBar().sizeHint().width())
+        scroll = ColumnScroll(settings_box)  # scrolls vertically, never clips sideways
 
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(scroll)
         splitter.addWidget(self._build_run_side())
         splitter.setStretchFactor(1, 1)
-        splitter.setSizes([scroll.minimumWidth(), 1000])
+        splitter.setSizes([scroll.minimumSizeHint().width(), 1000])
         splitter.setChildrenCollapsible(False)
         lay = QVBoxLayout(self)
         lay.addWidget(page_header("Train", "Fine-tune the chosen model on the chosen data. The "
