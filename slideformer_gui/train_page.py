@@ -217,6 +217,9 @@ class TrainPage(QWidget):
         """Why Start cannot run now, or None."""
         if not self.ctx.model_path:
             return "Choose a model first (Model page)."
+        if (self.ctx.model_report or {}).get("config_only"):
+            return ("The model folder has no weights yet, so it can be planned but not "
+                    "trained: download its *.safetensors into it, then choose it again.")
         if not self.ctx.data_config.train:
             return "Choose a dataset first (Data page)."
         return None
