@@ -48,7 +48,7 @@ class AppContext(QObject):
         self.settings = settings
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.gpu_source = gpu_source
-        """Where the Monitor reads GPU figures: "nvml", "fake" or "none"."""
+        """Where the Monitor reads GPU figures: "nvml", "none", or a reader factory (tests)."""
         self.model_path: str | None = None
         self.model_report: dict | None = None
         """The engine's summary of the chosen model (``engine.models.commands.model_report``)."""

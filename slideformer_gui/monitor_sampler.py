@@ -16,7 +16,7 @@ NO_GPU_NOTICE = "No NVIDIA GPU found:\nhost figures only"  # two short lines: a 
 
 
 class MonitorSampler(QObject):
-    """Samples GPU (``gpu_source``: "nvml", "fake" or "none") and host figures at ``rate_hz``."""
+    """Samples GPU (``gpu_source``: see ``open_gpu_reader``) and host figures at ``rate_hz``."""
 
     gpu_found = Signal(str)
     """The GPU's name, once the reader is open."""

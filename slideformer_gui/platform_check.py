@@ -24,7 +24,8 @@ from engine.errors import UserError
 # libfoo2-N) or that are best installed by another name.
 PACKAGES = {"libglib-2.0.so.0": "libglib2.0-0", "libgthread-2.0.so.0": "libglib2.0-0",
             "libX11-xcb.so.1": "libx11-xcb1", "libX11.so.6": "libx11-6",
-            "libEGL.so.1": "libegl1", "libGL.so.1": "libgl1", "libOpenGL.so.0": "libopengl0"}
+            "libEGL.so.1": "libegl1", "libGL.so.1": "libgl1", "libOpenGL.so.0": "libopengl0",
+            "libz.so.1": "zlib1g"}
 
 
 def package_of(soname: str) -> str:
@@ -35,6 +36,8 @@ def package_of(soname: str) -> str:
     if not m:
         return soname
     name, major = m.group(1).lower(), m.group(2)
+    if name.startswith("libicu"):  # libicuuc, libicudata, libicui18n: one package per version
+        return f"libicu{major}"
     return f"{name}-{major}" if name[-1].isdigit() else f"{name}{major}"
 
 

@@ -16,6 +16,7 @@ from engine.errors import UserError
 from engine.events import RunState, StepMetrics, from_json
 from engine.train.checkpoint import checkpoints
 from engine.train.control import engine_alive
+from engine.train.lock import run_owner
 
 EVENTS_FILE, CONFIG_FILE, LOG_FILE = "events.jsonl", "config.toml", "engine.log"
 """``LOG_FILE``: the console output of an engine process the app started (stdout and stderr)."""
@@ -77,6 +78,8 @@ class RunSummary:
     """``final/`` holds an exported model."""
     live: bool
     """A process is running this run now."""
+    settings: str = ""
+    """What tells this run from its neighbours: tokens per step, its shape and learning rate."""
 
     @property
     def name(self) -> str:
@@ -109,20 +112,24 @@ def summarize(run_dir: Path | str) -> RunSummary:
         elif isinstance(ev, StepMetrics):
             state = "running" if state in ("setup", "paused") else state
             step, total, loss = ev.step, ev.total_steps, ev.loss
-    live = engine_alive(run_dir) is not None
+    live = run_owner(run_dir) is not None or engine_alive(run_dir) is not None
     if state not in TERMINAL_STATES and not live:
         state = "interrupted"
-    model = data = ""
+    model = data = settings = ""
     try:
         cfg = config_mod.load(run_dir / CONFIG_FILE)
         model, data = cfg.model.path, cfg.data.train
         total = total or cfg.train.max_steps
+        t = cfg.train
+        settings = (f"{t.micro_batch} x {t.grad_accum} x {cfg.data.max_seq_len} tokens, "
+                    f"lr {cfg.optim.lr:g}")
     except UserError:
         pass
     return RunSummary(path=run_dir, status=state, step=step, total_steps=total, loss=loss,
                       model=model, data=data, updated=updated,
                       checkpoint=latest_checkpoint(run_dir),
-                      has_final=(run_dir / "final" / "config.json").is_file(), live=live)
+                      has_final=(run_dir / "final" / "config.json").is_file(), live=live,
+                      settings=settings)
 
 
 def _tail_events(path: Path) -> list:

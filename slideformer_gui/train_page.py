@@ -18,7 +18,9 @@ from PySide6.QtWidgets import (QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPus
                                QSplitter, QVBoxLayout, QWidget)
 
 from engine import config as config_mod
+from engine.errors import UserError
 from engine.events import RunState, StepMetrics
+from engine.train.lock import run_owner
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_bridge import EngineBridge, RunEnd, launch_argv
 from slideformer_gui.formatting import short_path
@@ -272,6 +274,12 @@ class TrainPage(QWidget):
     def resume_run(self, run_dir: Path | str) -> None:
         """Continue a stopped or crashed run from its newest checkpoint."""
         run_dir = Path(run_dir)
+        owner = run_owner(run_dir)
+        if owner is not None:  # one owner per folder: a second engine would interleave it
+            self._show_status("error", f"{short_path(run_dir)} is being trained by process "
+                                       f"{owner} right now: follow it from the Runs page "
+                                       f"instead, or stop it first.")
+            return
         if latest_checkpoint(run_dir) is None:
             self._show_status("error", f"{short_path(run_dir)} has no checkpoint to resume "
                                        f"from.")
@@ -296,7 +304,18 @@ class TrainPage(QWidget):
         else:
             self.follow_run(run_dir)
 
+    def _show_run_config(self, run_dir: Path) -> None:
+        """The settings, model and data of the run on screen (one the app did not start, too)."""
+        try:
+            cfg = config_mod.load(run_dir / CONFIG_FILE)
+        except UserError:
+            return  # a run folder from before config.toml: its events still show
+        self.settings.show_config(cfg)
+        self.inputs.setText(f"Model: {Path(cfg.model.path).name}\n"
+                            f"Data: {Path(cfg.data.train).name}  (this run's)")
+
     def _launch(self, run_dir: Path, argv: list[str] | None) -> None:
+        self._show_run_config(run_dir)
         self.run_dir = run_dir
         self.end = None
         self._measured_tps = self.run_plan = None

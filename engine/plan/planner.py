@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engine.config import RunConfig
+from engine.config import RunConfig, format_bytes
 from engine.errors import UserError
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets, resolve_budgets
@@ -25,7 +25,6 @@ from engine.plan.speed import SpeedEstimate
 from engine.plan.targets import load_profile
 from engine.runtime.executor import ExecShape
 
-GiB = 1 << 30
 _TIER_NAMES = {"gpu": "GPU memory", "host": "host RAM", "disk": "NVMe disk"}
 
 
@@ -80,13 +79,13 @@ def _verdict(tiers: tuple[TierUse, ...]) -> tuple[str, str]:
     over = [t for t in tiers if t.budget is not None and t.peak > t.budget]
     if over:
         return "does not fit", "; ".join(
-            f"{_TIER_NAMES[t.tier]} needs {t.peak / GiB:.1f} GiB of the {t.budget / GiB:.1f} GiB "
+            f"{_TIER_NAMES[t.tier]} needs {format_bytes(t.peak)} of the {format_bytes(t.budget)} "
             f"budget (peak in the {t.phase})" for t in over)
     tight = [t for t in tiers if t.budget and t.peak > TIGHT * t.budget]
     if tight:
         return "tight", "; ".join(f"{_TIER_NAMES[t.tier]} at {t.share:.0%} of its budget "
-                                  f"({t.peak / GiB:.1f} of {t.budget / GiB:.1f} GiB)" for t in tight)
-    room = ", ".join(f"{(t.budget - t.peak) / GiB:.1f} GiB of {_TIER_NAMES[t.tier]}"
+                                  f"({format_bytes(t.peak)} of {format_bytes(t.budget)})" for t in tight)
+    room = ", ".join(f"{format_bytes(t.budget - t.peak)} of {_TIER_NAMES[t.tier]}"
                      for t in tiers if t.budget and t.tier != "disk")
     return "fits", f"fits with {room} to spare"
 

@@ -8,6 +8,8 @@ from slideformer_gui.app import freeze_heap, make_application
 from slideformer_gui.context import AppContext
 from slideformer_gui.main_window import MainWindow
 
+from fake_gpu import FakeGpuReader
+
 PROBE_MS = 10
 MAX_LATE_S = 0.050
 
@@ -36,7 +38,7 @@ class LatencyProbe(QObject):
 @pytest.fixture
 def busy_window(qtbot, settings, tmp_path):
     make_application()
-    w = MainWindow(AppContext(settings, data_dir=tmp_path / "data", gpu_source="fake"))
+    w = MainWindow(AppContext(settings, data_dir=tmp_path / "data", gpu_source=FakeGpuReader))
     qtbot.addWidget(w)
     freeze_heap()  # as the app does at start-up
     w.show()

@@ -21,6 +21,7 @@ def test_package_names_follow_debian():
     assert pc.package_of("libdbus-1.so.3") == "libdbus-1-3"
     assert pc.package_of("libEGL.so.1") == "libegl1"
     assert pc.package_of("libglib-2.0.so.0") == "libglib2.0-0"
+    assert pc.package_of("libicuuc.so.73") == "libicu73" and pc.package_of("libz.so.1") == "zlib1g"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the xcb plugin is Linux's")
