@@ -17,7 +17,7 @@ from slideformer_gui.model_page import ensure_demo_model
 from slideformer_gui.screenshots import (WINDOW_SIZE, out_parser, print_paths, run_loop, save,
                                          studio_window, use_x_server, wait_until)
 
-STEPS_SHOWN = 30
+STEPS_SHOWN = 10
 """The Train page is photographed once the run has made this many steps."""
 
 
@@ -65,8 +65,8 @@ def _shoot(window: MainWindow, out: Path) -> list[Path]:
     train.settings.device.setCurrentIndex(train.settings.device.findData("cpu"))
     train.start()
     wait_until(lambda: train.dashboard.history.last is not None
-               and train.dashboard.history.last.step >= STEPS_SHOWN and len(train.dashboard.history.val_steps) >= 1,
-               600000)
+               and train.dashboard.history.last.step >= STEPS_SHOWN,
+               900000)
     runs = window.pages["Runs"]
     wait_until(lambda: runs.select(train.run_dir))
     for theme in ("light", "dark"):
