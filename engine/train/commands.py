@@ -30,7 +30,7 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("demo", help="fine-tune the tiny demo model on a learnable task (CPU, ~1 min)")
+    p = sub.add_parser("demo", help="fine-tune the tiny demo model on a learnable task (on the CPU)")
     p.add_argument("--dir", help="working folder (default: the user cache)")
     p.add_argument("--steps", type=int, default=150)
     p.set_defaults(func=_demo)
