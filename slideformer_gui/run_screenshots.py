@@ -68,7 +68,8 @@ def _shoot(window: MainWindow, out: Path) -> list[Path]:
                and train.dashboard.history.last.step >= STEPS_SHOWN,
                900000)
     runs = window.pages["Runs"]
-    wait_until(lambda: runs.select(train.run_dir))
+    window.show_page("Runs")  # the page scans its folder when shown
+    wait_until(lambda: runs.select(train.run_dir), 180000)
     for theme in ("light", "dark"):
         window.set_theme(theme)
         for title in window.pages:
