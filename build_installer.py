@@ -116,8 +116,9 @@ def run_pyinstaller() -> Path:
             "--name", NAME, "--onedir", "--noconfirm", "--clean", "--log-level", "WARN",
             "--distpath", str(DIST), "--workpath", str(WORK), "--specpath", str(WORK),
             "--paths", str(ROOT),
-            # Commands are imported by name (engine.cli.COMMANDS), so follow every module.
+            # Command handlers import their modules when they run, so follow every module.
             "--collect-submodules", "engine", "--collect-submodules", "slideformer_gui",
+            "--collect-submodules", "slideformer",
             "--hidden-import", "resources",
             "--add-data", f"{ROOT / 'resources'}{sep}resources"]
     for name in EXCLUDES:

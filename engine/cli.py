@@ -1,50 +1,55 @@
-"""The ``slideformer`` command line.
+"""The engine's command line: ``python -m engine.cli`` (every command but the desktop app's).
 
 Each subcommand lives next to the code it drives and registers itself through a
-``register(subparsers)`` function listed in :data:`COMMANDS`; the handler it sets as ``func``
+``register(subparsers)`` function of a module in :data:`COMMANDS`; the handler it sets as ``func``
 receives the parsed arguments and returns an exit code. A :class:`UserError` anywhere becomes one
 message on stderr and exit code 2, never a traceback.
+
+Building the parser imports no torch: command modules import their heavy parts inside their
+handlers, so ``--help`` and the commands that need no torch start fast. The ``slideformer``
+command adds the desktop app's ``gui`` command on top (:mod:`slideformer.cli`); the engine never
+names the app.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+from types import ModuleType
 
 from engine import __version__
+from engine.data import commands as data_commands
 from engine.errors import UserError
+from engine.generate import commands as generate_commands
+from engine.models import commands as model_commands
+from engine.plan import commands as plan_commands
+from engine.train import commands as train_commands
 
-# Modules with a ``register(subparsers)`` function, in the order shown by --help.
-COMMANDS = [
-    "slideformer_gui.commands",
-    "engine.models.commands",
-    "engine.data.commands",
-    "engine.train.commands",
-    "engine.plan.commands",
-]
-# What a bare ``slideformer`` runs; None prints the help.
-DEFAULT_COMMAND: str | None = "gui"
+COMMANDS: tuple[ModuleType, ...] = (model_commands, data_commands, train_commands, plan_commands,
+                                   generate_commands)
+"""Modules with a ``register(subparsers)`` function, in the order shown by --help."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands: tuple[ModuleType, ...] = COMMANDS) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="slideformer",
         description="Full-parameter fine-tuning of models larger than your GPU.")
     parser.add_argument("--version", action="version", version=f"slideformer {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(name).register(sub)
+    for module in commands:
+        module.register(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None,
+        default_command: str | None = None) -> int:
+    """Parse ``argv`` and run its command; a bare command line runs ``default_command`` (None:
+    prints the help)."""
     args = parser.parse_args(argv)
     if args.command is None:
-        if DEFAULT_COMMAND is None:
+        if default_command is None:
             parser.print_help()
             return 0
-        args = parser.parse_args([DEFAULT_COMMAND] + (sys.argv[1:] if argv is None else list(argv)))
+        args = parser.parse_args([default_command] + (sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(args.func(args) or 0)
     except UserError as e:
@@ -53,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -36,9 +36,60 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class ColumnMap:
+    """Field and role names of a custom dataset (LLaMA-Factory's dataset_info idea).
+
+    An empty string keeps the format's own name, given in brackets.
+    """
+
+    prompt: str = ""
+    """Field of the instruction (Alpaca "instruction")."""
+    query: str = ""
+    """Field of extra input appended to the instruction (Alpaca "input")."""
+    response: str = ""
+    """Field of the reply (Alpaca "output")."""
+    system: str = ""
+    """Field of the system prompt ("system")."""
+    history: str = ""
+    """Field of earlier turns as [[user, assistant], ...] (Alpaca "history")."""
+    messages: str = ""
+    """Field of the conversation ("messages"; ShareGPT "conversations")."""
+    tools: str = ""
+    """Field of the tool schemas offered to the model ("tools")."""
+    text: str = ""
+    """Field of plain text ("text")."""
+    role_tag: str = ""
+    """Key of a message's role ("role"; ShareGPT "from")."""
+    content_tag: str = ""
+    """Key of a message's text ("content"; ShareGPT "value")."""
+    user_tag: str = ""
+    """A further role name that means user (e.g. "customer")."""
+    assistant_tag: str = ""
+    """A further role name that means assistant (e.g. "bot")."""
+    system_tag: str = ""
+    """A further role name that means system."""
+    function_tag: str = ""
+    """A further role name for an assistant's tool call (ShareGPT "function_call")."""
+    observation_tag: str = ""
+    """A further role name for a tool's result (ShareGPT "observation")."""
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """One more training source mixed into ``data.train`` (a ``[[data.mix]]`` table)."""
+
+    path: str = ""
+    """A data file, or a folder of .txt files."""
+    weight: float = 1.0
+    """Records drawn per record of the source: 2 repeats each twice, 0.5 keeps a seeded half."""
+    samples: int = 0
+    """Exactly this many records drawn (seeded, repeating when larger); 0: use weight."""
+
+
+@dataclass(frozen=True)
 class DataConfig:
     train: str = ""
-    """Training data: a .txt/.jsonl/.json file or a folder of .txt files."""
+    """Training data: a .txt/.jsonl/.json/.csv/.parquet/.arrow file or a folder of .txt files."""
     format: str = "auto"
     """auto, text, alpaca, messages, sharegpt (auto detects from the records)."""
     validation: str = ""
@@ -46,15 +97,29 @@ class DataConfig:
     val_fraction: float = 0.0
     """Fraction of records held out for validation when no validation file is given."""
     max_seq_len: int = 1024
-    """Tokens per sequence."""
+    """Tokens per sequence (plain text is cut into blocks of this many)."""
     packing: bool = True
     """Pack several records per sequence (no cross-document attention); else pad."""
     train_on: str = "assistant"
     """assistant: loss on assistant/output tokens only; all: loss on every token."""
+    mask_history: bool = False
+    """Train only the last assistant reply of each conversation (earlier ones are context)."""
     truncation: str = "truncate"
-    """Records longer than max_seq_len: truncate, drop, or error."""
+    """Conversations longer than max_seq_len: truncate, drop, or error."""
+    max_samples: int = 0
+    """Read at most this many records from each source (its first ones); 0: all."""
+    chat_template: str = ""
+    """Chat template: "" the model's own, "chatml", or the path of a .jinja file."""
+    enable_thinking: bool = True
+    """Passed to the chat template (Qwen3: false renders an empty reasoning block as prompt)."""
+    ignore_fields: tuple[str, ...] = ()
+    """Record fields that hold no training content (besides id-like ones) and may be ignored."""
     seed: int = 0
     """Shuffling seed."""
+    columns: ColumnMap = field(default_factory=ColumnMap)
+    """Field and role names of custom datasets (the ``[data.columns]`` table)."""
+    mix: tuple[MixSource, ...] = ()
+    """Further training sources mixed in (``[[data.mix]]`` tables)."""
 
 
 @dataclass(frozen=True)
@@ -139,6 +204,16 @@ class RunConfig:
 
 def _coerce(value: Any, typ, where: str):
     """Check a TOML value against a field type (ints accepted for floats)."""
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise UserError(where, f"must be a table, got {value!r}", "write it as a [table]")
+        return _build(typ, value, where)
+    if getattr(typ, "__origin__", None) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise UserError(where, f"expects a list, got {value!r}",
+                            "write it as a TOML array, e.g. [\"a\", \"b\"]")
+        item = typ.__args__[0]
+        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
     ok = {str: str, int: int, float: (int, float), bool: bool}.get(typ)
     if ok is None or (isinstance(value, bool) and typ is not bool) or not isinstance(value, ok):
         raise UserError(where, f"expects a {getattr(typ, '__name__', typ)}, got {value!r}",
@@ -146,22 +221,30 @@ def _coerce(value: Any, typ, where: str):
     return float(value) if typ is float else value
 
 
+def _build(cls, given: dict, where: str):
+    """An instance of the dataclass ``cls`` from a dict; unknown keys are errors.
+
+    ``where`` is "<source>: <table>", e.g. "run.toml: data.columns".
+    """
+    hints = get_type_hints(cls)
+    known = {x.name for x in fields(cls)}
+    source, _, table = where.rpartition(": ")
+    for k in given:
+        if k not in known:
+            raise UserError(source, f"unknown key '{table}.{k}'",
+                            f"valid keys of [{table}]: {', '.join(sorted(known))}")
+    return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in given.items()})
+
+
 def from_dict(data: dict, source: str = "config") -> RunConfig:
     """Build a RunConfig from nested dicts; unknown sections/keys are errors."""
     sections = {}
     for f in fields(RunConfig):
         cls = f.default_factory  # type: ignore[misc]
-        hints = get_type_hints(cls)
         given = data.get(f.name, {})
         if not isinstance(given, dict):
             raise UserError(source, f"[{f.name}] must be a table", "write it as a [section]")
-        known = {x.name for x in fields(cls)}
-        for k in given:
-            if k not in known:
-                raise UserError(source, f"unknown key '{f.name}.{k}'",
-                                f"valid keys of [{f.name}]: {', '.join(sorted(known))}")
-        sections[f.name] = cls(**{k: _coerce(v, hints[k], f"{source}: {f.name}.{k}")
-                                  for k, v in given.items()})
+        sections[f.name] = _build(cls, given, f"{source}: {f.name}")
     for k in data:
         if k not in sections:
             raise UserError(source, f"unknown section [{k}]",
@@ -170,7 +253,16 @@ def from_dict(data: dict, source: str = "config") -> RunConfig:
 
 
 def to_dict(cfg: RunConfig) -> dict:
-    return dataclasses.asdict(cfg)
+    """Nested dicts and lists (the shape TOML and JSON give back)."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(v):
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 def load(path: Path | str) -> RunConfig:
@@ -200,11 +292,24 @@ def dumps(cfg: RunConfig) -> str:
     """TOML text of a RunConfig (the exact format :func:`load` reads)."""
     out = []
     for section, values in to_dict(cfg).items():
-        out.append(f"[{section}]")
-        for k, v in values.items():
-            out.append(f"{k} = {_toml_value(v)}")
-        out.append("")
+        _table(out, f"[{section}]", section, values)
     return "\n".join(out)
+
+
+def _table(out: list, header: str, name: str, values: dict) -> None:
+    """Append a table: its plain keys first, then its sub-tables and arrays of tables."""
+    out.append(header)
+    nested = []
+    for k, v in values.items():
+        if isinstance(v, dict):
+            nested.append((f"[{name}.{k}]", v))
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            nested.extend((f"[[{name}.{k}]]", item) for item in v)
+        else:
+            out.append(f"{k} = {_toml_value(v)}")
+    out.append("")
+    for head, v in nested:
+        _table(out, head, head.strip("[]"), v)
 
 
 def _toml_value(v) -> str:
@@ -212,6 +317,8 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 

@@ -4,5 +4,5 @@ import sys
 
 if __name__ == "__main__":
     multiprocessing.freeze_support()  # the Plan page's planner is a spawned child process
-    from engine.cli import main
+    from slideformer.cli import main
     sys.exit(main())

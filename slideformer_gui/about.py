@@ -7,7 +7,7 @@ from PySide6 import __version__ as pyside_version
 from PySide6.QtCore import Qt
 from PySide6.QtWidgets import QDialog, QDialogButtonBox, QFormLayout, QLabel, QVBoxLayout
 
-from engine import __version__
+from engine.api import __version__
 from slideformer_gui.tasks import run_task
 
 

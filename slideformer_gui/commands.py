@@ -1,14 +1,13 @@
 """CLI: ``slideformer gui`` (also what a bare ``slideformer`` runs).
 
-Qt is imported only when the command runs, so ``slideformer --help`` and every other command
-work on a machine without a display or without Qt's system libraries.
+Qt and the engine (:mod:`engine.api`, which imports torch) are imported only when the command
+runs, so ``slideformer --help`` starts fast and every other command works on a machine without a
+display or without Qt's system libraries.
 """
 from __future__ import annotations
 
 import os
 import sys
-
-from engine.errors import UserError
 
 
 def register(sub) -> None:
@@ -28,6 +27,7 @@ def _check_display() -> None:
     if not sys.platform.startswith("linux"):
         return
     if not any(os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")):
+        from engine.api import UserError
         raise UserError("display", "no graphical display was found (DISPLAY and WAYLAND_DISPLAY "
                                    "are not set)",
                         "run the app in a desktop session, or use the terminal commands "
@@ -39,6 +39,7 @@ def _gui(args) -> int:
         from slideformer_gui.self_test import run_self_test
         return run_self_test(args.platform)
     if args.platform:
+        from engine.api import UserError
         raise UserError("--platform", "is for --self-test", "add --self-test, or leave it out")
     _check_display()
     from slideformer_gui.platform_check import check_platform
@@ -46,6 +47,7 @@ def _gui(args) -> int:
     try:
         from slideformer_gui.app import run
     except ImportError as e:
+        from engine.api import UserError
         raise UserError("PySide6", f"Qt could not be loaded ({e})",
                         "install Qt's system libraries; on Debian/Ubuntu: apt-get install "
                         "libegl1 libgl1 libxkbcommon0 libfontconfig1 libglib2.0-0 libdbus-1-3") \

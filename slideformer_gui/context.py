@@ -19,7 +19,7 @@ from pathlib import Path
 import platformdirs
 from PySide6.QtCore import QObject, Signal
 
-from engine.config import DataConfig
+from engine.api import DataConfig
 from slideformer_gui.settings import Settings
 
 
@@ -51,7 +51,7 @@ class AppContext(QObject):
         """Where the Monitor reads GPU figures: "nvml", "none", or a reader factory (tests)."""
         self.model_path: str | None = None
         self.model_report: dict | None = None
-        """The engine's summary of the chosen model (``engine.models.commands.model_report``)."""
+        """The engine's summary of the chosen model (``engine.api.inspect_model``)."""
         self.data_config = DataConfig()
         """The [data] section of the next run (``train`` is empty until a file is chosen)."""
 

@@ -1,10 +1,12 @@
 """The Data page: choose a dataset, see what the model will be trained on.
 
-Every figure comes from the engine (:func:`engine.data.prepare_data` and
-:func:`engine.data.preview`), run on a worker thread with the chosen model's tokenizer and chat
-template: the detected format, record and token counts, truncation, the validation split, the
+Every figure comes from the engine (:func:`engine.api.analyse_data`), run on a worker thread
+with the chosen model's tokenizer and chat template: the detected format, record and token
+counts, truncation, the validation split, the
 record-length histogram, and the first records as the model sees them, with the tokens that carry
-a loss marked. Tokenising fills the same cache the run reads, so Start does not tokenise again.
+a loss marked. The preview reads only the first records, so it shows within a fraction of a second
+whatever the file's size, before the whole file is tokenised (a refused record, too, shows its
+message then). Tokenising fills the same cache the run reads, so Start does not tokenise again.
 The settings here are the run's ``[data]`` section (:meth:`AppContext.set_data_config`).
 """
 from __future__ import annotations
@@ -20,12 +22,8 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
                                QPushButton, QScrollArea, QSpinBox, QTextBrowser, QVBoxLayout,
                                QWidget)
 
-from engine.config import DataConfig
-from engine.data import DataStats, prepare_data, preview
-from engine.data.formats import FORMATS
-from engine.events import Log, Progress
-from engine.models.tokenizer import load_tokenizer
-from engine.train.demo import write_task
+from engine.api import (FORMATS, DataConfig, DataStats, Log, Preview, Progress, analyse_data,
+                        sample_counts, write_task)
 from slideformer_gui.context import AppContext
 from slideformer_gui.formatting import human_count, short_path
 from slideformer_gui.tasks import run_task
@@ -38,11 +36,18 @@ DEBOUNCE_MS = 300
 """A setting changed: wait this long for the next change before preparing the data again."""
 DEMO_RECORDS = 4000
 LEFT_COLUMN_PX = 380
-FILE_FILTER = "Datasets (*.jsonl *.json *.txt);;All files (*)"
+FILE_FILTER = ("Datasets (*.jsonl *.json *.txt *.csv *.parquet *.arrow *.feather);;"
+               "All files (*)")
 FORMAT_NAMES = {"auto": "auto-detect", "text": "plain text", "alpaca": "Alpaca (instruction / "
                 "output)", "messages": "chat (OpenAI messages)", "sharegpt": "chat (ShareGPT)"}
 VALIDATION_MODES = ("none", "fraction", "file")
+TEMPLATE_FILE = "\0file"
+"""The chat-template entry that asks for a .jinja file."""
 TRAINED_COLOR, MASKED_COLOR, TRUNCATED_COLOR = "#16a34a", "#9ca3af", "#f59e0b"
+AXIS_LABEL = "record length (tokens, before truncation)"
+FAR_BEYOND = 4
+"""A sequence length this many times the longest record's bin edge is drawn as a note on the
+axis, not as a line far to the right of every bar."""
 
 
 @dataclass(frozen=True)
@@ -51,20 +56,23 @@ class DataReport:
 
     cfg: DataConfig
     stats: DataStats
-    samples: list
-    """:data:`engine.data.Sample` lists: (text piece, trained)."""
+    preview: Preview
+    """The first records as the model sees them."""
     warnings: list[str]
+    """The engine's warnings (preview and preparation)."""
 
 
 class _Progress(QObject):
-    """Carries the engine's Progress events from the worker thread to the page."""
+    """Carries the engine's Progress events and the early preview from the worker thread."""
 
     changed = Signal(str, int, int)
+    previewed = Signal(object, object)
+    """(DataConfig, Preview): the first records, before the whole file is tokenised."""
 
 
 def analyse(cfg: DataConfig, model_path: str, cache_dir: Path, progress: _Progress) -> DataReport:
-    """Prepare ``cfg`` with the model's tokenizer (cached) and preview its first records."""
-    warnings = []
+    """Preview the first records of ``cfg`` (sent on at once), then prepare it (cached)."""
+    warnings: list[str] = []
 
     def emit(ev) -> None:
         if isinstance(ev, Progress):
@@ -72,9 +80,9 @@ def analyse(cfg: DataConfig, model_path: str, cache_dir: Path, progress: _Progre
         elif isinstance(ev, Log) and ev.level != "info":
             warnings.append(ev.message)
 
-    tok = load_tokenizer(model_path)
-    stats = prepare_data(cfg, tok, cache_dir, emit).stats
-    return DataReport(cfg, stats, preview(cfg, tok, SAMPLES), warnings)
+    found = analyse_data(cfg, model_path, cache_dir, SAMPLES, emit,
+                         on_preview=lambda shown: progress.previewed.emit(cfg, shown))
+    return DataReport(cfg, found.stats, found.preview, list(found.preview.warnings) + warnings)
 
 
 def make_demo_dataset(path: Path) -> str:
@@ -85,17 +93,19 @@ def make_demo_dataset(path: Path) -> str:
     return str(path)
 
 
-def sample_html(samples: list) -> str:
+def sample_html(shown: Preview) -> str:
     """The preview as HTML: trained pieces on green, masked ones grey."""
     parts = []
-    for i, sample in enumerate(samples, 1):
+    for i, sample in enumerate(shown.samples, 1):
         spans = []
-        for piece, trained in sample:
+        for piece, trained in sample.pieces:
             text = html.escape(piece).replace("\n", "⏎<br>")
             style = ("background-color:#dcfce7; color:#065f46;" if trained else
                      f"color:{MASKED_COLOR};")
             spans.append(f'<span style="{style}">{text}</span>')
-        parts.append(f'<p style="margin:0 0 2px 0; color:#6b7280; font-size:8pt;">record {i}</p>'
+        where = html.escape(Path(sample.where).name)
+        parts.append(f'<p style="margin:0 0 2px 0; color:#6b7280; font-size:8pt;">record {i} '
+                     f'({where}): {sample_counts(sample)}</p>'
                      f'<p style="font-family:monospace; margin:0 0 12px 0;">{"".join(spans)}</p>')
     return "".join(parts)
 
@@ -115,10 +125,11 @@ class LengthHistogram(pg.PlotWidget):
         self.setMouseEnabled(x=False, y=False)
         self.hideButtons()
         self.setMenuEnabled(False)
-        self.setBackground("#ffffff")
+        self._background = "#ffffff"
+        self.setBackground(self._background)
         item = self.getPlotItem()
         item.showGrid(y=True, alpha=0.15)
-        item.setLabel("bottom", "record length (tokens, before truncation)")
+        item.setLabel("bottom", AXIS_LABEL)
         item.setLabel("left", "records")
         self.bars = pg.BarGraphItem(x0=[], x1=[], height=[], brush=TRAINED_COLOR)
         self.addItem(self.bars)
@@ -137,20 +148,33 @@ class LengthHistogram(pg.PlotWidget):
         brushes = [pg.mkBrush(TRUNCATED_COLOR if lo >= stats.seq_len else "#3b82f6")
                    for lo in edges[:-1]]
         self.bars.setOpts(x0=list(edges[:-1]), x1=list(edges[1:]), height=list(counts),
-                          brushes=brushes, pen=pg.mkPen("#ffffff", width=1))
+                          brushes=brushes, pen=pg.mkPen(self._background, width=1))
         self.limit.setPos(stats.seq_len)
-        self.limit.show()
         self.limit.label.setFormat(f"sequence length {stats.seq_len}")
-        right = max(edges[-1], stats.seq_len) * 1.05
+        # A sequence length far beyond the longest record would squeeze every bar into the
+        # left edge: the axis then spans the records, and its label says that all of them fit.
+        far = stats.seq_len > FAR_BEYOND * edges[-1]
+        self.limit.setVisible(not far)
+        self.getPlotItem().setLabel("bottom", f"{AXIS_LABEL}: all shorter than the sequence "
+                                              f"length {stats.seq_len}" if far else AXIS_LABEL)
+        right = (edges[-1] if far else max(edges[-1], stats.seq_len)) * 1.05
         self.getPlotItem().setXRange(0, right, padding=0)
         self.getPlotItem().setYRange(0, max(counts, default=1) * 1.1, padding=0)
 
+    def clear_stats(self) -> None:
+        self.bars.setOpts(x0=[], x1=[], height=[], brushes=[])
+        self.limit.hide()
+        self.getPlotItem().setLabel("bottom", AXIS_LABEL)
+
     def set_colors(self, background: str, foreground: str) -> None:
+        self._background = background  # bar outlines: gaps between bars, not white frames
         self.setBackground(background)
+        self.bars.setOpts(pen=pg.mkPen(background, width=1))
         for name in ("left", "bottom"):
             axis = self.getPlotItem().getAxis(name)
             axis.setPen(pg.mkPen(foreground))
             axis.setTextPen(pg.mkPen(foreground))
+            axis.setLabel(axis.labelText, color=foreground)
 
 
 class DataPage(QWidget):
@@ -168,6 +192,7 @@ class DataPage(QWidget):
         """The settings being prepared; answers for any other settings are stale."""
         self._progress = _Progress(self)
         self._progress.changed.connect(self._on_progress)
+        self._progress.previewed.connect(self._on_preview)
         self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._debounce.timeout.connect(self.analyse)
 
@@ -228,8 +253,9 @@ class DataPage(QWidget):
         body.addWidget(left_scroll, 0)
         body.addLayout(right, 1)
         lay = QVBoxLayout(self)
-        lay.addWidget(page_header("Data", "The training data: a JSONL/JSON file (text, Alpaca, "
-                                          "chat messages or ShareGPT) or plain text. It is "
+        lay.addWidget(page_header("Data", "The training data: a JSONL/JSON, CSV, Parquet or "
+                                          "Arrow file (text, Alpaca, chat messages or ShareGPT, "
+                                          "with tool calls) or plain text. It is "
                                           "templated and tokenised with the model's own "
                                           "tokenizer, exactly as the run will see it."))
         lay.addLayout(actions)
@@ -253,11 +279,21 @@ class DataPage(QWidget):
         self.detected = QLabel("")
         self.detected.setObjectName("hint")
         self.detected.setWordWrap(True)
+        # two lines ("detected: chat (ShareGPT), chat template: ..."); a squeezed form clips it
+        self.detected.setMinimumHeight(2 * self.detected.fontMetrics().lineSpacing())
         self.seq_len = QSpinBox(minimum=16, maximum=1 << 20, singleStep=128, value=d.max_seq_len)
         self.seq_len.setSuffix(" tokens")
         self.train_on = QComboBox()
         self.train_on.addItem("assistant replies only", "assistant")
+        self.train_on.addItem("the last reply only", "last")
         self.train_on.addItem("every token", "all")
+        self.template = QComboBox()
+        self.template.setToolTip("The chat template conversations are rendered with: the "
+                                 "model's own, the built-in ChatML (renders tools and tool "
+                                 "calls), or a .jinja file")
+        self.template.addItem("the model's own", "")
+        self.template.addItem("built-in ChatML (with tools)", "chatml")
+        self.template.addItem("from a file…", TEMPLATE_FILE)
         self.packing = QCheckBox("pack records together")
         self.packing.setToolTip("Several records per sequence (no attention across them); "
                                 "off: one record per sequence, padded")
@@ -280,6 +316,7 @@ class DataPage(QWidget):
         form.addRow("", self.detected)
         form.addRow("Sequence length", self.seq_len)
         form.addRow("Loss on", self.train_on)
+        form.addRow("Chat template", self.template)
         form.addRow("Packing", self.packing)
         form.addRow("Longer records", self.truncation)
         form.addRow("Validation", self.val_mode)
@@ -287,7 +324,8 @@ class DataPage(QWidget):
         form.addRow("", self.val_file)
         self.settings_box = QGroupBox("Settings")
         self.settings_box.setLayout(form)
-        for combo in (self.format, self.train_on, self.truncation, self.val_mode):
+        for combo in (self.format, self.train_on, self.template, self.truncation,
+                      self.val_mode):
             narrow(combo)
             combo.currentIndexChanged.connect(self._settings_edited)
         self.seq_len.valueChanged.connect(self._settings_edited)
@@ -316,19 +354,24 @@ class DataPage(QWidget):
         mode = self.val_mode.currentData()
         return replace(self.ctx.data_config,
                        format=self.format.currentData(), max_seq_len=self.seq_len.value(),
-                       train_on=self.train_on.currentData(), packing=self.packing.isChecked(),
+                       train_on="all" if self.train_on.currentData() == "all" else "assistant",
+                       mask_history=self.train_on.currentData() == "last",
+                       chat_template=self._template_choice(), packing=self.packing.isChecked(),
                        truncation=self.truncation.currentData(),
                        val_fraction=self.val_fraction.value() / 100 if mode == "fraction" else 0.0,
                        validation=self._val_path if mode == "file" else "")
 
     def _show_config(self, cfg: DataConfig) -> None:
-        widgets = (self.format, self.seq_len, self.train_on, self.packing, self.truncation,
+        widgets = (self.format, self.seq_len, self.train_on, self.template, self.packing,
+                   self.truncation,
                    self.val_mode, self.val_fraction)
         for w in widgets:
             w.blockSignals(True)
         self.format.setCurrentIndex(self.format.findData(cfg.format))
         self.seq_len.setValue(cfg.max_seq_len)
-        self.train_on.setCurrentIndex(self.train_on.findData(cfg.train_on))
+        loss = "last" if cfg.mask_history and cfg.train_on == "assistant" else cfg.train_on
+        self.train_on.setCurrentIndex(self.train_on.findData(loss))
+        self._show_template(cfg.chat_template)
         self.packing.setChecked(cfg.packing)
         self.truncation.setCurrentIndex(self.truncation.findData(cfg.truncation))
         self._val_path = cfg.validation or self._val_path
@@ -343,6 +386,25 @@ class DataPage(QWidget):
         self.val_file.setText(Path(self._val_path).name if self._val_path else
                               "Choose validation file…")
         self.file_label.setText(short_path(cfg.train) if cfg.train else "")
+
+    def _template_choice(self) -> str:
+        """data.chat_template from the combo ("" / "chatml" / a path; a file is asked for)."""
+        choice = self.template.currentData()
+        if choice != TEMPLATE_FILE:
+            return choice
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a chat template",
+                                              str(Path.home()), "Jinja templates (*.jinja);;"
+                                              "All files (*)")
+        return path or self.ctx.data_config.chat_template
+
+    def _show_template(self, choice: str) -> None:
+        """Select ``choice`` in the template combo, adding a file as its own entry."""
+        k = self.template.findData(choice)
+        if k < 0:
+            self.template.insertItem(2, Path(choice).name, choice)
+            self.template.setItemData(2, choice, Qt.ItemDataRole.ToolTipRole)
+            k = 2
+        self.template.setCurrentIndex(k)
 
     @Slot()
     def _settings_edited(self) -> None:
@@ -432,28 +494,42 @@ class DataPage(QWidget):
             self.busy.setRange(0, total)
             self.busy.setValue(done)
 
+    @Slot(object, object)
+    def _on_preview(self, cfg: DataConfig, shown: Preview) -> None:
+        if cfg != self._wanted:
+            return
+        detected = "detected" if cfg.format == "auto" else "set"
+        self.detected.setText(f"{detected}: {FORMAT_NAMES[shown.format]}")
+        self.preview.setHtml(sample_html(shown))
+        if shown.warnings and self.status.property("state") == "busy":
+            self._show_status("busy", "Tokenising and laying out the data…\n" +
+                              "\n".join(shown.warnings))
+
     def _on_report(self, cfg: DataConfig, report: DataReport) -> None:
         if cfg != self._wanted:
             return
         self.report = report
+        self._on_preview(cfg, report.preview)
         s = report.stats
         template = f", chat template: {s.template}" if s.template else ""
         detected = "detected" if cfg.format == "auto" else "set"
-        self.detected.setText(f"{detected}: {FORMAT_NAMES[s.format]}{template}")
+        names = " + ".join(FORMAT_NAMES[f] for f in s.format.split(" + "))
+        self.detected.setText(f"{detected}: {names}{template}")
         self.fields["Records"].setText(f"{s.records:,} read, {s.train_records:,} for training")
         self.fields["Validation"].setText(f"{s.val_records:,} records" if s.val_records else
                                           "none")
         self.fields["Tokens"].setText(f"{s.tokens:,}  ({human_count(s.tokens)})")
         share = s.trained_tokens / max(1, s.tokens)
-        self.fields["Trained tokens"].setText(f"{s.trained_tokens:,}  ({share:.0%} of tokens)")
+        self.fields["Trained tokens"].setText(f"{s.trained_tokens:,}  ({share:.0%} of tokens); "
+                                              f"{s.dropped_tokens:,} dropped (in no sequence)")
         self.fields["Sequences"].setText(f"{s.train_sequences:,} × {s.seq_len} tokens, "
                                          f"{'packed' if s.packing else 'padded'}, "
                                          f"{s.fill:.0%} filled")
-        self.fields["Truncated"].setText(f"{s.truncated:,} records longer than {s.seq_len}")
+        cut = f"; {s.split:,} texts cut into blocks" if s.split else ""
+        self.fields["Truncated"].setText(f"{s.truncated:,} records longer than {s.seq_len}{cut}")
         self.fields["Left out"].setText(f"{s.dropped:,} too long, {s.no_target:,} with nothing "
                                         f"to train")
         self.histogram.show_stats(s)
-        self.preview.setHtml(sample_html(report.samples))
         cached = " (from the token cache)" if s.from_cache else ""
         text = f"Ready: {s.records:,} records, {s.tokens:,} tokens{cached}."
         if report.warnings:
@@ -465,7 +541,16 @@ class DataPage(QWidget):
         if cfg != self._wanted:
             return
         self.report = None
+        self._clear_figures()
         self._show_status("error", message)
+
+    def _clear_figures(self) -> None:
+        """No figures for settings that failed: the last good file's would mislead."""
+        self.detected.setText("")
+        for value in self.fields.values():
+            value.setText("—")
+        self.histogram.clear_stats()
+        self.preview.clear()
 
     def _show_idle(self) -> None:
         self._show_status("info", "No dataset chosen yet. Choose a file, drop one here, or use "

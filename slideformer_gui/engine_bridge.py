@@ -4,8 +4,8 @@ The app runs ``slideformer train --config FILE [--resume]`` as a child process -
 command and config file a terminal user would use -- and an :class:`EngineBridge` (a QThread)
 owns it: it starts the process, follows ``<run dir>/events.jsonl`` (every event the engine
 reports) and hands new events to the GUI thread as :attr:`EngineBridge.events` batches. Commands
-go the other way through the run folder's control file (:mod:`engine.train.control`), written by
-the bridge's thread, so the GUI thread never waits on a file or a process.
+go the other way through the run folder's control file (:class:`engine.api.RunClient`), written
+by the bridge's thread, so the GUI thread never waits on a file or a process.
 
 A bridge can also *follow* a run it did not start (a terminal run, or one left training in the
 background): the same file is followed, the same commands work, and the bridge notices when the
@@ -17,22 +17,17 @@ last checkpoint, so ``--resume`` continues from there.
 """
 from __future__ import annotations
 
-import os
 import queue
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from PySide6.QtCore import QThread, Signal
 
-from engine.events import RunState
-from engine.train.control import engine_alive, send_command
-from slideformer_gui.engine_cli import engine_command
-from slideformer_gui.run_files import EVENTS_FILE, TERMINAL_STATES, EventReader, engine_log, \
-    text_tail
+from engine.api import RunClient, RunState, train_argv
+from slideformer_gui.run_files import TERMINAL_STATES, EventReader, engine_log, text_tail
 
 POLL_S = 0.1
 """How often the bridge looks for new events (the plots repaint at 15 Hz anyway)."""
@@ -53,18 +48,8 @@ class RunEnd:
     """The last lines of the engine's log, for failures."""
 
 
-def launch_argv(config: Path, resume: bool) -> list[str]:
-    """The engine command line that trains from ``config`` (what the CLI command shows)."""
-    return engine_command("train", "--config", str(config), *(["--resume"] if resume else []))
-
-
-def _package_env() -> dict[str, str]:
-    """The environment of the engine process: this one, with the engine importable from it."""
-    env = dict(os.environ)
-    if not getattr(sys, "frozen", False):
-        root = str(Path(__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
+launch_argv = train_argv
+"""The engine command line that trains from a config (what the CLI command shows)."""
 
 
 class EngineBridge(QThread):
@@ -85,6 +70,7 @@ class EngineBridge(QThread):
     def __init__(self, run_dir: Path | str, argv: list[str] | None = None, parent=None):
         super().__init__(parent)
         self.run_dir = Path(run_dir)
+        self.client = RunClient(run_dir)
         self.argv = argv
         self.owned = argv is not None
         self.pid: int | None = None
@@ -119,7 +105,7 @@ class EngineBridge(QThread):
             except OSError as e:
                 self.ended.emit(RunEnd("failed", f"The engine could not be started: {e}"))
                 return
-        reader = EventReader(self.run_dir / EVENTS_FILE)
+        reader = EventReader(self.client.events_path)
         last: RunState | None = None
         got_events = False
         misses, next_check = 0, 0.0
@@ -145,7 +131,7 @@ class EngineBridge(QThread):
                     return
             elif time.monotonic() >= next_check:
                 next_check = time.monotonic() + ALIVE_CHECK_S
-                misses = 0 if engine_alive(self.run_dir) is not None else misses + 1
+                misses = 0 if self.client.alive() is not None else misses + 1
                 if misses >= (1 if last is not None and last.state in TERMINAL_STATES else 2):
                     self._flush(reader)
                     self.ended.emit(self._followed_end(last))
@@ -158,14 +144,7 @@ class EngineBridge(QThread):
             return None
 
     def _spawn(self) -> subprocess.Popen:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        # Its own session: the engine outlives the app when the user keeps it training in the
-        # background, and a Ctrl-C meant for the app's terminal does not reach it.
-        detach = ({"start_new_session": True} if os.name == "posix" else
-                  {"creationflags": subprocess.CREATE_NEW_PROCESS_GROUP})
-        with open(engine_log(self.run_dir), "ab") as out:
-            proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, env=_package_env(), **detach)
+        proc = self.client.spawn(self.argv)
         self.pid = proc.pid
         return proc
 
@@ -174,7 +153,7 @@ class EngineBridge(QThread):
             proc.kill()
             return
         try:
-            send_command(self.run_dir, command)
+            self.client.send(command)
         except OSError:
             pass  # the run folder is gone or read-only: the end of the process will tell
 
@@ -188,10 +167,10 @@ class EngineBridge(QThread):
             return RunEnd(last.state, last.message)
         log = text_tail(engine_log(self.run_dir), LOG_LINES)
         if not got_events:  # it failed before taking the run folder (a config error...)
-            return RunEnd("failed", _last_error(log) or _exit_words(rc), log)
+            return RunEnd("failed", last_error(log) or exit_words(rc), log)
         if last is not None and last.state == "failed":
             return RunEnd("failed", last.message, log)
-        return RunEnd("failed", _exit_words(rc), log)
+        return RunEnd("failed", exit_words(rc), log)
 
     def _followed_end(self, last: RunState | None) -> RunEnd:
         if last is not None and last.state in TERMINAL_STATES:
@@ -203,7 +182,7 @@ class EngineBridge(QThread):
                       text_tail(engine_log(self.run_dir), LOG_LINES))
 
 
-def _last_error(log: str) -> str:
+def last_error(log: str) -> str:
     """The CLI's own message ("error: ...") in a log tail, without the prefix."""
     lines = log.splitlines()
     for i in range(len(lines) - 1, -1, -1):
@@ -212,7 +191,7 @@ def _last_error(log: str) -> str:
     return ""
 
 
-def _exit_words(rc: int) -> str:
+def exit_words(rc: int) -> str:
     """An exit status in words: "killed by SIGKILL", "exited with code 1"."""
     if rc < 0:
         try:

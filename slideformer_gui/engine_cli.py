@@ -9,16 +9,9 @@ thread (:func:`slideformer_gui.tasks.run_task`), never from the GUI thread.
 from __future__ import annotations
 
 import subprocess
-import sys
 
+from engine.api import engine_command
 from slideformer_gui.tasks import TaskError
-
-
-def engine_command(*args: str) -> list[str]:
-    """The argv that runs ``slideformer ARGS`` with this Python (or this desktop bundle)."""
-    if getattr(sys, "frozen", False):  # a bundled app: its executable is the CLI
-        return [sys.executable, *args]
-    return [sys.executable, "-m", "engine.cli", *args]
 
 
 def run_engine_command(*args: str, timeout: float = 600.0) -> str:

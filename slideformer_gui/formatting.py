@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine.config import format_bytes as human_bytes  # noqa: F401 - one size format everywhere
+from engine.api import format_bytes as human_bytes  # noqa: F401 - one size format everywhere
 
 
 def human_count(n: int) -> str:

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFrame, QHBoxLayout, Q
                                QStackedWidget, QToolButton, QWidget)
 
 from slideformer_gui.about import AboutDialog
+from slideformer_gui.chat_page import ChatPage
 from slideformer_gui.context import AppContext
 from slideformer_gui.data_page import DataPage
 from slideformer_gui.formatting import short_path
@@ -41,6 +42,7 @@ PAGES = (
     ("Plan", "plan.svg", PlanPage),
     ("Train", "train.svg", TrainPage),
     ("Runs", "runs.svg", RunsPage),
+    ("Chat", "chat.svg", ChatPage),
 )
 
 

@@ -1,6 +1,6 @@
 """The Model page: choose a model folder, see its architecture, or make the demo model.
 
-A folder is checked by the engine (:func:`engine.models.commands.model_report`) on a worker
+A folder is checked by the engine (:func:`engine.api.inspect_model`) on a worker
 thread; a broken folder shows the engine's message word for word. A valid one goes first in
 the recent list and becomes the app's model (:meth:`AppContext.set_model`, and the page's
 :attr:`ModelPage.model_selected` signal).
@@ -15,8 +15,7 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
                                QListWidget, QListWidgetItem, QMenu, QProgressBar, QPushButton,
                                QVBoxLayout, QWidget)
 
-from engine.errors import UserError
-from engine.models.commands import model_report
+from engine.api import UserError, inspect_model
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_cli import run_engine_command
 from slideformer_gui.formatting import human_bytes, human_count, short_path
@@ -54,7 +53,7 @@ def ensure_demo_model(path: Path) -> str:
     from a worker thread.
     """
     try:
-        model_report(path)
+        inspect_model(path)
         return str(path)
     except UserError:
         pass
@@ -164,7 +163,7 @@ class ModelPage(QWidget):
         self.folder.setText(short_path(path))
         self._show_status("busy", "Checking the folder…")
         self._clear_fields()
-        run_task(model_report, path, True, name="model-report",
+        run_task(inspect_model, path, True, name="model-report",
                  done=lambda report: self._on_report(path, report),
                  failed=lambda message: self._on_error(path, message))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from PySide6.QtCore import Signal
 from PySide6.QtWidgets import QGridLayout, QLabel, QPushButton, QWidget
 
-from engine.plan import Fix
+from engine.api import Fix
 from slideformer_gui.formatting import human_bytes
 from slideformer_gui.plan_rows import TIER_TITLES
 

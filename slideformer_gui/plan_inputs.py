@@ -16,11 +16,9 @@ from PySide6.QtWidgets import (QBoxLayout, QCheckBox, QComboBox, QDoubleSpinBox,
                                QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPushButton, QSlider, QSpinBox, QWidget)
 
-from engine.config import BudgetConfig, RunConfig, parse_bytes
-from engine.errors import UserError
-from engine.plan import PRESETS, Budgets, HardwareProfile, load_profile, resolve_budgets
-from engine.plan.machine import GpuMemory, HostMemory, gpu_memory, host_memory
-from engine.plan.planner import run_device
+from engine.api import PRESETS, BudgetConfig, Budgets, GpuMemory, HardwareProfile, HostMemory, \
+    RunConfig, UserError, gpu_memory, host_memory, load_profile, parse_bytes, resolve_budgets, \
+    run_device
 from slideformer_gui.formatting import human_bytes
 
 GiB = 1 << 30

@@ -25,7 +25,7 @@ from PySide6.QtWidgets import (QBoxLayout, QDoubleSpinBox, QFileDialog, QFrame, 
                                QHBoxLayout, QLabel, QPushButton, QScrollArea, QVBoxLayout,
                                QWidget)
 
-from engine.plan import Fix, Plan
+from engine.api import Fix, Plan
 from slideformer_gui.context import AppContext
 from slideformer_gui.formatting import human_count
 from slideformer_gui.plan_bars import StackedBars, legend

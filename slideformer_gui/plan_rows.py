@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from PySide6.QtGui import QColor
 
-from engine.plan import Allocation, Plan, TierUse
+from engine.api import Allocation, Plan, TierUse
 from slideformer_gui.formatting import human_bytes
 
 

@@ -21,18 +21,14 @@ import threading
 import psutil
 from PySide6.QtCore import QObject, Signal
 
-from engine.config import RunConfig, override
-from engine.errors import UserError
-from engine.models.spec import load_spec
-from engine.plan import HardwareProfile, Plan, plan_run
+from engine.api import HardwareProfile, Plan, RunConfig, UserError, override, plan_for_config
 from slideformer_gui.tasks import TaskError
 
 
 def plan_for(model_path: str, settings: dict, hardware: HardwareProfile) -> Plan:
     """The planner's answer for a model folder and run-config settings (``{"train.micro_batch":
     4, ...}``), at the speeds of ``hardware``."""
-    cfg = override(RunConfig(), {"model.path": model_path, **settings})
-    return plan_run(cfg, load_spec(model_path), hardware=hardware)
+    return plan_for_config(override(RunConfig(), {"model.path": model_path, **settings}), hardware)
 
 
 def _lower_priority() -> None:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.errors import UserError
+from engine.api import UserError
 
 # Packages whose names do not follow Debian's rule (libfoo.so.N -> libfooN, libfoo2.so.N ->
 # libfoo2-N) or that are best installed by another name.

@@ -1,7 +1,7 @@
 """Run presets: TOML files in ``resources/presets`` whose sections are those of a run config.
 
 A preset is a partial run config (``[optim] lr = 1e-5``...) read with the engine's own checks
-(:func:`engine.config.from_dict`: an unknown key is an error), applied on top of the current
+(:func:`engine.api.config_from_dict`: an unknown key is an error), applied on top of the current
 settings. Its first comment line says what it is for: ``# Name: description``.
 """
 from __future__ import annotations
@@ -9,8 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from importlib import resources
 
-from engine import config as config_mod
-from engine.config import RunConfig
+from engine.api import RunConfig, config_from_dict, override, parse_toml
 
 
 @dataclass(frozen=True)
@@ -23,8 +22,8 @@ class Preset:
 
 def parse_preset(text: str, source: str) -> Preset:
     """A preset from the text of its TOML file (the file's keys checked against RunConfig)."""
-    values = config_mod.tomllib.loads(text)
-    config_mod.from_dict(values, source)
+    values = parse_toml(text, source)
+    config_from_dict(values, source, validate=False)
     comment = []
     for line in text.splitlines():
         if not line.startswith("#"):
@@ -44,6 +43,6 @@ def load_presets() -> list[Preset]:
 
 def apply_preset(cfg: RunConfig, preset: Preset) -> RunConfig:
     """``cfg`` with every key of ``preset`` set."""
-    return config_mod.override(cfg, {f"{section}.{key}": value
+    return override(cfg, {f"{section}.{key}": value
                                      for section, table in preset.values.items()
                                      for key, value in table.items()})

@@ -11,48 +11,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import config as config_mod
-from engine.errors import UserError
-from engine.events import RunState, StepMetrics, from_json
-from engine.train.checkpoint import checkpoints
-from engine.train.control import engine_alive
-from engine.train.lock import run_owner
-
-EVENTS_FILE, CONFIG_FILE, LOG_FILE = "events.jsonl", "config.toml", "engine.log"
-"""``LOG_FILE``: the console output of an engine process the app started (stdout and stderr)."""
-TERMINAL_STATES = ("finished", "stopped", "failed")
+from engine.api import (CONFIG_FILE, EVENTS_FILE, LOG_FILE, TERMINAL_STATES, EventReader,
+                        RunClient, RunState, StepMetrics, UserError, checkpoints, from_json,
+                        load_config)
 SUMMARY_TAIL_BYTES = 256 << 10
 """A summary reads at most this much of the end of ``events.jsonl`` (a long run's file holds
 tens of MB): enough for the last state change and step of any run."""
-
-
-class EventReader:
-    """Reads the events appended to an ``events.jsonl`` since the previous call.
-
-    Only complete lines are consumed: a line the engine is still writing is read next time.
-    A missing file is not an error (the engine has not created it yet).
-    """
-
-    def __init__(self, path: Path | str):
-        self.path = Path(path)
-        self.offset = 0
-        self._partial = b""
-
-    def read_new(self) -> list:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()
-        out = []
-        for line in lines:
-            if line.strip():
-                out.append(from_json(line.decode("utf-8")))
-        return out
 
 
 @dataclass(frozen=True)
@@ -112,12 +76,12 @@ def summarize(run_dir: Path | str) -> RunSummary:
         elif isinstance(ev, StepMetrics):
             state = "running" if state in ("setup", "paused") else state
             step, total, loss = ev.step, ev.total_steps, ev.loss
-    live = run_owner(run_dir) is not None or engine_alive(run_dir) is not None
+    live = RunClient(run_dir).alive() is not None
     if state not in TERMINAL_STATES and not live:
         state = "interrupted"
     model = data = settings = ""
     try:
-        cfg = config_mod.load(run_dir / CONFIG_FILE)
+        cfg = load_config(run_dir / CONFIG_FILE)
         model, data = cfg.model.path, cfg.data.train
         total = total or cfg.train.max_steps
         t = cfg.train

@@ -20,7 +20,7 @@ from pathlib import Path
 from PySide6.QtCore import QEventLoop, QSettings, QTimer
 from PySide6.QtWidgets import QWidget
 
-from engine.errors import UserError
+from engine.api import UserError
 from slideformer_gui.app import make_application
 from slideformer_gui.context import AppContext
 from slideformer_gui.main_window import DEFAULT_SIZE, MainWindow

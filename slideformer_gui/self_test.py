@@ -16,7 +16,7 @@ import time
 import traceback
 from pathlib import Path
 
-from engine.errors import UserError
+from engine.api import UserError
 
 TRAIN_STEPS = 3
 
@@ -36,23 +36,20 @@ def _imports(report: _Report) -> None:
     import torch
     from PySide6 import __version__ as qt_version
 
-    import engine
-    report.ok(f"imports: slideformer {engine.__version__}, torch {torch.__version__}, "
+    from engine.api import __version__
+    report.ok(f"imports: slideformer {__version__}, torch {torch.__version__}, "
               f"PySide6 {qt_version}")
 
 
 def _train(root: Path, report: _Report) -> Path:
-    from engine import config as config_mod
-    from engine.models.tiny import TinyShape, make_tiny_model
-    from engine.train.commands import run_training
-    from engine.train.demo import write_task
+    from engine.api import TinyShape, config_from_dict, make_tiny_model, run_training, write_task
 
     model = make_tiny_model(root / "model", "qwen2", TinyShape(layers=2, tie=True), seed=0)
     write_task(root / "train.jsonl", 40, 1)
     write_task(root / "val.jsonl", 8, 2)
     report.ok(f"tiny model and data set in {root.name}")
     run_dir = root / "run"
-    cfg = config_mod.from_dict({
+    cfg = config_from_dict({
         "model": {"path": str(model)},
         "data": {"train": str(root / "train.jsonl"), "validation": str(root / "val.jsonl"),
                  "max_seq_len": 64},

@@ -12,7 +12,7 @@ import threading
 
 from PySide6.QtCore import QObject, Signal
 
-from engine.errors import UserError
+from engine.api import UserError
 
 
 class TaskError(Exception):

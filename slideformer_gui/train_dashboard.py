@@ -16,7 +16,7 @@ from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (QGridLayout, QLabel, QPlainTextEdit, QProgressBar, QTabWidget,
                                QVBoxLayout, QWidget)
 
-from engine.events import CheckpointSaved, EvalMetrics, Log, Progress, RunState, StepMetrics, \
+from engine.api import CheckpointSaved, EvalMetrics, Log, Progress, RunState, StepMetrics, \
     Timeline
 from slideformer_gui.formatting import short_path
 from slideformer_gui.run_files import LOG_FILE

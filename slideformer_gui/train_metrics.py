@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.events import EvalMetrics, StepMetrics
+from engine.api import EvalMetrics, StepMetrics
 
 COLUMNS = ("step", "loss", "smooth", "lr", "grad_norm", "tokens_per_s", "step_time",
            "peak_vram", "peak_ram")

@@ -17,10 +17,7 @@ from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
                                QSplitter, QVBoxLayout, QWidget)
 
-from engine import config as config_mod
-from engine.errors import UserError
-from engine.events import RunState, StepMetrics
-from engine.train.lock import run_owner
+from engine.api import RunClient, RunState, StepMetrics, UserError, load_config, override
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_bridge import EngineBridge, RunEnd, launch_argv
 from slideformer_gui.formatting import short_path
@@ -176,13 +173,13 @@ class TrainPage(QWidget):
     def use_plan(self, plan, settings: dict) -> None:
         """Take the run's shape, precision and budgets from a plan, and show its prediction."""
         self.plan, self.plan_settings = plan, dict(settings)
-        self.settings.show_config(config_mod.override(self.settings.config(), settings))
+        self.settings.show_config(override(self.settings.config(), settings))
         self._settings_changed()
 
     def plan_matches(self) -> bool:
         """Whether the settings are still those the plan was made for."""
         cfg = self.settings.config()
-        return self.plan is not None and config_mod.override(cfg, self.plan_settings) == cfg
+        return self.plan is not None and override(cfg, self.plan_settings) == cfg
 
     def _show_plan(self) -> None:
         """The plan's verdict and predicted speed next to Start; measured speed once running."""
@@ -274,7 +271,7 @@ class TrainPage(QWidget):
     def resume_run(self, run_dir: Path | str) -> None:
         """Continue a stopped or crashed run from its newest checkpoint."""
         run_dir = Path(run_dir)
-        owner = run_owner(run_dir)
+        owner = RunClient(run_dir).alive()
         if owner is not None:  # one owner per folder: a second engine would interleave it
             self._show_status("error", f"{short_path(run_dir)} is being trained by process "
                                        f"{owner} right now: follow it from the Runs page "
@@ -307,7 +304,7 @@ class TrainPage(QWidget):
     def _show_run_config(self, run_dir: Path) -> None:
         """The settings, model and data of the run on screen (one the app did not start, too)."""
         try:
-            cfg = config_mod.load(run_dir / CONFIG_FILE)
+            cfg = load_config(run_dir / CONFIG_FILE)
         except UserError:
             return  # a run folder from before config.toml: its events still show
         self.settings.show_config(cfg)

@@ -13,7 +13,7 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont
 from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
 
-from engine.events import Timeline
+from engine.api import Timeline
 from slideformer_gui.train_metrics import StepHistory, format_seconds
 from slideformer_gui.widgets import color_plot, fixed_width
 

@@ -18,8 +18,7 @@ from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpin
                                QPlainTextEdit, QPushButton, QSpinBox, QToolButton, QVBoxLayout,
                                QWidget)
 
-from engine import config as config_mod
-from engine.config import RunConfig
+from engine.api import RunConfig, dumps
 from slideformer_gui.formatting import short_path
 from slideformer_gui.presets import Preset, apply_preset, load_presets
 
@@ -269,5 +268,5 @@ class CommandDialog(QDialog):
 def write_config(cfg: RunConfig, path: Path) -> Path:
     """Write ``cfg`` as the TOML file ``slideformer train --config`` reads."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(config_mod.dumps(cfg), encoding="utf-8")
+    path.write_text(dumps(cfg), encoding="utf-8")
     return path

@@ -17,11 +17,13 @@ CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 
 
 def texts(tok, path, n=5, **kw) -> list[str]:
     """The model inputs of the first records, as previewed."""
-    return ["".join(p for p, _ in s) for s in preview(DataConfig(train=str(path), **kw), tok, n)]
+    return ["".join(p for p, _ in s.pieces)
+            for s in preview(DataConfig(train=str(path), **kw), tok, n).samples]
 
 
 def trained(tok, path, **kw) -> list[str]:
-    return ["".join(p for p, t in s if t) for s in preview(DataConfig(train=str(path), **kw), tok)]
+    return ["".join(p for p, t in s.pieces if t)
+            for s in preview(DataConfig(train=str(path), **kw), tok).samples]
 
 
 # ---- formats -----------------------------------------------------------------------------------
@@ -70,10 +72,13 @@ def test_messages_and_sharegpt_render_the_same(tok, tmp_path):
 
 def test_override_beats_detection(tok, tmp_path):
     path = jsonl(tmp_path / "a.jsonl", [{"instruction": "Q", "output": "A", "text": "plain"}])
-    assert prep(tok, tmp_path / "c", path, max_seq_len=64).stats.format == "alpaca"
-    p = prep(tok, tmp_path / "c", path, max_seq_len=64, format="text")
+    err = user_error(prep, tok, tmp_path / "c", path, max_seq_len=64)  # detected: alpaca
+    assert "field 'text'" in err.problem and "ignore_fields" in err.fix
+    p = prep(tok, tmp_path / "c", path, max_seq_len=64, format="text",
+             ignore_fields=("instruction", "output"))
     assert p.stats.format == "text"
-    assert texts(tok, path, format="text") == [f"{BOS}plain{EOS}"]
+    assert texts(tok, path, format="text", ignore_fields=("instruction", "output")) == \
+        [f"{BOS}plain{EOS}"]
 
 
 def test_real_world_mess(tok, tmp_path):
@@ -85,7 +90,11 @@ def test_real_world_mess(tok, tmp_path):
     assert texts(tok, path, 1) == [f"{BOS}héllo wörld 😀 — ü{EOS}"]
     p = prep(tok, tmp_path / "c", path, max_seq_len=64)
     short = len(tok.tok.encode("héllo wörld 😀 — ü").ids) + 1  # BOS added, EOS appended
-    assert (p.stats.records, p.stats.truncated, p.train.tokens) == (2, 1, 64 + short)
+    n = len(tok.tok.encode(long).ids) + 1
+    blocks = (n - 2) // 63 + 1  # plain text: blocks of 64 overlapping by one token
+    assert (p.stats.records, p.stats.truncated, p.stats.split) == (2, 0, 1)
+    assert p.train.tokens == short + n + blocks - 1 and p.stats.dropped_tokens == 0
+    assert p.stats.trained_tokens == short - 1 + n - 1
     txt = write(tmp_path / "m.txt", "\ufeffpara one\r\nstill one\r\n\r\n  \r\npara two\r\n")
     assert texts(tok, txt) == [f"{BOS}para one\nstill one{EOS}", f"{BOS}para two{EOS}"]
     arr = write(tmp_path / "m.json", '\ufeff[\r\n {"text": "a"},\r\n\r\n {"text": "b"}\r\n]\r\n')
@@ -115,7 +124,7 @@ BAD = [
     ("role.jsonl", b'{"messages": [{"role": "robot", "content": "x"}]}\n', "role.jsonl:1",
      "message 1 has role='robot'"),
     ("content.jsonl", b'{"messages": [{"role": "user", "content": ["x"]}]}\n',
-     "content.jsonl:1", "message 1 has a list 'content'"),
+     "content.jsonl:1", "message 1 has a content part that is not"),
     ("turns.jsonl", b'{"conversations": "hi"}\n', "turns.jsonl:1", "'conversations' is a str"),
     ("sgpt.jsonl", b'{"conversations": [{"from": "human"}]}\n', "sgpt.jsonl:1",
      "message 1 has a missing value 'value'"),
@@ -131,7 +140,8 @@ def test_bad_input_is_one_clear_error(tok, tmp_path, name, content, where, probl
 
 
 def test_other_bad_inputs(tok, tmp_path):
-    long = jsonl(tmp_path / "long.jsonl", [{"text": "short"}, {"text": "word " * 100}])
+    long = jsonl(tmp_path / "long.jsonl", [{"instruction": "short", "output": "x"},
+                                           {"instruction": "word " * 100, "output": "y"}])
     err = user_error(prep, tok, tmp_path / "c", long, max_seq_len=32, truncation="error")
     assert err.where.endswith("long.jsonl:2") and "longer than max_seq_len = 32" in err.problem
     err = user_error(prep, tok, tmp_path / "c", long, max_seq_len=4, truncation="drop")
@@ -144,7 +154,7 @@ def test_other_bad_inputs(tok, tmp_path):
     missing = tmp_path / "nope.jsonl"
     assert user_error(prep, tok, tmp_path / "c", missing).problem == "does not exist"
     assert "unsupported extension" in user_error(
-        prep, tok, tmp_path / "c", write(tmp_path / "x.csv", "a,b\n")).problem
+        prep, tok, tmp_path / "c", write(tmp_path / "x.xml", "<a/>\n")).problem
     assert user_error(prep, tok, tmp_path / "c", long, format="chat").where == "data.format"
     assert user_error(prep, tok, tmp_path / "c", long, val_fraction=1.0).where == \
         "data.val_fraction"
@@ -163,7 +173,7 @@ def test_cli_inspect(tiny_dir, tmp_path, capsys):
     assert main(args + ["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["stats"]["records"] == 3 and report["stats"]["from_cache"] is True
-    assert ["4" + EOS, True] in report["samples"][0]
+    assert ["4" + EOS, True] in report["samples"][0]["pieces"]
     assert main(["data", "inspect", str(tmp_path / "none.jsonl"), "--model", str(tiny_dir)]) == 2
     assert "does not exist" in capsys.readouterr().err
 

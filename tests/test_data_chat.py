@@ -124,7 +124,7 @@ def test_builtin_chatml_when_model_has_none(tiny_dir, tmp_path):
     assert p.stats.template == "built-in ChatML"
     warnings = [e.message for e in events if isinstance(e, Log) and e.level == "warning"]
     assert len(warnings) == 1 and "no chat_template" in warnings[0]
-    sample = preview(DataConfig(train=str(path)), t, 1)[0]
+    sample = preview(DataConfig(train=str(path)), t, 1).samples[0].pieces
     assert sample == [("<|begin_of_text|><|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
                        False), ("Hello<|im_end|>", True), ("\n", False)]
     # the user is told again when the tokens come from the cache

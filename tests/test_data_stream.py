@@ -11,7 +11,9 @@ import torch
 
 import engine.data.cache as cache_mod
 import engine.data.prepare as prepare_mod
+from engine.config import DataConfig
 from engine.data import IGNORE, BatchStream, iterate_eval, tokenize
+from engine.data.chat import ChatRenderer
 from engine.data.store import TokenStore
 from engine.events import Progress
 from test_data_helpers import jsonl, prep, tiny_dir, tok, tokenizer_with, user_error  # noqa: F401
@@ -199,8 +201,8 @@ def test_worker_processes_match_the_thread(tok, tiny_dir, tmp_path, monkeypatch)
         for processes in (0, 2):
             folder = tmp_path / f"{name}-{processes}"
             folder.mkdir()
-            meta = tokenize.build_store([path], "auto", tok, "assistant", folder, None, "t",
-                                        processes=processes)
+            meta = tokenize.build_store([path], DataConfig(), tok, ChatRenderer(tok), folder,
+                                        None, "t", processes=processes)
             (folder / "meta.json").write_text(json.dumps(meta))
             stores.append(TokenStore(folder))
         a, b = stores
@@ -210,6 +212,6 @@ def test_worker_processes_match_the_thread(tok, tiny_dir, tmp_path, monkeypatch)
     # a worker's UserError reaches the caller as the same one message
     hostile = tokenizer_with(tiny_dir, tmp_path / "tok", "{{ ''.__class__.__mro__ }}")
     (tmp_path / "h").mkdir()
-    err = user_error(tokenize.build_store, [path], "auto", hostile, "assistant", tmp_path / "h",
-                     None, "t", processes=2)
+    err = user_error(tokenize.build_store, [path], DataConfig(), hostile, ChatRenderer(hostile),
+                     tmp_path / "h", None, "t", processes=2)
     assert "refused by the sandbox" in err.problem

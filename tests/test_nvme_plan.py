@@ -20,7 +20,8 @@ from engine.plan.evaluate import Evaluator
 from engine.plan.planner import knobs_from_config
 from engine.runtime.backend import CpuBackend
 from engine.runtime.executor import ExecShape
-from engine.runtime.nvme import BUFFERS, NvmeTier, disk_layers, file_bytes
+from engine.runtime.nvme import NvmeTier, disk_layers
+from engine.runtime.shapes import BUFFERS, file_bytes
 from engine.train.commands import run_training
 from engine.train.demo import write_task
 from engine.train.state import build_host_state

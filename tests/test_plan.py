@@ -18,6 +18,7 @@ from engine.errors import UserError
 from engine.models.spec import load_spec
 from engine.plan import REFERENCE, load_profile, plan_run
 from engine.plan.budget import resolve_budgets
+from engine.plan.evaluate import TIGHT
 from engine.plan.hardware import read_profile, save_profile
 from engine.plan.machine import HostMemory
 
@@ -107,19 +108,31 @@ def test_largest_batches_are_the_edge_of_fitting(tmp_path):
 
 
 def test_exec_shape_takes_as_many_slots_as_fit(tmp_path):
+    """Over a sweep of VRAM budgets: the chosen K slots keep the GPU under the 90% line, K + 1
+    would cross it, K is within [2, L] and never falls as the budget grows."""
     spec = load_spec(model_folder(tmp_path, "llama-3.2-3b"))
     base = {"budget.ram": "100GiB", "data.max_seq_len": 1024, "train.micro_batch": 4,
             "budget.checkpoints": "gpu", "budget.gpu_layers": 0}
-    roomy = plan_run(override(RunConfig(), {**base, "budget.vram": "80GiB"}), spec, hardware=REFERENCE)
-    assert roomy.exec_shape.slots == spec.num_layers  # never more than the layers
-    # a budget that leaves room for exactly 5 slots under the 90% line
-    slot = spec.params_per_layer * 2
-    five = override(RunConfig(), {**base, "budget.slots": 5, "budget.vram": "80GiB"})
-    need = plan_run(five, spec, hardware=REFERENCE).tier("gpu").peak
-    vram = int((need + slot // 2) / 0.9)
-    chosen = plan_run(override(RunConfig(), {**base, "budget.vram": str(vram)}), spec, hardware=REFERENCE)
-    assert chosen.exec_shape.slots == 5 and chosen.exec_shape.checkpoints == "gpu"
-    tiny = plan_run(override(RunConfig(), {**base, "budget.vram": "6GiB"}), spec, hardware=REFERENCE)
+
+    def plan(vram: int, slots: int = 0):
+        cfg = override(RunConfig(), {**base, "budget.vram": str(vram), "budget.slots": slots})
+        return plan_run(cfg, spec, hardware=REFERENCE)
+
+    def gpu_share(p) -> float:
+        return p.tier("gpu").peak / p.tier("gpu").budget
+
+    L, chosen = spec.num_layers, []
+    for vram in range(6 << 30, 40 << 30, 3 << 30):
+        k = plan(vram).exec_shape.slots
+        assert 2 <= k <= L
+        if k > 2:
+            assert gpu_share(plan(vram, k)) <= TIGHT
+        if k < L and gpu_share(plan(vram, 2)) <= TIGHT:
+            assert gpu_share(plan(vram, k + 1)) > TIGHT
+        chosen.append(k)
+    assert chosen == sorted(chosen) and chosen[0] < chosen[-1]
+    assert plan(80 << 30).exec_shape.slots == L  # never more than the layers
+    tiny = plan(6 << 30)
     assert tiny.exec_shape.slots == 2 and tiny.verdict == "does not fit"  # at least 2
 
 
@@ -145,7 +158,7 @@ def test_trainer_runs_the_plans_shape(tiny_model_factory, tmp_path):
                                      "output.run_dir": str(tmp_path / "run"), **extra})
         trainer = Trainer(cfg)
         trainer.spec, trainer.backend = load_spec(model), CpuBackend()
-        shape = trainer.exec_shape()
+        shape = trainer.make_plan().exec_shape
         assert shape == plan_run(cfg, trainer.spec, device="cpu").exec_shape == trainer.plan.exec_shape
         if want:
             assert (shape.slots, shape.checkpoints) == want

@@ -115,7 +115,7 @@ def test_a_finished_run_whose_export_failed_resumes_to_write_it(base, reference,
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     with monkeypatch.context() as m:
-        m.setattr("engine.models.weights.save_file", no_space)
+        m.setattr("safetensors.torch.save_file", no_space)
         assert run_training(cfg) == "failed"  # every step done, the final model not written
     offset = len(events_of(run, object))
     assert run_training(cfg, resume=True) == "finished"

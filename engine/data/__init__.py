@@ -9,8 +9,8 @@ The trainer's interface::
 """
 from engine.data.dataset import IGNORE, MicroBatch, SequenceDataset
 from engine.data.prepare import DataStats, PreparedData, prepare_data
-from engine.data.preview import Sample, preview
+from engine.data.preview import Preview, Sample, preview
 from engine.data.stream import BatchStream, iterate_eval
 
-__all__ = ["BatchStream", "DataStats", "IGNORE", "MicroBatch", "PreparedData", "Sample",
+__all__ = ["BatchStream", "DataStats", "IGNORE", "MicroBatch", "PreparedData", "Preview", "Sample",
            "SequenceDataset", "iterate_eval", "prepare_data", "preview"]

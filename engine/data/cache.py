@@ -19,7 +19,7 @@ from typing import Callable
 from engine.data.records import content_hash
 from engine.models.tokenizer import TokenizerInfo
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Bumped whenever the stored layout or the tokenization rules change."""
 META = "meta.json"
 _STALE_S = 24 * 3600

@@ -8,15 +8,16 @@ document or is padding).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from engine.data.packing import Layout
 from engine.data.store import TokenStore
+from engine.kernels import IGNORE
 
-IGNORE = -100
+if TYPE_CHECKING:  # preparing and inspecting data needs no torch; a batch imports it
+    import torch
 
 
 @dataclass
@@ -56,6 +57,8 @@ class SequenceDataset:
 
     def batch(self, rows: Sequence[int]) -> MicroBatch:
         """The micro-batch made of ``rows`` (in that order)."""
+        import torch
+
         shape = (len(rows), self.seq_len)
         ids = np.full(shape, self.pad_id, np.int64)
         labels = np.full(shape, IGNORE, np.int64)
@@ -72,7 +75,8 @@ class SequenceDataset:
         pos = 0
         for k, s in enumerate(range(lo, hi)):
             n = int(self.layout.seg_len[s])
-            tokens, mask = self.store.doc(int(self.layout.seg_doc[s]), n)
+            tokens, mask = self.store.doc(int(self.layout.seg_doc[s]), n,
+                                          int(self.layout.seg_start[s]))
             ids[pos:pos + n] = tokens
             labels[pos:pos + n - 1] = np.where(mask[1:] != 0, tokens[1:], IGNORE)
             doc[pos:pos + n] = k

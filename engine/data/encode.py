@@ -7,11 +7,13 @@ the first token of a document is never one. Conventions:
   Llama adds BOS, Qwen adds nothing) and every token is trained.
 - A conversation is rendered by its chat template, which writes its own special tokens, so it is
   encoded with ``add_special_tokens=False`` (as ``apply_chat_template`` does). With
-  ``train_on="assistant"`` only tokens that overlap an assistant span are trained.
+  ``train_on="assistant"`` only tokens that overlap a trained reply's span are trained (not
+  replies with ``weight: 0``, nor earlier ones with ``mask_history``).
 - EOS is appended where the document would otherwise not end with one: text not ending in EOS,
   or a conversation with no EOS after the start of its last assistant reply (a template whose
   end-of-turn marker is the EOS token, such as ChatML with ``<|im_end|>``, needs none). When the
-  conversation ends with a reply, the EOS and the template text between them are trained.
+  conversation ends with a trained reply, the EOS and the template text between them are
+  trained.
 
 Both paths use the tokenizers batch API, whose Rust encoder runs on all cores.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.data.chat import ChatRenderer, token_ranges
+from engine.data.conversation import Conversation
 from engine.models.tokenizer import TokenizerInfo
 
 
@@ -57,7 +60,7 @@ def encode_texts(tok: TokenizerInfo, texts: list[str], detail: bool = False) -> 
     return out
 
 
-def encode_chats(tok: TokenizerInfo, renderer: ChatRenderer, convs: list[list[dict]],
+def encode_chats(tok: TokenizerInfo, renderer: ChatRenderer, convs: list[Conversation],
                  train_on: str, detail: bool = False) -> EncodedBatch:
     """Render and tokenize conversations; see the module docstring for the mask."""
     texts = [renderer.render(c) for c in convs]
@@ -74,7 +77,7 @@ def encode_chats(tok: TokenizerInfo, renderer: ChatRenderer, convs: list[list[di
             trained[first:end] = 1
         last_reply = ranges[-1][0] if ranges else 0
         add = eos_id is not None and not bool((a[last_reply:] == eos_id).any())
-        ends_with_reply = sp is None or conv[-1]["role"] == "assistant"
+        ends_with_reply = sp is None or conv.trained[-1]
         if add and ends_with_reply and ranges:
             # The template's tail after the reply (e.g. "\n") now precedes the appended EOS:
             # train it too, or the model never learns the way to the EOS.
@@ -120,21 +123,23 @@ def _assemble(tok: TokenizerInfo, ids: list[np.ndarray], masks: list[np.ndarray]
                         np.asarray(lengths, dtype=np.int64))
 
 
-def segments(tok: TokenizerInfo, batch: EncodedBatch, doc: int) -> list[tuple[str, bool]]:
-    """The text of one document as (piece, trained) runs, for previews.
+def segments(tok: TokenizerInfo, batch: EncodedBatch, doc: int,
+             limit: int | None = None) -> list[tuple[str, bool]]:
+    """The text of one document (its first ``limit`` tokens) as (piece, trained) runs.
 
     Pieces are slices of the encoded text between token starts, so they join back into it
     exactly; tokens that are not in the text (an added BOS or EOS) show as their token string.
+    Linear in the document's length (runs are joined once, not grown piece by piece).
     """
     start = int(batch.lengths[:doc].sum())
-    n = int(batch.lengths[doc])
+    n = int(batch.lengths[doc]) if limit is None else min(limit, int(batch.lengths[doc]))
     ids, mask = batch.ids[start:start + n], batch.mask[start:start + n]
     text, offsets = batch.texts[doc], batch.offsets[doc]
     # Several tokens can share one start (a character split into byte tokens): the first
     # of them carries the text up to the next distinct start.
     bounds = sorted({s for s, e in offsets if e > s}) + [len(text)]
     upto = dict(zip(bounds[:-1], bounds[1:]))
-    out: list[tuple[str, bool]] = []
+    runs: list[tuple[list[str], bool]] = []
     for i in range(n):
         s, e = offsets[i] if i < len(offsets) else (0, 0)
         if e > s:
@@ -142,8 +147,8 @@ def segments(tok: TokenizerInfo, batch: EncodedBatch, doc: int) -> list[tuple[st
         else:
             piece = tok.tok.id_to_token(int(ids[i])) or ""
         trained = bool(mask[i])
-        if out and out[-1][1] == trained:
-            out[-1] = (out[-1][0] + piece, trained)
+        if runs and runs[-1][1] == trained:
+            runs[-1][0].append(piece)
         elif piece:
-            out.append((piece, trained))
-    return out
+            runs.append(([piece], trained))
+    return [("".join(pieces), trained) for pieces, trained in runs]

@@ -1,9 +1,13 @@
 """From tokenized documents to fixed-length rows: truncation policy, validation split, packing.
 
-A layout lists, for every row of ``seq_len`` tokens, the documents it holds in order
-(``seg_doc``) and how many of their leading tokens are used (``seg_len``: the whole document, or
-``seq_len`` when it was truncated). Documents are never split across rows, so a reply is never
-separated from its prompt.
+A layout lists, for every row of ``seq_len`` tokens, the document pieces it holds in order: the
+document (``seg_doc``), where the piece starts in it (``seg_start``) and its length
+(``seg_len``). Conversations are never split across rows, so a reply is never separated from its
+prompt: one longer than ``seq_len`` is truncated, dropped or refused (``data.truncation``).
+Plain text is cut into blocks instead (pre-training style: truncating a book to its first page
+would throw the rest away): blocks of ``seq_len`` tokens that overlap by one token, so every
+token but the document's first is a target exactly once (the first token of a block is only
+context; it was the last target of the previous block).
 
 Packing is best-fit decreasing: documents in decreasing length (ties in seeded random order) each
 go to the open row whose free space fits them most tightly. It fills rows to ~99% on typical
@@ -24,24 +28,30 @@ from engine.errors import UserError
 
 @dataclass(frozen=True)
 class Selection:
-    """The documents that survive the truncation policy and the no-target filter."""
+    """The document pieces that survive the truncation policy and the no-target filter."""
 
     docs: np.ndarray
     """(K,) document indices into the store, in store order."""
+    starts: np.ndarray
+    """(K,) first token of each piece in its document (0 unless text was cut into blocks)."""
     lengths: np.ndarray
-    """(K,) tokens used per document (<= seq_len)."""
+    """(K,) tokens per piece (<= seq_len)."""
     targets: np.ndarray
-    """(K,) trained tokens in the used part of each document."""
+    """(K,) trained tokens in each piece."""
     truncated: int
     """Documents cut to seq_len and kept."""
     dropped: int
     """Documents removed for being longer than seq_len (policy "drop")."""
     no_target: int
     """Documents removed because no trained token is left (no reply, or cut off by truncation)."""
+    split: int = 0
+    """Plain-text documents cut into several blocks."""
 
 
 def select(store: TokenStore, seq_len: int, truncation: str) -> Selection:
-    """Apply the truncation policy ("truncate", "drop" or "error") to every document."""
+    """Cut plain text into blocks; apply the truncation policy to conversations."""
+    if store.meta["format"] == "text":
+        return _blocks(store, seq_len)
     lengths = store.lengths
     long = lengths > seq_len
     if truncation == "error" and long.any():
@@ -55,10 +65,30 @@ def select(store: TokenStore, seq_len: int, truncation: str) -> Selection:
             targets[d] = int(store.doc(int(d), seq_len)[1].sum())
     dropped = long if truncation == "drop" else np.zeros_like(long)
     keep = (targets > 0) & ~dropped
-    return Selection(docs=np.flatnonzero(keep), lengths=np.minimum(lengths, seq_len)[keep],
-                     targets=targets[keep],
+    docs = np.flatnonzero(keep)
+    return Selection(docs=docs, starts=np.zeros(len(docs), np.int64),
+                     lengths=np.minimum(lengths, seq_len)[keep], targets=targets[keep],
                      truncated=int((long & keep).sum()), dropped=int(dropped.sum()),
                      no_target=int(((targets == 0) & ~dropped).sum()))
+
+
+def _blocks(store: TokenStore, seq_len: int) -> Selection:
+    """Plain-text documents as blocks of at most ``seq_len`` tokens overlapping by one."""
+    lengths = store.lengths.astype(np.int64)
+    stride = seq_len - 1
+    long = lengths > seq_len
+    counts = np.where(long, (lengths - 2) // stride + 1, 1)
+    docs = np.repeat(np.arange(len(lengths)), counts)
+    first = np.repeat(np.cumsum(counts) - counts, counts)
+    starts = (np.arange(len(docs)) - first) * stride
+    pieces = np.minimum(seq_len, lengths[docs] - starts)
+    # Text trains every token but a document's first (encode_texts), and a block's first token
+    # is context only: a block of n tokens has n - 1 targets.
+    targets = np.where(long[docs], pieces - 1, store.targets[docs].astype(np.int64))
+    keep = targets > 0
+    return Selection(docs=docs[keep], starts=starts[keep], lengths=pieces[keep],
+                     targets=targets[keep], truncated=0, dropped=0,
+                     no_target=int((~keep).sum()), split=int(long.sum()))
 
 
 def split(sel: Selection, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -80,6 +110,8 @@ class Layout:
     """(R + 1,) int64."""
     seg_doc: np.ndarray
     """(S,) int64 store document of each segment."""
+    seg_start: np.ndarray
+    """(S,) int64 first token of the segment in its document."""
     seg_len: np.ndarray
     """(S,) int32 tokens of that document used."""
 
@@ -91,22 +123,24 @@ class Layout:
         return int(self.seg_len.sum())
 
     def save(self, path: Path) -> None:
-        np.savez(path, row_ptr=self.row_ptr, seg_doc=self.seg_doc, seg_len=self.seg_len)
+        np.savez(path, row_ptr=self.row_ptr, seg_doc=self.seg_doc, seg_start=self.seg_start,
+                 seg_len=self.seg_len)
 
     @classmethod
     def load(cls, path: Path) -> "Layout":
         with np.load(path) as z:
-            return cls(z["row_ptr"], z["seg_doc"], z["seg_len"])
+            return cls(z["row_ptr"], z["seg_doc"], z["seg_start"], z["seg_len"])
 
 
-def layout(docs: np.ndarray, lengths: np.ndarray, seq_len: int, packing: bool,
-           seed: int) -> Layout:
-    """Rows for documents ``docs`` of ``lengths`` tokens: packed, or one per row."""
+def layout(docs: np.ndarray, starts: np.ndarray, lengths: np.ndarray, seq_len: int,
+           packing: bool, seed: int) -> Layout:
+    """Rows for the pieces (``docs``, ``starts``, ``lengths``): packed, or one per row."""
     rows = _best_fit(lengths, seq_len, seed) if packing else [[i] for i in range(len(docs))]
     sizes = np.fromiter((len(r) for r in rows), np.int64, count=len(rows))
     order = np.fromiter((i for r in rows for i in r), np.int64, count=int(sizes.sum()))
     return Layout(row_ptr=np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64),
                   seg_doc=docs[order].astype(np.int64),
+                  seg_start=starts[order].astype(np.int64),
                   seg_len=lengths[order].astype(np.int32))
 
 

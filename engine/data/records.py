@@ -9,6 +9,9 @@ Supported files:
   line number is the paragraph's first line). Paragraphs keep their inner line breaks. Whole-file
   documents were rejected because a book-sized file would exceed any ``max_seq_len`` and be
   truncated to its first page.
+- ``.csv``, ``.parquet``, ``.arrow`` / ``.feather`` (Arrow IPC file or stream, as Hugging Face
+  ``datasets`` saves them): one record per row, read with pyarrow in batches; a record's "line"
+  is its row number (CSV: its line, the header being line 1). Null cells count as absent fields.
 - a folder: every ``*.txt`` file below it, in sorted path order.
 
 Real-world mess is tolerated: a UTF-8 byte-order mark, CRLF line endings, blank lines.
@@ -23,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from engine.data import tables
 from engine.errors import UserError
 
-SUFFIXES = (".jsonl", ".json", ".txt")
+SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet", ".arrow", ".feather")
+TABLE_SUFFIXES = (".csv", ".parquet", ".arrow", ".feather")
 _BOM = "\ufeff"
 
 
@@ -58,7 +63,8 @@ def source_files(path: Path | str, setting: str = "data.train") -> list[Path]:
         raise UserError(path, "does not exist", f"check the path given as {setting}")
     if path.suffix.lower() not in SUFFIXES:
         raise UserError(path, f"has an unsupported extension '{path.suffix}'",
-                        "use .jsonl, .json or .txt (or a folder of .txt files)")
+                        "use .jsonl, .json, .txt, .csv, .parquet or .arrow (or a folder of .txt "
+                        "files)")
     return [path]
 
 
@@ -77,22 +83,30 @@ def content_hash(files: list[Path]) -> str:
 class RecordReader:
     """Iterates the records of several files; ``bytes_done`` tracks progress."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], limit: int = 0):
+        """``limit``: stop after this many records in all (0: read everything)."""
         self.files = files
         self.total_bytes = sum(f.stat().st_size for f in files)
         self.bytes_done = 0
+        self.limit = limit
 
     def __iter__(self) -> Iterator[Record]:
+        total = 0
         for f in self.files:
             if f.stat().st_size == 0:
                 raise UserError(f, "is empty", "add records to the file, or remove it")
             count = 0
             for count, rec in enumerate(self._file_records(f), 1):
                 yield rec
+                total += 1
+                if total == self.limit:
+                    return
             if count == 0:
                 raise UserError(f, "holds no records", "add records to the file, or remove it")
 
     def _file_records(self, f: Path) -> Iterator[Record]:
+        if f.suffix.lower() in TABLE_SUFFIXES:
+            return self._table_rows(f)
         if f.suffix.lower() == ".txt":
             return self._paragraphs(f)
         if f.suffix.lower() == ".json" and _first_char(f) == "[":
@@ -120,6 +134,17 @@ class RecordReader:
                                 "fix or remove that line: each line must hold one JSON object"
                                 ) from None
             yield _object(Record(f, no, value))
+
+    def _table_rows(self, f: Path) -> Iterator[Record]:
+        """Rows of a CSV / Parquet / Arrow file as records, a batch of rows at a time."""
+        first = 2 if f.suffix.lower() == ".csv" else 1
+        row, size, done = 0, f.stat().st_size, 0
+        for batch, fraction in tables.batches(f):
+            for value in batch.to_pylist():
+                yield Record(f, first + row, value)
+                row += 1
+            self.bytes_done += int(size * fraction) - done
+            done = int(size * fraction)
 
     def _paragraphs(self, f: Path) -> Iterator[Record]:
         start, lines = 0, []

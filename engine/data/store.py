@@ -93,9 +93,10 @@ class TokenStore:
         """(D,) tokens per document."""
         return np.diff(self.offsets)
 
-    def doc(self, d: int, n: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Ids and target mask of document ``d`` (its first ``n`` tokens when given)."""
-        start, end = int(self.offsets[d]), int(self.offsets[d + 1])
+    def doc(self, d: int, n: int | None = None,
+            skip: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and target mask of document ``d`` (``n`` tokens from token ``skip`` when given)."""
+        start, end = int(self.offsets[d]) + skip, int(self.offsets[d + 1])
         if n is not None:
             end = min(end, start + n)
         return self.tokens[start:end], self.mask[start:end]
@@ -104,6 +105,31 @@ class TokenStore:
         """``file:line`` of the record that document ``d`` came from."""
         file, line = self.origin[d]
         return f"{self.meta['files'][int(file)]}:{int(line)}"
+
+
+class StoreSet:
+    """Several token stores seen as one (mixed sources): document d of the set is document
+    ``d - base[i]`` of store i."""
+
+    def __init__(self, stores: list[TokenStore]):
+        self.stores = stores
+        self.base = np.concatenate([[0], np.cumsum([len(s) for s in stores])]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.base[-1])
+
+    def _find(self, d: int) -> tuple[TokenStore, int]:
+        i = int(np.searchsorted(self.base, d, side="right")) - 1
+        return self.stores[i], d - int(self.base[i])
+
+    def doc(self, d: int, n: int | None = None,
+            skip: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        store, local = self._find(d)
+        return store.doc(local, n, skip)
+
+    def where(self, d: int) -> str:
+        store, local = self._find(d)
+        return store.where(local)
 
 
 def _memmap(path: Path, dtype) -> np.ndarray:

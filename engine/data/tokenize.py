@@ -13,7 +13,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
+from engine.config import DataConfig
 from engine.data import formats
+from engine.data.chat import ChatRenderer
 from engine.data.records import Record, RecordReader
 from engine.data.store import StoreWriter
 from engine.data.workers import Encoder, auto_processes
@@ -27,8 +29,10 @@ BATCH_BYTES = 4 << 20
 class FormatTracker:
     """The format of each file: forced by the config, or detected from its first record."""
 
-    def __init__(self, forced: str):
-        self.forced = forced
+    def __init__(self, cfg: DataConfig, renderer: ChatRenderer):
+        self.forced = cfg.format
+        self.schema = formats.Schema.of(cfg)
+        self.renderer = renderer
         self.per_file: dict[Path, tuple[str, str]] = {}
 
     def document(self, rec: Record) -> formats.Document:
@@ -37,9 +41,13 @@ class FormatTracker:
             if self.forced != "auto":
                 self.per_file[rec.file] = (self.forced, "set by data.format")
             else:
-                self.per_file[rec.file] = (formats.detect(rec), f"detected from line {rec.line}")
+                self.per_file[rec.file] = (formats.detect(rec, self.schema),
+                                           f"detected from line {rec.line}")
         fmt, origin = self.per_file[rec.file]
-        return formats.to_document(rec, fmt, origin)
+        doc = formats.to_document(rec, fmt, origin, self.schema)
+        if not isinstance(doc, str):
+            self.renderer.check(doc, rec.where)
+        return doc
 
     @property
     def name(self) -> str:
@@ -47,23 +55,27 @@ class FormatTracker:
         return next(iter(self.per_file.values()))[0] if self.per_file else self.forced
 
 
-def build_store(files: list[Path], fmt: str, tok: TokenizerInfo, train_on: str, folder: Path,
-                emit: Callable | None, task: str, processes: int | None = None) -> dict:
+def build_store(files: list[Path], cfg: DataConfig, tok: TokenizerInfo, renderer: ChatRenderer,
+                folder: Path, emit: Callable | None, task: str,
+                processes: int | None = None) -> dict:
     """Tokenize ``files`` into the store folder ``folder``; returns its meta.json content.
 
     Args:
+        cfg: the data settings (format, field names, train_on, max_samples).
+        renderer: the chat template conversations are rendered with.
         processes: worker processes; None chooses (see :mod:`engine.data.workers`), 0 uses
             one helper thread.
     """
-    reader = RecordReader(files)
-    tracker = FormatTracker(fmt)
+    reader = RecordReader(files, limit=cfg.max_samples)
+    tracker = FormatTracker(cfg, renderer)
     index = {f: i for i, f in enumerate(files)}
     counts = {"records": 0, "empty": 0}
     emit = emit or (lambda ev: None)
     emit(Progress(task, 0, reader.total_bytes))
     if processes is None:
         processes = auto_processes(reader.total_bytes)
-    with StoreWriter(folder) as writer, Encoder(tok, train_on, processes) as encoder:
+    with StoreWriter(folder) as writer, Encoder(tok, renderer, cfg.train_on,
+                                                processes) as encoder:
         pending: deque = deque()
         for batch in _batches(reader):
             docs, origin = _documents(batch, tracker, index, counts)
@@ -73,10 +85,9 @@ def build_store(files: list[Path], fmt: str, tok: TokenizerInfo, train_on: str, 
             emit(Progress(task, reader.bytes_done, reader.total_bytes))
         while pending:
             _write(writer, *pending.popleft())
-        builtin = encoder.renderer.builtin
     return {"format": tracker.name, "files": [str(f) for f in files],
             "records": counts["records"], "empty": counts["empty"],
-            "builtin_template": tracker.name in formats.CHAT_FORMATS and builtin}
+            "builtin_template": tracker.name in formats.CHAT_FORMATS and renderer.builtin}
 
 
 def _write(writer: StoreWriter, handle, origin: np.ndarray) -> None:

@@ -62,8 +62,8 @@ class _Handle:
 _worker: dict = {}  # the encoding context of a worker process, set by _init_worker
 
 
-def _init_worker(tok: TokenizerInfo, train_on: str) -> None:
-    _worker.update(tok=tok, renderer=ChatRenderer(tok), train_on=train_on)
+def _init_worker(tok: TokenizerInfo, renderer: ChatRenderer, train_on: str) -> None:
+    _worker.update(tok=tok, renderer=renderer, train_on=train_on)
 
 
 def _encode_in_worker(docs: list) -> EncodedBatch | _Failure:
@@ -76,8 +76,9 @@ def _encode_in_worker(docs: list) -> EncodedBatch | _Failure:
 class Encoder:
     """Encodes batches off the reading thread; ``depth`` batches may be in flight."""
 
-    def __init__(self, tok: TokenizerInfo, train_on: str, processes: int = 0):
-        self.renderer = ChatRenderer(tok)
+    def __init__(self, tok: TokenizerInfo, renderer: ChatRenderer, train_on: str,
+                 processes: int = 0):
+        self.renderer = renderer
         self._tok, self._train_on = tok, train_on
         self._pool = self._threads = None
         if processes > 0:
@@ -85,7 +86,7 @@ class Encoder:
             # also stops tokenizers warning that the parent used its threads before the fork.
             with _env("TOKENIZERS_PARALLELISM", "false"):
                 self._pool = multiprocessing.get_context("fork").Pool(
-                    processes, initializer=_init_worker, initargs=(tok, train_on))
+                    processes, initializer=_init_worker, initargs=(tok, renderer, train_on))
             self.depth = 2 * processes
         else:
             self._threads = ThreadPoolExecutor(max_workers=1)

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from engine.kernels import IGNORE
+
 
 @functools.cache
 def _triton_ce():
@@ -62,7 +64,7 @@ def _chunk_grads_torch(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale:
     """_chunk_grads in PyTorch ops: the reference, and the path on CPU."""
     z = (h @ w.t()).float()  # (n, V)
     lse = torch.logsumexp(z, dim=-1)  # (n,)
-    valid = y != -100
+    valid = y != IGNORE
     yc = y.clamp(min=0)
     loss = ((lse - z.gather(1, yc[:, None])[:, 0]) * valid).sum()
     dz = (z - lse[:, None]).exp_()  # softmax
@@ -121,7 +123,7 @@ def linear_ce_loss(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk
         return loss
     for s in range(0, h2.shape[0], chunk):
         z = (h2[s:s + chunk] @ w.t()).float()
-        loss += torch.nn.functional.cross_entropy(z, y[s:s + chunk], ignore_index=-100,
+        loss += torch.nn.functional.cross_entropy(z, y[s:s + chunk], ignore_index=IGNORE,
                                                   reduction="sum")
     return loss
 
@@ -152,4 +154,4 @@ def reference_linear_cross_entropy(h, w, labels, scale: float = 1.0):
     """Plain PyTorch reference (materialises the logits); for tests."""
     z = (h @ w.t()).float()
     return torch.nn.functional.cross_entropy(
-        z.reshape(-1, z.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum") * scale
+        z.reshape(-1, z.shape[-1]), labels.reshape(-1), ignore_index=IGNORE, reduction="sum") * scale

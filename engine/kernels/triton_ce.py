@@ -23,7 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
-IGNORE = tl.constexpr(-100)  # label of untrained tokens; a jit kernel reads only constexpr globals
+from engine.kernels import IGNORE as IGNORE_INDEX
+
+IGNORE = tl.constexpr(IGNORE_INDEX)  # a jit kernel reads only constexpr globals
 # Upper bound on the block of vocabulary one program holds in registers per step. Untuned
 # starting point; benchmarks/linear_ce_bench.py measures the whole head on a GPU.
 MAX_BLOCK = 4096

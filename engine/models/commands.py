@@ -5,22 +5,17 @@ import json
 from pathlib import Path
 
 from engine.models.spec import SUPPORTED, load_spec
-from engine.models.tiny import TinyShape, make_tiny_model
-from engine.models.tokenizer import load_tokenizer
-from engine.models.weights import Checkpoint
+
+_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")
+"""make-tiny-model flags that set a TinyShape field of the same name (default: TinyShape's)."""
 
 
 def register(sub) -> None:
     p = sub.add_parser("make-tiny-model", help="create a tiny random model folder (demo/tests)")
     p.add_argument("--arch", choices=SUPPORTED, default="llama")
     p.add_argument("--out", required=True, help="folder to create")
-    d = TinyShape()
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    p.add_argument("--intermediate", type=int, default=d.intermediate)
-    p.add_argument("--vocab", type=int, default=d.vocab)
+    for name in _SHAPE_FLAGS:  # the defaults live in TinyShape, imported when the command runs
+        p.add_argument("--" + name.replace("_", "-"), type=int, help="default: the demo model's")
     p.add_argument("--head-dim", type=int, default=None)
     p.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
     p.add_argument("--seed", type=int, default=0)
@@ -34,11 +29,12 @@ def register(sub) -> None:
 
 def _make_tiny(a) -> int:
     from engine.errors import UserError
+    from engine.models.tiny import TinyShape, make_tiny_model
     out = Path(a.out)
     if out.exists() and any(out.iterdir()):
         raise UserError(out, "exists and is not empty", "choose a new folder for --out")
-    shape = TinyShape(layers=a.layers, hidden=a.hidden, heads=a.heads, kv_heads=a.kv_heads,
-                      intermediate=a.intermediate, vocab=a.vocab, head_dim=a.head_dim, tie=a.tie)
+    sizes = {name: getattr(a, name) for name in _SHAPE_FLAGS if getattr(a, name) is not None}
+    shape = TinyShape(**sizes, head_dim=a.head_dim, tie=a.tie)
     make_tiny_model(out, a.arch, shape, a.seed)
     spec = load_spec(out)
     print(f"created {out} ({a.arch}, {spec.num_layers} layers, {spec.num_params:,} parameters)")
@@ -56,6 +52,9 @@ def model_report(model_dir: Path | str, config_only: bool = False) -> dict:
         config_only: accept a folder with only config.json (the weights not downloaded yet):
             the report then says so in ``config_only``, and has no weights, size or template.
     """
+    from engine.models.tokenizer import load_tokenizer
+    from engine.models.weights import Checkpoint
+
     spec = load_spec(model_dir)
     if config_only and not any(Path(model_dir).glob("*.safetensors")):
         return dict(spec.summary(), weights_dtype=None, size_on_disk=None, chat_template=None,

@@ -62,8 +62,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask) -> torch.Tensor:
-    """Self-attention of normed input h (B, T, H) -> (B, T, H)."""
+def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None) -> torch.Tensor:
+    """Self-attention of normed input h (B, T, H) -> (B, T, H).
+
+    ``cache``: a layer's KV cache (:class:`engine.generate.cache.LayerCache`) for generation;
+    the new keys and values are appended to it and the queries attend to all of them.
+    """
     B, T, _ = h.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
     q = F.linear(h, p["self_attn.q_proj.weight"], p.get("self_attn.q_proj.bias"))
@@ -77,7 +81,12 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask) -> torch.Te
         k = rms_norm(k, p["self_attn.k_norm.weight"], spec.rms_norm_eps)
     cos, sin = rope
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+    if cache is not None:
+        k, v = cache.extend(k, v)  # (B, nkv, past + T, hd)
+    # is_causal aligns the mask top-left; with cached keys the caller passes the mask
+    # (one new token attends to everything: no mask at all).
+    causal = mask is None and k.shape[2] == T and T > 1
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                        enable_gqa=nh != nkv)  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
     return F.linear(a, p["self_attn.o_proj.weight"], p.get("self_attn.o_proj.bias"))
@@ -90,17 +99,20 @@ def mlp(p: dict, h: torch.Tensor) -> torch.Tensor:
     return F.linear(F.silu(g) * u, p["mlp.down_proj.weight"], p.get("mlp.down_proj.bias"))
 
 
-def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None) -> torch.Tensor:
+def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
+                  cache=None) -> torch.Tensor:
     """One pre-norm decoder layer: x (B, T, H) -> (B, T, H).
 
     Args:
         p: parameter views of :attr:`ModelSpec.layer_layout`.
         rope: (cos, sin) from :func:`rope_tables`.
         mask: None for plain causal attention, else a boolean (B, 1, T, T) mask
-            (True = may attend), e.g. block-diagonal causal for packed documents.
+            (True = may attend), e.g. block-diagonal causal for packed documents; with a
+            ``cache``, (T, past + T).
+        cache: the layer's KV cache when generating (see :func:`attention`).
     """
     eps = spec.rms_norm_eps
-    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask)
+    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask, cache)
     return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps))
 
 

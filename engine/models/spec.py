@@ -11,10 +11,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.errors import UserError
+
+if TYPE_CHECKING:  # spec reading needs no torch: ``info`` and ``plan`` start without it
+    import torch
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 

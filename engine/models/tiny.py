@@ -1,8 +1,9 @@
 """Tiny random models of every supported family, generated locally (no network needed).
 
 A tiny model is a complete Hugging Face folder: config.json, model.safetensors (seeded random
-init), a byte-level BPE tokenizer trained on text generated here, and tokenizer_config.json with
-a ChatML chat template. It is the demo's default model and the tests' fixture.
+init), a byte-level BPE tokenizer trained on text generated here with the special tokens of the
+family's real tokenizer (:data:`FAMILY_TOKENS`), and tokenizer_config.json with a chat template.
+It is the demo's default model and the tests' fixture.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from engine.models.spec import SUPPORTED, spec_from_config
 from engine.models.weights import hf_name, item_layout, item_names, write_hf_folder
@@ -22,6 +23,44 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""The llama tiny model's ChatML template, after its bos token."""
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ m['content'] }}{{ eos_token }}{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}"
+    "{% endfor %}")
+
+
+@dataclass(frozen=True)
+class FamilyTokens:
+    """The special tokens of a family's real tokenizer, which its tiny tokenizer copies (so
+    transformers' tokenizer class for the family finds every token it expects in the vocab)."""
+
+    specials: tuple[str, ...]
+    """Every special token, in id order (ids 0 .. n-1)."""
+    bos: str | None
+    """Prepended to every text; None: the family adds none (Qwen)."""
+    eos: str
+    """Ends an assistant turn."""
+    pad: str
+    chat_template: str
+    split: str | None = None
+    """The regex the family's tokenizer splits text with before byte-level BPE (None: the
+    byte-level default)."""
+
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""Qwen2's pre-tokenizer pattern (its tokenizer.json and transformers' Qwen2Tokenizer split
+with it: digits one by one)."""
+
+FAMILY_TOKENS = {
+    "llama": FamilyTokens((BOS, EOS, PAD, IM_START), BOS, EOS, PAD, CHAT_TEMPLATE),
+    "mistral": FamilyTokens(("<unk>", "<s>", "</s>"), "<s>", "</s>", "<unk>", MISTRAL_TEMPLATE),
+    "qwen2": FamilyTokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>",
+                          "<|endoftext|>", CHAT_TEMPLATE.removeprefix("{{ bos_token }}"),
+                          QWEN_SPLIT),
+}
+FAMILY_TOKENS["qwen3"] = FAMILY_TOKENS["qwen2"]
 
 _WORDS = ("the a model layer train token data learn small large fast slow reverse number sum "
           "answer question user assistant system write read one two three four five six seven "
@@ -40,18 +79,26 @@ def synthetic_corpus(n_lines: int, seed: int = 0) -> list[str]:
     return lines
 
 
-def train_tokenizer(vocab_size: int, seed: int = 0) -> Tokenizer:
-    """A byte-level BPE tokenizer with the chat special tokens; bos added like Llama 3."""
+def train_tokenizer(vocab_size: int, seed: int = 0,
+                    tokens: FamilyTokens = FAMILY_TOKENS["llama"]) -> Tokenizer:
+    """A byte-level BPE tokenizer with a family's special tokens; its bos (if any) is added to
+    every text, like Llama 3's."""
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if tokens.split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(tokens.split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
-    specials = [BOS, EOS, PAD, IM_START]
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokens.specials),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   show_progress=False)
     tok.train_from_iterator(synthetic_corpus(4000, seed), trainer=trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, tok.token_to_id(BOS))])
+    bos = tokens.bos
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
     return tok
 
 
@@ -94,8 +141,9 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
     if arch == "qwen3":
         cfg.update(attention_bias=False, head_dim=shape.head_dim or shape.hidden // shape.heads)
     if tok is not None:
-        cfg.update(bos_token_id=tok.token_to_id(BOS), eos_token_id=tok.token_to_id(EOS),
-                   pad_token_id=tok.token_to_id(PAD))
+        t = FAMILY_TOKENS[arch]
+        cfg.update(bos_token_id=tok.token_to_id(t.bos) if t.bos else None,
+                   eos_token_id=tok.token_to_id(t.eos), pad_token_id=tok.token_to_id(t.pad))
     return cfg
 
 
@@ -122,16 +170,18 @@ def make_tiny_model(out: Path | str, arch: str = "llama", shape: TinyShape = Tin
             (e.g. ``rope_scaling``, ``attention_bias``), for variants TinyShape does not cover.
     """
     out = Path(out)
-    tok = train_tokenizer(shape.vocab, seed)
+    tokens = FAMILY_TOKENS[arch]
+    tok = train_tokenizer(shape.vocab, seed, tokens)
     cfg = tiny_config(arch, shape, tok) | (extra_config or {})
     spec = spec_from_config(cfg)
     staging = out.with_name(out.name + ".tok")
     staging.mkdir(parents=True, exist_ok=True)
     tok.save(str(staging / "tokenizer.json"))
     (staging / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-        "pad_token": PAD, "chat_template": CHAT_TEMPLATE, "model_max_length": shape.max_positions,
-        "add_bos_token": True}, indent=2))
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokens.bos,
+        "eos_token": tokens.eos, "pad_token": tokens.pad, "chat_template": tokens.chat_template,
+        "model_max_length": shape.max_positions, "add_bos_token": tokens.bos is not None},
+        indent=2))
     write_hf_folder(out, spec, random_tensors(spec, seed), dtype=torch.float32,
                     tokenizer_dir=staging)
     for f in staging.iterdir():

@@ -11,11 +11,12 @@ import os
 import shutil
 import struct
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
-import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+
+if TYPE_CHECKING:  # reading headers needs no torch (``info``); writing imports it
+    import torch
 
 from engine.errors import UserError
 from engine.models.spec import Layout, ModelSpec
@@ -152,15 +153,20 @@ class Checkpoint:
 
 
 def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tuple[str, torch.Tensor]],
-                    dtype: torch.dtype = torch.bfloat16, max_shard_bytes: int = 5 << 30,
+                    dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30,
                     tokenizer_dir: Path | str | None = None) -> Path:
     """Write a Hugging Face model folder atomically (temp folder, then rename).
 
     Args:
-        tensors: (checkpoint name, tensor) pairs in any order; each is converted to ``dtype``.
+        tensors: (checkpoint name, tensor) pairs in any order; each is converted to ``dtype``
+            (default bfloat16).
         max_shard_bytes: shard size limit; one shard is written as ``model.safetensors``.
         tokenizer_dir: a folder whose tokenizer files are copied alongside.
     """
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = torch.bfloat16 if dtype is None else dtype
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     old = out_dir.with_name(out_dir.name + ".old")

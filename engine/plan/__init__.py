@@ -5,15 +5,21 @@ and phase, predicted peaks, verdict and fixes, the largest batches, predicted sp
 executor shape the Trainer runs with. ``slideformer plan`` and ``slideformer bench --hardware``
 are in engine.plan.commands.
 """
-from engine.plan.budget import Budgets, resolve_budgets
-from engine.plan.evaluate import Knobs, TierUse
-from engine.plan.fixes import Fix
-from engine.plan.hardware import REFERENCE, HardwareProfile
-from engine.plan.memory import Allocation, Precision, allocations
-from engine.plan.planner import Plan, knobs_from_config, make_plan, plan_run
-from engine.plan.speed import SpeedEstimate
-from engine.plan.targets import PRESETS, load_profile
+import importlib
 
-__all__ = ["Allocation", "Budgets", "Fix", "HardwareProfile", "Knobs", "PRESETS", "Plan", "Precision",
-           "REFERENCE", "SpeedEstimate", "TierUse", "allocations", "knobs_from_config",
-           "load_profile", "make_plan", "plan_run", "resolve_budgets"]
+# Imported on first use (PEP 562): the CLI registers ``plan`` and ``bench`` from
+# engine.plan.commands without importing torch, which the planner needs.
+_SOURCES = {"Budgets": "budget", "resolve_budgets": "budget", "Knobs": "evaluate",
+            "TierUse": "evaluate", "Fix": "fixes", "REFERENCE": "hardware",
+            "HardwareProfile": "hardware", "PRESETS": "targets", "load_profile": "targets", "Allocation": "memory",
+            "Precision": "memory", "allocations": "memory", "Plan": "planner",
+            "knobs_from_config": "planner", "make_plan": "planner", "plan_run": "planner",
+            "SpeedEstimate": "speed"}
+
+__all__ = sorted(_SOURCES)
+
+
+def __getattr__(name: str):
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_SOURCES[name]}"), name)

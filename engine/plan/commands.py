@@ -33,7 +33,7 @@ def register(sub) -> None:
                    help="no gradient clipping (updates overlap the backward)")
     p.add_argument("--no-packing", action="store_true", help="pad sequences instead of packing them")
     p.add_argument("--compute-dtype", choices=("auto", "bfloat16", "float32"))
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--device", help="auto, cpu, cuda or cuda:N (train.device)")
     p.add_argument("--gpu", default="this", metavar="NAME",
                    help="the machine to plan for: this (this machine: its `bench --hardware` "
                         "profile, else what can be seen of it) or a GPU: " + ", ".join(PRESETS)

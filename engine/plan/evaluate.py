@@ -25,7 +25,7 @@ from engine.plan.budget import Budgets
 from engine.plan.hardware import HardwareProfile
 from engine.plan.memory import Allocation, Precision, allocations, peak, peak_phase
 from engine.plan.speed import SpeedEstimate, estimate
-from engine.runtime.executor import ExecShape
+from engine.runtime.shapes import ExecShape
 
 TIGHT = 0.9
 """A budget used above this share is "tight"."""

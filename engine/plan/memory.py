@@ -27,9 +27,7 @@ import torch
 
 from engine.kernels.linear_ce import GW_ROWS, fused_ce_available
 from engine.models.spec import ModelSpec
-from engine.runtime.executor import DEVICE_CHUNK, GRAD_RING, ExecShape
-from engine.runtime.host_state import CHUNK
-from engine.runtime.nvme import BUFFERS, file_bytes
+from engine.runtime.shapes import BUFFERS, CHUNK, DEVICE_CHUNK, GRAD_RING, ExecShape, file_bytes
 
 MiB = 1 << 20
 TIERS = ("gpu", "host", "disk")

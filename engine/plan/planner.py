@@ -10,9 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
-import torch
-
 from engine.config import RunConfig, format_bytes
+from engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
 from engine.errors import UserError
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets, resolve_budgets
@@ -23,7 +22,7 @@ from engine.plan.machine import gpu_memory, host_memory
 from engine.plan.memory import Allocation, Precision, peak
 from engine.plan.speed import SpeedEstimate
 from engine.plan.targets import load_profile
-from engine.runtime.executor import ExecShape
+from engine.runtime.shapes import ExecShape
 
 _TIER_NAMES = {"gpu": "GPU memory", "host": "host RAM", "disk": "NVMe disk"}
 
@@ -130,29 +129,19 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
 
 
 # ---- from a run config --------------------------------------------------------------------------
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _FILE_BYTES = {"float32": 4, "float64": 8}
 
 
 def run_device(cfg: RunConfig, hardware: HardwareProfile) -> str:
     """cuda or cpu: ``train.device``, where ``auto`` means a GPU if the profile's machine has one."""
-    dev = cfg.train.device
-    if dev == "auto":
-        return "cuda" if hardware.gpu else "cpu"
-    if dev == "cpu" or dev.startswith("cuda"):
-        return "cpu" if dev == "cpu" else "cuda"
-    raise UserError("train.device", f"{dev!r} is not a device", "use auto, cuda or cpu")
+    return device_kind(cfg.train.device, bool(hardware.gpu))
 
 
 def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     """The planner's settings of a run config (checked, with one error per bad value)."""
     t, o, b = cfg.train, cfg.optim, cfg.budget
-    name = t.compute_dtype if t.compute_dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    if name not in _DTYPES:
-        raise UserError("train.compute_dtype", f"{name!r} is not supported", "use auto, bfloat16 or float32")
-    if o.moments_dtype not in _DTYPES:
-        raise UserError("optim.moments_dtype", f"{o.moments_dtype!r} is not supported",
-                        "use \"float32\" (exact) or \"bfloat16\"")
+    compute = torch_dtype(compute_dtype_name(t.compute_dtype, device))
+    moments = torch_dtype(moments_dtype_name(o.moments_dtype))
     if b.checkpoints not in ("auto", "gpu", "host"):
         raise UserError("budget.checkpoints", f"{b.checkpoints!r} is not a placement",
                         "use auto, gpu or host")
@@ -165,7 +154,7 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     if b.gpu_layers < -1:
         raise UserError("budget.gpu_layers", f"is {b.gpu_layers}",
                         "give -1 (planner's choice), 0 (none) or a layer count")
-    prec = Precision(_DTYPES[name], _DTYPES[o.moments_dtype], _FILE_BYTES.get(spec.torch_dtype, 2))
+    prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2))
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                  precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
                  clip=o.max_grad_norm > 0, packed=cfg.data.packing)

@@ -33,8 +33,7 @@ from dataclasses import dataclass, replace
 from engine.models.spec import ModelSpec
 from engine.plan.hardware import HardwareProfile
 from engine.plan.memory import Precision
-from engine.runtime.executor import ExecShape
-from engine.runtime.nvme import file_bytes
+from engine.runtime.shapes import ExecShape, file_bytes
 
 # Share of the 8192^3 bf16 matmul rate a decoder layer's forward / recompute / backward reaches
 # (norms, RoPE, attention, elementwise ops included): 0.54-0.57 of 730 TFLOP/s, measured from

@@ -13,6 +13,9 @@ import time
 
 import torch
 
+from engine.devices import device_kind
+from engine.errors import UserError
+
 
 class DoneHandle:
     """A handle whose work already finished (CPU backend)."""
@@ -159,12 +162,10 @@ class CudaBackend:
 
 
 def make_backend(device: str):
-    """``cpu``, ``cuda`` or ``auto`` (CUDA when available)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
+    """``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available)."""
+    if device_kind(device, torch.cuda.is_available()) == "cuda":
+        device = "cuda" if device == "auto" else device
         if not torch.cuda.is_available():
-            from engine.errors import UserError
             raise UserError("train.device", "is 'cuda' but no CUDA GPU is available",
                             "set train.device = \"cpu\" or install a CUDA build of torch")
         return CudaBackend(device)

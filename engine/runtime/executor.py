@@ -35,42 +35,16 @@ from typing import Callable
 
 import torch
 
+from engine.kernels import IGNORE
 from engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
 from engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
 from engine.models.model import embed, positions_for
 from engine.models.spec import ModelSpec
 from engine.runtime.activations import DeviceStore, HostStore
 from engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
+from engine.runtime.shapes import DEVICE_CHUNK, GRAD_RING, ExecShape
 from engine.runtime.slots import SlotPool
 from engine.runtime.timeline import StepTimeline
-
-
-GRAD_RING = 4
-"""Host gradient buffers shared by the decoder layers when they own none (training without
-clipping): the backward may run this many layers ahead of the CPU updates."""
-DEVICE_CHUNK = 1 << 24
-"""Parameters per chunk of the device-side update (64 MB of fp32 scratch; few kernel launches)."""
-
-
-@dataclass(frozen=True)
-class ExecShape:
-    """Buffer shapes of the executor (from the plan)."""
-    micro_batch: int
-    seq_len: int
-    n_micro: int
-    """Micro-batches per step (gradient accumulation), all processed layer-wise."""
-    slots: int
-    """K parameter slots (clamped to the layer count)."""
-    checkpoints: str = "gpu"
-    """Where activation checkpoints live: gpu or host."""
-    head_chunk: int = 4096
-    """Tokens per chunk of the LM-head cross-entropy."""
-    grad_slots: int = 2
-    device_update: bool = False
-    """The embedding and head are updated on the device (remainders and moments in VRAM)."""
-    device_layers: int = 0
-    """Decoder layers 0 .. device_layers-1 live in VRAM with their optimizer state: no slot,
-    no PCIe, updated on the device."""
 
 
 @dataclass(frozen=True)
@@ -232,7 +206,7 @@ class SlidingExecutor:
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
         self.step_updates = 0
-        tokens = sum(int((mb.labels != -100).sum()) for mb in micro_batches)
+        tokens = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)
         inp = [self._inputs(mb) for mb in micro_batches]
         self._refresh("embed", self.embed_w, tl)
@@ -478,7 +452,7 @@ class SlidingExecutor:
         for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
             if self.pool.has(i):
                 self.pool.release(i, evict=True)
-        return float(loss), int((mb.labels != -100).sum())
+        return float(loss), int((mb.labels != IGNORE).sum())
 
     def drain(self) -> None:
         """Wait for every update in flight and its disk writes (before saving or reading the state)."""

@@ -34,12 +34,10 @@ import torch
 
 from engine.kernels import cpu_adam
 from engine.models.spec import Layout
+from engine.runtime.shapes import CHUNK
 
 assert sys.byteorder == "little", "the bf16/remainder split assumes a little-endian CPU"
 
-# 4M elements: 16 MB of fp32 scratch, about 1 MB per thread on a 16-core CPU (L2-resident),
-# and long enough that per-op launch overhead stays small.
-CHUNK = 1 << 22
 
 
 @dataclass(frozen=True)

@@ -58,18 +58,11 @@ from typing import Iterable, Iterator
 import torch
 
 from engine.errors import UserError
+from engine.runtime.shapes import ALIGN, BUFFERS, padded
 
 GiB = 1 << 30
-ALIGN = 4096
-"""O_DIRECT alignment of buffers, offsets and lengths (the logical block size of NVMe disks)."""
 IO_CHUNK = 16 << 20
-BUFFERS = 3
-"""Staging buffers: one item updating, one read ahead, one written behind."""
 THREADS = 4
-
-
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
 
 
 # ---- which layers, and their size ---------------------------------------------------------------
@@ -77,15 +70,6 @@ def disk_layers(num_layers: int, count: int) -> list[int]:
     """The ``count`` decoder layers whose state goes to disk, spread evenly over the depth."""
     count = min(max(count, 0), num_layers)
     return [i for i in range(num_layers) if (i + 1) * count // num_layers > i * count // num_layers]
-
-
-def file_bytes(numel: int, compute_dtype: torch.dtype, moments_dtype: torch.dtype,
-               remainders: bool = False) -> int:
-    """Bytes of one item's file in the tier, and of one staging buffer (fields padded)."""
-    sizes = {"m": moments_dtype.itemsize, "v": moments_dtype.itemsize}
-    if remainders and compute_dtype == torch.bfloat16:
-        sizes["rem"] = 2
-    return sum(_padded(numel * b) for b in sizes.values())
 
 
 # ---- the tier ------------------------------------------------------------------------------------
@@ -111,7 +95,7 @@ class DiskItem:
         off = 0
         for key, dtype in fields.items():
             self.offsets[key] = (off, dtype)
-            off += _padded(numel * dtype.itemsize)
+            off += padded(numel * dtype.itemsize)
         self.nbytes = off
         self.fd = -1
         # residency, guarded by the tier's lock

@@ -16,8 +16,6 @@ from engine.models.spec import ModelSpec
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names, write_hf_folder
 from engine.runtime.host_state import HostItem
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
                      tier=None, layer_grads: bool = True) -> dict[str, HostItem]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import resource
 import threading
 import time
@@ -25,21 +24,23 @@ import torch
 
 from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
+from engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
 from engine.errors import UserError
 from engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
                            Timeline, read_events)
 from engine.models.spec import load_spec
 from engine.models.tokenizer import load_tokenizer
 from engine.models.weights import Checkpoint
+from engine.plan.planner import Plan, plan_run
 from engine.runtime.backend import make_backend
-from engine.runtime.executor import ExecShape, SlidingExecutor
+from engine.runtime.executor import SlidingExecutor
 from engine.runtime.host_state import AdamHyper
 from engine.runtime.nvme import NvmeTier, disk_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from engine.train.lock import LOCK_FILE, RunLock, run_owner
 from engine.train.schedule import lr_at
-from engine.train.state import (DTYPES, build_host_state, export_model, load_weights,
+from engine.train.state import (build_host_state, export_model, load_weights,
                                 state_tensors)
 
 GiB = 1 << 30
@@ -119,12 +120,10 @@ class Trainer:
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
         self.backend = make_backend(cfg.train.device)
-        self.dtype = self._compute_dtype()
-        moments = DTYPES.get(cfg.optim.moments_dtype)
-        if moments not in (torch.float32, torch.bfloat16):
-            raise UserError("optim.moments_dtype", f"{cfg.optim.moments_dtype!r} is not supported",
-                            "use \"float32\" (exact) or \"bfloat16\"")
-        shape = self.exec_shape()
+        self.dtype = torch_dtype(compute_dtype_name(cfg.train.compute_dtype,
+                                                    "cuda" if self.backend.is_cuda else "cpu"))
+        moments = torch_dtype(moments_dtype_name(cfg.optim.moments_dtype))
+        shape = self.make_plan().exec_shape
         self._check_host_memory()
         self.tok = load_tokenizer(cfg.model.path)
         self.prepared, self.stream = data if data is not None else self._prepare_data()
@@ -150,19 +149,20 @@ class Trainer:
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
                               f"{self.dtype}, {self.total_steps} steps"))
 
-    def exec_shape(self) -> ExecShape:
-        """The executor shape the planner picks (slots, checkpoint placement, LM-head chunk).
+    def make_plan(self) -> Plan:
+        """Run the planner for this run and keep its answer as ``self.plan``; a plan that does
+        not fit is a warning here (the host-memory check refuses what cannot run).
 
-        The plan's memory model and the executor share this shape, so prediction and run cannot
-        drift apart; budget.slots and budget.checkpoints, when set, override the plan's choice.
+        The plan's executor shape (slots, checkpoint placement, LM-head chunk) is what the
+        executor runs, so prediction and run cannot drift apart; budget.slots and
+        budget.checkpoints, when set, override the plan's choice.
         """
-        from engine.plan import plan_run
         self.plan = plan_run(self.cfg, self.spec, device="cuda" if self.backend.is_cuda else "cpu")
         if self.plan.verdict == "does not fit":
             fix = f"; try: {self.plan.fixes[0].change}" if self.plan.fixes else ""
             self.emit(Log("warning", f"the planner predicts this run does not fit: "
                                      f"{self.plan.reason}{fix}"))
-        return self.plan.exec_shape
+        return self.plan
 
     def _open_tier(self) -> NvmeTier | None:
         """The NVMe tier for the layers whose moments the plan put on disk (None: none)."""
@@ -173,15 +173,6 @@ class Trainer:
                               f"{self.cfg.budget.nvme_dir}"))
         return NvmeTier(self.cfg.budget.nvme_dir, [f"layer{i}" for i in disk_layers(L, n)],
                         size_limit=self.plan.budgets.disk)
-
-    def _compute_dtype(self) -> torch.dtype:
-        name = self.cfg.train.compute_dtype
-        if name == "auto":
-            return torch.bfloat16 if self.backend.is_cuda else torch.float32
-        if name not in ("float32", "bfloat16"):
-            raise UserError("train.compute_dtype", f"{name!r} is not supported",
-                            "use auto, bfloat16 or float32")
-        return DTYPES[name]
 
     def _check_run_dir(self, resume: bool) -> None:
         d = self.run_dir
@@ -212,10 +203,7 @@ class Trainer:
         if not t.max_steps and not t.epochs > 0:
             raise UserError("train.epochs", f"is {t.epochs} and train.max_steps is 0",
                             "give a positive number of epochs, or set train.max_steps")
-        dev = t.device
-        if dev not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d+", dev):
-            raise UserError("train.device", f"{dev!r} is not a device",
-                            "use auto, cuda, cuda:N or cpu")
+        device_kind(t.device, gpu=False)  # names a device (which one is the backend's choice)
         lr_at(1, 1, self.cfg.optim)  # an unknown schedule is an error now, not at the first step
         if parse_bytes(self.cfg.output.shard_size, "output.shard_size") <= 0:
             raise UserError("output.shard_size", "is not a positive size", "e.g. 5GiB")
@@ -397,7 +385,7 @@ class Trainer:
 
     def export(self, out_dir: Path) -> Path:
         self.executor.drain()
-        dtype = DTYPES.get(self.spec.torch_dtype, torch.bfloat16)
+        dtype = torch_dtype(self.spec.torch_dtype) or torch.bfloat16
         return export_model(self.host, self.spec, out_dir, self.cfg.model.path, dtype,
                             parse_bytes(self.cfg.output.shard_size, "output.shard_size"))
 

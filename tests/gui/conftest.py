@@ -12,13 +12,6 @@ from PySide6.QtCore import QSettings  # noqa: E402
 GIB = 1 << 30
 
 
-@pytest.fixture(autouse=True, scope="session")
-def _singletons_kept_alive():
-    """The app's guard against Qt bindings that leak references to None and True (app.py)."""
-    from slideformer_gui.app import keep_singletons_alive
-    keep_singletons_alive()
-
-
 @pytest.fixture(autouse=True)
 def _no_user_files(tmp_path, monkeypatch):
     """No test reads or writes the real user's settings or data folder."""

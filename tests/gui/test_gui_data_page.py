@@ -44,7 +44,7 @@ def test_figures_and_preview_are_the_engines(qtbot, page, ctx, tiny_llama, tmp_p
     tok = load_tokenizer(tiny_llama)
     stats = prepare_data(cfg, tok, tmp_path / "cache").stats
     assert replace(report.stats, from_cache=stats.from_cache) == stats
-    assert report.samples == preview(cfg, tok, 4)
+    assert report.preview == preview(cfg, tok, 4)
     assert page.detected.text().startswith("detected: Alpaca")
     assert page.fields["Truncated"].text().startswith(f"{stats.truncated:,} records")
     assert stats.truncated > 0
@@ -75,3 +75,55 @@ def test_validation_share_and_dropped_file(qtbot, page, ctx, tmp_path):
     report = analysed(qtbot, page, lambda: page.val_fraction.setValue(10.0))
     assert ctx.data_config.val_fraction == pytest.approx(0.10)
     assert report.stats.val_records == 6 and page.fields["Validation"].text() == "6 records"
+
+
+def test_first_records_show_before_tokenising_and_tool_calls_are_marked(qtbot, page, tmp_path):
+    from slideformer_gui.data_screenshots import tool_records
+    path = tmp_path / "tools.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in tool_records(8)))
+    page.template.setCurrentIndex(page.template.findData("chatml"))
+    order = []
+    page._progress.previewed.connect(lambda cfg, shown: order.append(("preview", shown)))
+    page.analysed.connect(lambda report: order.append(("report", report)))
+    analysed(qtbot, page, lambda: page.set_file(str(path)))
+    assert [k for k, _ in order] == ["preview", "report"]
+    shown = order[0][1]
+    assert shown == order[1][1].preview and page.ctx.data_config.chat_template == "chatml"
+    trained = [p for p, t in shown.samples[0].pieces if t]
+    assert trained[0].startswith('<tool_call>{"name": "get_weather"')
+    assert "tokens," in page.preview.toHtml() and "dropped" in page.preview.toHtml()
+
+
+def test_refused_preference_file_shows_the_message_and_no_stale_figures(qtbot, page, tmp_path):
+    from slideformer_gui.data_screenshots import preference_records
+    good = alpaca_file(tmp_path / "alpaca.jsonl")
+    analysed(qtbot, page, lambda: page.set_file(str(good)))
+    path = tmp_path / "dpo.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in preference_records()))
+    page.set_file(str(path))
+    qtbot.waitUntil(lambda: page.status.property("state") == "error", timeout=30000)
+    assert "dpo.jsonl:1" in page.status.text() and "preference data" in page.status.text()
+    assert page.fields["Records"].text() == "—" and "say 0" not in page.preview.toPlainText()
+
+
+def test_histogram_reads_at_any_sequence_length_and_in_the_dark_theme(qtbot, page, ctx, tmp_path):
+    from slideformer_gui.theme import PLOT_COLORS
+    path = alpaca_file(tmp_path / "alpaca.jsonl")
+    page.seq_len.setValue(32)
+    analysed(qtbot, page, lambda: page.set_file(str(path)))
+    hist = page.histogram
+    x_min, x_max = hist.getPlotItem().viewRange()[0]
+    assert hist.limit.isVisible() and x_min <= 32 <= x_max
+    last_edge = hist.bars.opts["x1"][-1]
+
+    report = analysed(qtbot, page, lambda: page.seq_len.setValue(8192))  # far beyond every record
+    assert report.stats.seq_len == 8192 and report.stats.hist_edges[-1] == last_edge
+    assert not hist.limit.isVisible()
+    assert hist.getPlotItem().viewRange()[0][1] < 2 * last_edge  # the bars span the chart
+    assert "sequence length 8192" in hist.getPlotItem().getAxis("bottom").labelText
+
+    ctx.theme_changed.emit("dark")  # what the main window sends when the theme changes
+    background, foreground = PLOT_COLORS["dark"]
+    assert hist.bars.opts["pen"].color().name() == background  # no white frames on dark
+    axis = hist.getPlotItem().getAxis("bottom")
+    assert axis.textPen().color().name() == foreground and axis.labelStyle["color"] == foreground

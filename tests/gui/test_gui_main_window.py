@@ -97,7 +97,7 @@ def _cli(code: str):
 
 def test_cli_without_a_display():
     """``--help`` imports no Qt; ``gui`` (the default) explains the missing display."""
-    r = _cli(code="import sys; from engine.cli import DEFAULT_COMMAND, build_parser, main; "
+    r = _cli(code="import sys; from slideformer.cli import DEFAULT_COMMAND, build_parser, main; "
                   "build_parser().format_help(); print(DEFAULT_COMMAND, 'PySide6' in sys.modules); "
                   "print(main([]))")
     assert r.stdout.split() == ["gui", "False", "2"], r.stderr

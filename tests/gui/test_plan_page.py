@@ -7,7 +7,6 @@ nothing else); speeds are the reference machine's (no profile is cached in the t
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
@@ -17,10 +16,9 @@ from PySide6.QtWidgets import QFileDialog
 from engine.config import RunConfig, override
 from engine.models.spec import load_spec
 from engine.plan import plan_run
-from slideformer_gui.app import freeze_heap, make_application
+from slideformer_gui.app import make_application
 from slideformer_gui.formatting import human_bytes
 from slideformer_gui.plan_page import NO_MODEL, VERDICT_TITLES, PlanPage
-from test_gui_responsiveness import MAX_LATE_S, LatencyProbe
 
 CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"
 TARGET = "rtx4090"
@@ -206,24 +204,18 @@ def test_quick_edits_end_on_the_plan_of_the_last_one(qtbot, page, tmp_path):
     assert page.plans_shown - shown <= 2
 
 
-def test_the_gui_thread_never_waits_for_the_planner(qtbot, page, tmp_path):
-    """100 plans of an 8B model, each run on a worker thread while a 10 ms timer keeps time."""
+def test_every_settled_change_shows_its_own_plan(qtbot, page, tmp_path):
+    """100 plans of an 8B model, each computed on the worker thread and shown. (How late the
+    event loop runs meanwhile is measured by benchmarks/gui_latency.py.)"""
     show(qtbot, page, published(tmp_path, "llama-3.1-8b"), DESKTOP)
     page.debounce.setInterval(1)  # 100 plans without 100 pauses for typing
-    freeze_heap()  # as the app does at start-up
-    probe = LatencyProbe()
-    probe.timer.start()
-    shown, t0 = page.plans_shown, time.perf_counter()
+    shown = page.plans_shown
     for i in range(100):
-        page.inputs.micro_batch.setValue(1 + (i + 1) % 8)
+        mb = 1 + (i + 1) % 8
+        page.inputs.micro_batch.setValue(mb)
         qtbot.waitUntil(page.settled, timeout=10000)
-    elapsed = time.perf_counter() - t0
-    probe.timer.stop()
+        assert page.plan.exec_shape.micro_batch == mb
     assert page.plans_shown - shown == 100
-    assert probe.ticks >= 0.5 * elapsed / 0.010
-    print(f"100 plans in {elapsed:.1f} s; the 10 ms probe was late by {probe.worst * 1000:.1f} ms "
-          f"at worst over {probe.ticks} ticks")
-    assert probe.worst < MAX_LATE_S, f"the GUI thread stalled for {probe.worst * 1000:.0f} ms"
 
 
 def test_documentation_screenshots_render(qtbot, tmp_path):

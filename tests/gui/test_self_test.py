@@ -12,8 +12,8 @@ def test_self_test_passes_offscreen(tmp_path):
     env |= {"HOME": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path / "config"),
             "XDG_DATA_HOME": str(tmp_path / "data"),
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "gui", "--self-test"],
+    done = subprocess.run([sys.executable, "-m", "slideformer", "gui", "--self-test"],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "self-test passed" in done.stdout
-    assert "rendered 5 pages" in done.stdout
+    assert "rendered 6 pages: Model, Data, Plan, Train, Runs, Chat" in done.stdout
