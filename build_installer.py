@@ -120,7 +120,9 @@ def run_pyinstaller() -> Path:
             "--collect-submodules", "engine", "--collect-submodules", "slideformer_gui",
             "--collect-submodules", "slideformer",
             "--hidden-import", "resources",
-            "--add-data", f"{ROOT / 'resources'}{sep}resources"]
+            "--add-data", f"{ROOT / 'resources'}{sep}resources",
+            # the CPU AdamW kernel's C source, compiled on the user's machine at first use
+            "--add-data", f"{ROOT / 'engine' / 'kernels' / 'cpu_adam.c'}{sep}engine/kernels"]
     for name in EXCLUDES:
         args += ["--exclude-module", name]
     subprocess.run(args, check=True, cwd=ROOT)

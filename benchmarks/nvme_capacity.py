@@ -46,7 +46,8 @@ from engine.plan.machine import gpu_memory, host_memory  # noqa: E402
 from engine.runtime.backend import make_backend  # noqa: E402
 from engine.runtime.executor import SlidingExecutor  # noqa: E402
 from engine.runtime.host_state import AdamHyper  # noqa: E402
-from engine.runtime.nvme import NvmeTier, disk_layers  # noqa: E402
+from engine.runtime.nvme import NvmeTier
+from engine.runtime.shapes import disk_layers  # noqa: E402
 from engine.train.state import build_host_state  # noqa: E402
 
 GiB = 1 << 30

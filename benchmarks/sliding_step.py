@@ -15,7 +15,7 @@ import json
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -209,6 +209,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cpu-update", type=int, default=0, help="also bench the CPU update on N params")
+    ap.add_argument("--spec-layers", type=int, default=None,
+                    help="with --plan: speculative layers for exact clipping (0: the barrier; "
+                         "default: the planner's)")
     ap.add_argument("--plan", action="store_true",
                     help="the planner's executor shape for each run (slots, checkpoints, device "
                          "optimizer) instead of --slots/--checkpoints")
@@ -242,7 +245,10 @@ def run_micro_batch(spec, host, backend, args) -> None:
         if args.plan:
             plan = plan_shape(spec, args.micro_batch, args.seq, accum, args.clip, args.vram_cap)
             shape = plan.exec_shape
+            if args.spec_layers is not None:  # the planner's shape with another speculation depth
+                shape = replace(shape, spec_layers=args.spec_layers)
             print(json.dumps(dict(event="plan", grad_accum=accum, verdict=plan.verdict,
+                                  spec_layers=shape.spec_layers,
                                   predicted_tokens_per_s=round(plan.speed.tokens_per_s),
                                   predicted_bound=plan.speed.bound,
                                   predicted_vram_gib=round(plan.tier("gpu").peak / 2**30, 2),

@@ -31,6 +31,10 @@ from engine.data.commands import sample_counts
 from engine.data.analysis import DataAnalysis, analyse_data
 from engine.data.formats import FORMATS
 from engine.errors import UserError
+from engine.gguf.commands import default_out as gguf_export_path
+from engine.gguf.installed import SMOLLM2_INSTALL, smollm2_gguf
+from engine.gguf.kinds import EXPORT_KINDS as GGUF_EXPORT_TYPES
+from engine.validate import validate
 from engine.events import (CheckpointSaved, EvalMetrics, Log, Progress, RunState, Span,
                            StepMetrics, Timeline, from_json, read_events)
 from engine.models.commands import model_report as inspect_model
@@ -67,6 +71,8 @@ __all__ = [
     # models
     "SUPPORTED", "ModelSpec", "TinyShape", "inspect_model", "load_spec", "load_tokenizer",
     "make_tiny_model",
+    # GGUF files and the SmolLM2 demo model
+    "GGUF_EXPORT_TYPES", "SMOLLM2_INSTALL", "gguf_export_path", "smollm2_gguf",
     # data
     "FORMATS", "DataAnalysis", "DataStats", "Preview", "Sample", "analyse_data", "sample_counts",
     "write_task",
@@ -77,17 +83,17 @@ __all__ = [
 
 
 # ---- run configs ---------------------------------------------------------------------------------
-def validate_config(cfg: RunConfig) -> RunConfig:
-    """Check a run config's values against each other; returns it unchanged when it is sound.
+def validate_config(cfg: RunConfig, purpose: str = "values") -> RunConfig:
+    """Check every field of a run config (types, ranges, choices); returns it unchanged.
+
+    Args:
+        purpose: ``train`` (model and data must be set), ``plan`` (the model must be set) or
+            ``values`` (only the values that are given are checked).
 
     Raises:
-        UserError: naming the first bad field and how to fix it.
+        UserError: naming the first bad field (``section.key``) and how to fix it.
     """
-    # The config module's cross-field checks, where every front end's config passes.
-    check = getattr(_config, "validate", None)
-    if check is not None:
-        check(cfg)
-    return cfg
+    return validate(cfg, purpose)
 
 
 def load_config(path: Path | str) -> RunConfig:

@@ -3,7 +3,8 @@
 Each subcommand lives next to the code it drives and registers itself through a
 ``register(subparsers)`` function of a module in :data:`COMMANDS`; the handler it sets as ``func``
 receives the parsed arguments and returns an exit code. A :class:`UserError` anywhere becomes one
-message on stderr and exit code 2, never a traceback.
+message on stderr and exit code 2, never a traceback; so does an ``OSError`` about a path (a file
+standing where a folder should be, a read-only folder).
 
 Building the parser imports no torch: command modules import their heavy parts inside their
 handlers, so ``--help`` and the commands that need no torch start fast. The ``slideformer``
@@ -18,14 +19,15 @@ from types import ModuleType
 
 from engine import __version__
 from engine.data import commands as data_commands
-from engine.errors import UserError
+from engine.errors import UserError, path_error
+from engine.gguf import commands as gguf_commands
 from engine.generate import commands as generate_commands
 from engine.models import commands as model_commands
 from engine.plan import commands as plan_commands
 from engine.train import commands as train_commands
 
-COMMANDS: tuple[ModuleType, ...] = (model_commands, data_commands, train_commands, plan_commands,
-                                   generate_commands)
+COMMANDS: tuple[ModuleType, ...] = (model_commands, gguf_commands, data_commands, train_commands,
+                                   plan_commands, generate_commands)
 """Modules with a ``register(subparsers)`` function, in the order shown by --help."""
 
 
@@ -44,6 +46,9 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None,
         default_command: str | None = None) -> int:
     """Parse ``argv`` and run its command; a bare command line runs ``default_command`` (None:
     prints the help)."""
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 must still print
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = parser.parse_args(argv)
     if args.command is None:
         if default_command is None:
@@ -54,6 +59,11 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None,
         return int(args.func(args) or 0)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        if e.filename is None:  # not about a path the user gave: a bug to report as is
+            raise
+        print(f"error: {path_error(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -322,6 +322,8 @@ def _toml_value(v) -> str:
     return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+MAX_BYTES = 1 << 60
+"""The largest size :func:`parse_bytes` reads (1 EiB)."""
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -352,4 +354,8 @@ def parse_bytes(text: str, where: str = "size") -> int:
                         "write a number with a unit, e.g. 24GiB, 128GB or 2TB")
     if value < 0:
         raise UserError(where, f"{text!r} is negative", "give a positive size")
+    # float("1e400") is inf and int(inf) raises: anything past 1 EiB is a typo, not a budget
+    if not value * _UNITS[unit] <= MAX_BYTES:
+        raise UserError(where, f"{text!r} is larger than any machine's memory or disk",
+                        "write a size such as 24GiB, 128GB or 2TB")
     return int(value * _UNITS[unit])

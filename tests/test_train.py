@@ -115,3 +115,14 @@ def test_demo_learns(tmp_path):
     print(json.dumps({k: str(v) for k, v in r.items()}))
     assert r["loss_after"] <= r["loss_before"] / 2
     assert r["score_after"] > r["score_before"]
+
+
+def test_step_events_carry_the_rate_the_step_used(setup_dir, tmp_path):
+    """Step k's event shows lr_at(k): warmup 1/2, 2/2 of lr, then the cosine decay."""
+    from engine.train.schedule import lr_at
+    cfg = run_cfg(setup_dir, tmp_path / "run", max_steps=4)
+    run_training(cfg)
+    events = [ev for ev in read_events(tmp_path / "run" / "events.jsonl") if isinstance(ev, StepMetrics)]
+    assert [ev.step for ev in events] == [1, 2, 3, 4]
+    assert [ev.lr for ev in events] == [lr_at(k, 4, cfg.optim) for k in (1, 2, 3, 4)]
+    assert events[0].lr == cfg.optim.lr / 2  # warmup_steps=2: the first step runs at half the rate

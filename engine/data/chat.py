@@ -1,12 +1,12 @@
 """Chat rendering and assistant spans: which characters of a rendered conversation are trained.
 
-The model's own ``chat_template`` is used (rendered in the tokenizer module's sandbox), unless
-``data.chat_template`` names another ("chatml" or a .jinja file); a built-in ChatML template
-only when the model has none, and the caller is told (:attr:`ChatRenderer.builtin`). The
-template sees what ``transformers.apply_chat_template`` gives it: ``messages``, ``tools``,
-``add_generation_prompt``, the special tokens and ``enable_thinking``. It is compiled once:
-compiling costs ~0.8 ms, rendering ~10 us, and the span search renders each conversation several
-times.
+The model's own ``chat_template`` is used (rendered in the tokenizer module's sandbox, under its
+render budget), unless ``data.chat_template`` names another ("chatml" or a .jinja file); a
+built-in ChatML template only when the model has none, and the caller is told
+(:attr:`ChatRenderer.builtin`). The template sees what ``transformers.apply_chat_template`` gives
+it: ``messages``, ``tools``, ``add_generation_prompt``, the special tokens and
+``enable_thinking``. It is compiled once (engine.models.tokenizer caches it): compiling costs
+~0.8 ms, rendering ~10 us, and the span search renders each conversation several times.
 
 Assistant spans, in order of preference:
 
@@ -29,7 +29,6 @@ when it overlaps a span), so the trained sequence is exactly what tokenizing the
 """
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 from jinja2 import nodes
@@ -78,13 +77,6 @@ class _Generation(Extension):
 _ENV = tokmod._ENV.overlay(extensions=[_Generation])
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled(source: str):
-    # Same sandbox as TokenizerInfo.render_chat plus the generation tag; errors are re-raised
-    # through tokmod.render_template so they read the same.
-    return _ENV.from_string(source)
-
-
 def template_source(tok: TokenizerInfo, choice: str) -> tuple[str, str, bool]:
     """(template, where it comes from, built-in fallback?) for ``data.chat_template``."""
     if choice in TEMPLATES:
@@ -119,13 +111,8 @@ class ChatRenderer:
     def _raw(self, conv, add_generation_prompt, messages=None) -> str:
         ctx = dict(self._ctx, messages=conv.messages if messages is None else messages,
                    tools=conv.tools, add_generation_prompt=add_generation_prompt)
-        try:
-            return _compiled(self.source).render(**ctx)
-        except Exception as e:  # noqa: BLE001 - a template is the model folder's program
-            if not self.generation_tags:  # the reference path words the error
-                return tokmod.render_template(self.source, self.where, **ctx)
-            raise UserError(self.where, f"chat_template failed: {type(e).__name__}: {e}",
-                            "use the model's original template, or another one") from None
+        # sandboxed and budgeted, with the generation tag
+        return tokmod.render_template(self.source, self.where, env=_ENV, **ctx)
 
     def check(self, conv: Conversation, where: str) -> None:
         """Refuse what the template would silently leave out (tools, tool calls, reasoning)."""

@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 from engine.data import tables
 from engine.errors import UserError
+from engine.jsonfile import lone_surrogate
 
 SUFFIXES = (".jsonl", ".json", ".txt", ".csv", ".parquet", ".arrow", ".feather")
 TABLE_SUFFIXES = (".csv", ".parquet", ".arrow", ".feather")
@@ -72,7 +75,7 @@ def content_hash(files: list[Path]) -> str:
     """A digest of the files' names and bytes: any edit changes it (the cache key)."""
     h = hashlib.blake2b(digest_size=16)
     for f in files:
-        h.update(f.name.encode() + b"\0")
+        h.update(os.fsencode(f.name) + b"\0")  # a name need not be UTF-8
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 22):
                 h.update(chunk)
@@ -133,7 +136,9 @@ class RecordReader:
                 raise UserError(f"{f}:{no}", f"is not valid JSON ({e.msg} at column {e.colno})",
                                 "fix or remove that line: each line must hold one JSON object"
                                 ) from None
-            yield _object(Record(f, no, value))
+            except (RecursionError, ValueError) as e:
+                raise _unreadable(f"{f}:{no}", e) from None
+            yield _text_only(_object(Record(f, no, value)), text)
 
     def _table_rows(self, f: Path) -> Iterator[Record]:
         """Rows of a CSV / Parquet / Arrow file as records, a batch of rows at a time."""
@@ -183,7 +188,9 @@ class RecordReader:
             except json.JSONDecodeError as e:
                 raise UserError(f"{f}:{e.lineno}", f"is not valid JSON ({e.msg} at column "
                                 f"{e.colno})", "fix the JSON at that line") from None
-            yield _object(Record(f, line, value))
+            except (RecursionError, ValueError) as e:
+                raise _unreadable(f"{f}:{line}", e) from None
+            yield _text_only(_object(Record(f, line, value)), text[pos:end])
             line += text.count("\n", pos, end)
             pos, expect_value, first = end, False, False
         rest = text[pos + 1:].strip()
@@ -220,8 +227,29 @@ def _decode(raw: bytes, f: Path, line: int | None) -> str:
                         "re-save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
+def _unreadable(where: str, e: Exception) -> UserError:
+    """json's other failures on hostile input: nesting past the recursion limit, or an integer
+    past Python's 4300-digit conversion limit."""
+    what = "nested too deeply" if isinstance(e, RecursionError) else f"a number too large ({e})"
+    return UserError(where, f"is JSON {what} to read", "fix or remove that record")
+
+
 def _object(rec: Record) -> Record:
     if not isinstance(rec.value, dict):
         raise UserError(rec.where, f"is a JSON {type(rec.value).__name__}, not an object",
                         'each record must be an object such as {"text": "..."}')
+    return rec
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _text_only(rec: Record, source: str) -> Record:
+    """Refuse a record whose JSON escapes decode to lone surrogates ("\\ud800"): Python keeps
+    them, but no encoder (the tokenizer's included) accepts them. A scan of the source line
+    finds the candidates; only those records are walked."""
+    if _SURROGATE_ESCAPE.search(source) and lone_surrogate(rec.value) is not None:
+        raise UserError(rec.where, "holds a lone surrogate escape (\\ud800-\\udfff without its "
+                        "pair), which is not text", "fix the record: surrogate escapes must "
+                        "come in high/low pairs, e.g. \\ud83d\\ude00")
     return rec

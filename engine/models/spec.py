@@ -7,13 +7,13 @@ layouts of their own. Parameter names inside a layer are the Hugging Face names 
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.errors import UserError
+from engine.jsonfile import read_json
 
 if TYPE_CHECKING:  # spec reading needs no torch: ``info`` and ``plan`` start without it
     import torch
@@ -77,6 +77,10 @@ class ModelSpec:
     qk_norm: bool
     """Per-head RMSNorm on q and k (qwen3)."""
     max_position_embeddings: int
+    sliding_window: int | None
+    """Attention window of the layers config.json makes windowed (Mistral's ``sliding_window``;
+    Qwen2/3's ``use_sliding_window`` with ``max_window_layers``; ``layer_types``), None if none.
+    Not implemented: :func:`check_window` refuses sequences longer than it."""
     torch_dtype: str
     """Checkpoint dtype declared in config.json (for display and export)."""
     raw_config: dict = field(compare=False, hash=False, repr=False)
@@ -136,19 +140,51 @@ class ModelSpec:
                 "dtype": self.torch_dtype, "tied_embeddings": self.tie_word_embeddings}
 
 
+_FIX = "use the config.json that came with the model's weights"
+# Far above any model of the supported families (the largest have ~130 layers, hidden 16384,
+# vocab 256K); the planner and the host state allocate per layer and per row, so an absurd
+# figure is refused here rather than met as a MemoryError or a search that never ends.
+_LIMITS = {"hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1024,
+           "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
+           "vocab_size": 1 << 24}
+
+
 def _need(cfg: dict, key: str, path: Path):
     if key not in cfg:
-        raise UserError(path, f"config.json has no '{key}'",
-                        "use the config.json that came with the model's weights")
+        raise UserError(path, f"config.json has no '{key}'", _FIX)
     return _positive_int(cfg, key, path)
 
 
 def _positive_int(cfg: dict, key: str, path: Path) -> int:
     v = cfg[key]
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise UserError(path, f"'{key}' is {v!r}, not a positive integer",
-                        "use the config.json that came with the model's weights")
+        raise UserError(path, f"'{key}' is {v!r}, not a positive integer", _FIX)
+    if v > _LIMITS.get(key, v):
+        raise UserError(path, f"'{key}' is {v:,}, more than any model of the supported "
+                        f"families has (at most {_LIMITS[key]:,})", _FIX)
     return v
+
+
+def _positive_real(cfg: dict, key: str, path: Path, default: float, below: float = math.inf) -> float:
+    v = default if cfg.get(key) is None else cfg[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < below:
+        rule = "a positive number" if below == math.inf else f"a number in (0, {below:g})"
+        raise UserError(path, f"'{key}' is {v!r}, not {rule}", _FIX)
+    return float(v)
+
+
+def _dtype_name(cfg: dict, path: Path) -> str:
+    v = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    if not isinstance(v, str):
+        raise UserError(path, f"'torch_dtype' is {v!r}, not a name such as \"bfloat16\"", _FIX)
+    return v
+
+
+def _flag(cfg: dict, key: str, path: Path) -> bool:
+    v = cfg.get(key)
+    if v is not None and not isinstance(v, bool):
+        raise UserError(path, f"'{key}' is {v!r}, not true or false", _FIX)
+    return bool(v)
 
 
 # Keys each rope_scaling type needs (rope_inv_freq reads them).
@@ -163,8 +199,11 @@ def _rope_scaling(cfg: dict, path: Path) -> tuple[tuple[str, object], ...] | Non
     transformers < 5 writes ``rope_scaling`` (plus ``rope_theta``); transformers >= 5 writes one
     ``rope_parameters`` dict holding both, and no ``rope_scaling``: read either spelling.
     """
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise UserError(path, f"'{key}' is {cfg[key]!r}, not an object", _FIX)
     rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not isinstance(rs, dict):
+    if not rs:
         return None
     rs = {k: v for k, v in rs.items() if k != "rope_theta"}
     kind = rs.get("rope_type", rs.get("type"))
@@ -173,11 +212,39 @@ def _rope_scaling(cfg: dict, path: Path) -> tuple[tuple[str, object], ...] | Non
     if kind not in _ROPE_KEYS:
         raise UserError(path, f"rope_scaling type {kind!r} is not supported",
                         "supported: none, linear, llama3")
-    missing = [k for k in _ROPE_KEYS[kind] if not isinstance(rs.get(k), (int, float))]
+    missing = [k for k in _ROPE_KEYS[kind] if isinstance(rs.get(k), bool)
+               or not isinstance(rs.get(k), (int, float)) or not 0 < rs[k] < math.inf]
     if missing:
-        raise UserError(path, f"rope_scaling of type {kind!r} lacks {', '.join(missing)}",
-                        "use the config.json that came with the model's weights")
+        raise UserError(path, f"rope_scaling of type {kind!r} lacks a positive "
+                        f"{', '.join(missing)}", _FIX)
     return tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))
+
+
+def _sliding_window(cfg: dict, mt: str, num_layers: int) -> int | None:
+    """The window of config.json's windowed layers as transformers reads it, or None."""
+    window = cfg.get("sliding_window")
+    if not window:
+        return None
+    types = cfg.get("layer_types")
+    if isinstance(types, list):
+        return int(window) if "sliding_attention" in types else None
+    if mt == "mistral":
+        return int(window)
+    if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        first = cfg.get("max_window_layers", num_layers)  # layers from this index on are windowed
+        return int(window) if first < num_layers else None
+    return None
+
+
+def check_window(spec: "ModelSpec", seq_len: int, path: Path | str) -> None:
+    """Refuse sequences longer than a windowed model's attention window: attention here is full
+    causal, which equals windowed attention only up to the window's length."""
+    if spec.sliding_window is not None and seq_len > spec.sliding_window:
+        raise UserError(Path(path) / "config.json",
+                        f"makes attention windowed (sliding_window={spec.sliding_window}), which "
+                        f"this engine does not implement; sequences of {seq_len} tokens would "
+                        f"train a different model", f"set data.max_seq_len to at most "
+                        f"{spec.sliding_window} (within the window, full attention is the same)")
 
 
 def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
@@ -190,27 +257,33 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     h = _need(cfg, "hidden_size", path)
     nh = _need(cfg, "num_attention_heads", path)
     nkv = _positive_int(cfg, "num_key_value_heads", path) if cfg.get("num_key_value_heads") else nh
-    hd = _positive_int(cfg, "head_dim", path) if cfg.get("head_dim") else h // nh
+    hd = _positive_int(cfg, "head_dim", path) if cfg.get("head_dim") is not None else h // nh
+    if not hd:
+        raise UserError(path, f"hidden_size={h} / num_attention_heads={nh} gives a head_dim of 0",
+                        _FIX)
     if nh % nkv:
         raise UserError(path, f"num_attention_heads={nh} is not a multiple of "
                               f"num_key_value_heads={nkv}", "fix config.json")
     rs = _rope_scaling(cfg, path)
-    attn_bias = bool(cfg.get("attention_bias", False))
+    attn_bias = _flag(cfg, "attention_bias", path)
     # The legacy "default" value of Hugging Face's RoPE parameters moved into rope_parameters
     # in recent transformers versions; accept both spellings.
-    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    theta = _positive_real(cfg if cfg.get("rope_theta") is not None else
+                           cfg.get("rope_parameters") or {}, "rope_theta", path, 10000.0)
     return ModelSpec(
         model_type=mt, vocab_size=_need(cfg, "vocab_size", path), hidden_size=h,
         intermediate_size=_need(cfg, "intermediate_size", path),
         num_layers=_need(cfg, "num_hidden_layers", path), num_heads=nh,
-        num_kv_heads=nkv, head_dim=hd, rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(theta), rope_scaling=rs,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_kv_heads=nkv, head_dim=hd,
+        rms_norm_eps=_positive_real(cfg, "rms_norm_eps", path, 1e-6, below=1.0),
+        rope_theta=theta, rope_scaling=rs,
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", path),
         qkv_bias=(mt == "qwen2") or attn_bias, o_bias=attn_bias,
-        mlp_bias=bool(cfg.get("mlp_bias", False)), qk_norm=(mt == "qwen3"),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
-        raw_config=cfg)
+        mlp_bias=_flag(cfg, "mlp_bias", path), qk_norm=(mt == "qwen3"),
+        max_position_embeddings=(_positive_int(cfg, "max_position_embeddings", path)
+                                 if cfg.get("max_position_embeddings") is not None else 4096),
+        sliding_window=_sliding_window(cfg, mt, _need(cfg, "num_hidden_layers", path)),
+        torch_dtype=_dtype_name(cfg, path), raw_config=cfg)
 
 
 def load_config(model_dir: Path | str) -> dict:
@@ -222,10 +295,7 @@ def load_config(model_dir: Path | str) -> dict:
     if not path.is_file():
         raise UserError(path, "is missing",
                         "pick a Hugging Face model folder (config.json + *.safetensors)")
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(path, f"is not valid JSON ({e})", "restore config.json from the model's source") from None
+    cfg = read_json(path, "restore config.json from the model's source")
     if not isinstance(cfg, dict):
         raise UserError(path, "is not a JSON object", "restore config.json from the model's source")
     return cfg

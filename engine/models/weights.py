@@ -6,11 +6,14 @@ bytes, not the checkpoint's.
 """
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import re
 import shutil
 import struct
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from safetensors import SafetensorError, safe_open
@@ -19,8 +22,11 @@ if TYPE_CHECKING:  # reading headers needs no torch (``info``); writing imports 
     import torch
 
 from engine.errors import UserError
+from engine.jsonfile import parse_json, read_json
 from engine.models.spec import Layout, ModelSpec
 
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+"""Safetensors dtypes a master weight can be read from (quantized ints are not cast)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
 
@@ -54,9 +60,9 @@ def _read_header(path: Path) -> dict:
             size = path.stat().st_size
             if n > size - 8 or n > 100_000_000:
                 raise UserError(path, "has a corrupt safetensors header (bad length)", fix)
-            header = json.loads(f.read(n))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise UserError(path, "has a corrupt safetensors header (not JSON)", fix) from None
+            header = parse_json(f.read(n), path, fix)
+    except UserError as e:
+        raise UserError(path, f"has a corrupt safetensors header ({e.problem})", fix) from None
     if not isinstance(header, dict):
         raise UserError(path, "has a corrupt safetensors header", fix)
     header.pop("__metadata__", None)
@@ -66,6 +72,25 @@ def _read_header(path: Path) -> dict:
     if 8 + n + end > size:
         raise UserError(path, f"is truncated ({size} bytes, header needs {8 + n + end})", fix)
     return header
+
+
+def _index_files(index: Path) -> list[str]:
+    """The shard names of a safetensors index: plain names inside the model folder.
+
+    An index is untrusted input like the rest of the folder: a name that is absolute or climbs
+    out with ``..`` would make the loader read any file the user can read.
+    """
+    fix = "restore the index file from the model's source"
+    data = read_json(index, fix)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(index, "is not a valid safetensors index (no weight_map of file names)", fix)
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        parts = PurePosixPath(f.replace("\\", "/")).parts
+        if not parts or parts[0] == "/" or ".." in parts or PureWindowsPath(f).drive:
+            raise UserError(index, f"names the shard {f!r}, outside the model folder", fix)
+    return files
 
 
 def _entry_ok(v) -> bool:
@@ -85,12 +110,7 @@ class Checkpoint:
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-                raise UserError(index, "is not a valid safetensors index (no weight_map)",
-                                "restore the index file from the model's source") from None
-            files = sorted(set(weight_map.values()))
+            files = _index_files(index)
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
             if not files:
@@ -133,6 +153,12 @@ class Checkpoint:
         if name not in self.meta:
             raise UserError(self.dir, f"tensor '{name}' is missing from the safetensors files",
                             "the weights do not match config.json; use the matching files")
+        if self.meta[name]["dtype"] not in FLOAT_DTYPES:
+            raise UserError(self.where[name], f"tensor '{name}' is stored as "
+                            f"{self.meta[name]['dtype']}; only floating-point weights "
+                            f"({', '.join(FLOAT_DTYPES)}) can be fine-tuned",
+                            "use the unquantized release of the model (bf16, fp16 or fp32 "
+                            "safetensors)")
         got = tuple(self.meta[name]["shape"])
         if got != tuple(shape):
             raise UserError(self.where[name], f"tensor '{name}' has shape {list(got)}, "
@@ -164,16 +190,10 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
         tokenizer_dir: a folder whose tokenizer files are copied alongside.
     """
     import torch
-    from safetensors.torch import save_file
 
     dtype = torch.bfloat16 if dtype is None else dtype
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    old = out_dir.with_name(out_dir.name + ".old")
-    if old.is_dir() and not out_dir.exists():  # a crash between the two renames below
-        os.replace(old, out_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     # Each shard is written as soon as it is full (peak memory: one shard), under a temporary
     # name, and renamed once the shard count is known.
     parts: list[list[str]] = []
@@ -182,7 +202,7 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
 
     def flush():
         if shard:
-            save_file(shard, str(tmp / f"part-{len(parts)}.safetensors"), metadata={"format": "pt"})
+            _save_shard(shard, tmp / f"part-{len(parts)}.safetensors")
             parts.append(list(shard))
             shard.clear()
 
@@ -199,10 +219,7 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
         fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
         os.replace(tmp / f"part-{k}.safetensors", tmp / fname)
         weight_map.update({key: fname for key in keys})
-    if n > 1:
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
-            indent=2))
+    _write_index(tmp, weight_map, size, n)
     cfg = dict(spec.raw_config)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -211,6 +228,23 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
             src = Path(tokenizer_dir) / f
             if src.is_file():
                 shutil.copy2(src, tmp / f)
+    return publish_dir(tmp, out_dir)
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """An empty temporary folder next to ``out_dir``, to fill and then :func:`publish_dir`."""
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    old = out_dir.with_name(out_dir.name + ".old")
+    if old.is_dir() and not out_dir.exists():  # a crash between the two renames of publish_dir
+        os.replace(old, out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, out_dir: Path) -> Path:
+    """Flush the staged folder ``tmp`` and rename it to ``out_dir`` (replacing it whole)."""
+    old = out_dir.with_name(out_dir.name + ".old")
     _fsync_dir(tmp)
     if out_dir.exists():  # the previous export stays whole until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
@@ -221,6 +255,71 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
         os.replace(tmp, out_dir)
     fsync_path(out_dir.parent)
     return out_dir
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, with its write failures raised as the OSError they are.
+
+    safetensors reports a full disk or a read-only folder as ``SafetensorError: ... IoError(Os
+    { code: 28, ... })``; callers handle OSError (engine.train.checkpoint.write_error words it).
+    """
+    from safetensors.torch import save_file  # torch: only when writing
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"code: (\d+)", str(e))
+        err = int(code.group(1)) if code else errno.EIO
+        raise OSError(err, os.strerror(err), str(path)) from None
+
+
+def _write_index(folder: Path, weight_map: dict[str, str], size: int, n_shards: int) -> None:
+    if n_shards > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2))
+
+
+def write_streamed_shards(folder: Path, shapes: list[tuple[str, tuple[int, ...]]],
+                          tensors: Iterable[torch.Tensor], max_shard_bytes: int = 5 << 30) -> None:
+    """Write bf16 safetensors shards whose tensors arrive one at a time (peak: one tensor).
+
+    The shapes are known before the data (a GGUF file's tensor table), so each shard's header
+    is written first and every tensor goes to disk as soon as it arrives.
+
+    Args:
+        shapes: (checkpoint name, shape) in the order ``tensors`` yields them.
+        tensors: the tensors, any float dtype (converted to bf16).
+    """
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    used = 0
+    for name, shape in shapes:
+        nbytes = 2 * math.prod(shape)
+        if used and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, shape))
+        used += nbytes
+    import torch
+    n, it, weight_map = len(shards), iter(tensors), {}
+    for k, entries in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape in entries:
+            header[name] = {"dtype": "BF16", "shape": list(shape),
+                            "data_offsets": [off, off + 2 * math.prod(shape)]}
+            off += 2 * math.prod(shape)
+            weight_map[name] = fname
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        with open(folder / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for name, shape in entries:
+                t = next(it).to(torch.bfloat16).contiguous()
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{name}: got shape {tuple(t.shape)}, planned {shape}")
+                f.write(t.view(torch.uint8).numpy().data)
+    _write_index(folder, weight_map, sum(2 * math.prod(s) for _, s in shapes), n)
 
 
 def _sharded(tensors, dtype, limit) -> Iterator[tuple[str | None, torch.Tensor | None]]:

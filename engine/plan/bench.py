@@ -79,8 +79,9 @@ def cpu_matmul_tflops(n: int = 2048) -> float:
     return 2 * n**3 / _median_time(lambda: a @ b, 3) / 1e12
 
 
-def adam_params_per_s(numel: int = 64 << 20) -> float:
-    """The engine's CPU AdamW on a bf16-compute item (the default mixed-precision state)."""
+def adam_params_per_s(numel: int = 64 << 20, native: bool | None = None) -> float:
+    """The engine's CPU AdamW on a bf16-compute item (the default mixed-precision state);
+    ``native=False``: through the PyTorch-op fallback."""
     layout = Layout.build([("w", (numel // 4096, 4096))])
     item = HostItem("bench", layout, torch.bfloat16, torch.float32,
                     lambda n, dt: torch.zeros(n, dtype=dt), lambda n, dt: torch.zeros(n, dtype=dt))
@@ -89,7 +90,7 @@ def adam_params_per_s(numel: int = 64 << 20) -> float:
     ws = AdamWorkspace()
     steps = iter(range(1, 100))
     hp = lambda: AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.01, next(steps))  # noqa: E731
-    return layout.numel / _median_time(lambda: adam_update(item, hp(), ws), 3)
+    return layout.numel / _median_time(lambda: adam_update(item, hp(), ws, native), 3)
 
 
 def disk_gbs(folder: Path, nbytes: int = GiB) -> tuple[float, float]:
@@ -134,6 +135,9 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
     vals["cpu_tflops"] = _step(log, "CPU fp32 matmul", cpu_matmul_tflops, "TFLOP/s")
     vals["adam_params_per_s"] = _step(log, "CPU AdamW (adam_update, 64M params)", adam_params_per_s,
                                       "params/s")
+    vals["adam_fallback_params_per_s"] = _step(
+        log, "CPU AdamW fallback (PyTorch ops, 64M params)",
+        lambda: adam_params_per_s(native=False), "params/s")
     try:
         read, write = _step(log, f"disk in {disk_folder}", lambda: disk_gbs(disk_folder), "GB/s")
         vals.update(disk_read_gbs=read, disk_write_gbs=write)
@@ -144,7 +148,8 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
 
 
 _MEASURABLE = ("matmul_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs", "cpu_tflops",
-               "adam_params_per_s", "disk_read_gbs", "disk_write_gbs")
+               "adam_params_per_s", "adam_fallback_params_per_s", "disk_read_gbs",
+               "disk_write_gbs")
 
 
 def _step(log, what: str, fn, unit: str):

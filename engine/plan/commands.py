@@ -9,6 +9,7 @@ from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
 from engine.errors import UserError
 from engine.plan.targets import PRESETS
+from engine.validate import validate
 
 
 def register(sub) -> None:
@@ -78,10 +79,8 @@ def config_from_args(a) -> RunConfig:
         given["data.packing"] = False
     if a.disk:
         given["budget.nvme_dir"], given["budget.nvme_size"] = split_disk(a.disk)
-    cfg = config_mod.override(cfg, {k: v for k, v in given.items() if v is not None})
-    if not cfg.model.path:
-        raise UserError("--model", "is missing", "pass --model DIR (a folder with config.json)")
-    return cfg
+    return validate(config_mod.override(cfg, {k: v for k, v in given.items() if v is not None}),
+                    "plan")
 
 
 def _plan(a) -> int:
@@ -106,7 +105,12 @@ def _bench(a) -> int:
     if not folder.is_dir():
         if a.disk_dir:
             raise UserError(folder, "is not a folder", "give an existing folder with --disk-dir")
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(folder, f"cannot be created for the hardware profile ({e.strerror})",
+                            "remove the file that stands there, or set XDG_CACHE_HOME to "
+                            "another folder") from None
     print("measuring this machine for the planner:")
     profile = measure(folder)
     for note in profile.notes:

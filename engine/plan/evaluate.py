@@ -14,6 +14,9 @@
   as many first decoder layers as keep the budgets' last 10% free, hold their master weights and
   moments on the GPU and are updated there (at most DEVICE_SLOTS slots then: spare VRAM buys
   more as device layers than as slots); taken when the speed model predicts a faster step.
+- speculative layers (exact clipping): the last SPEC_LAYERS decoder layers update in the
+  backward and keep a pre-update snapshot (engine.runtime.grad_ring); dropped first when host
+  RAM is short, before any layer goes to the NVMe tier.
 Slots, checkpoints and gpu_layers set in the config override the choice.
 """
 from __future__ import annotations
@@ -31,6 +34,10 @@ TIGHT = 0.9
 """A budget used above this share is "tight"."""
 HEAD_LOGITS_CAP = 512 << 20
 DEVICE_SLOTS = 4
+SPEC_LAYERS = 4
+"""Speculative layers with clipping: their snapshots hold 12 B/param more than the barrier's
+gradient buffers (4 Llama-3.2-3B layers: 4.8 GB) and move 4 layers' CPU updates from the next
+forward into the backward."""
 MAX_SEARCH = 1 << 16
 
 
@@ -97,6 +104,16 @@ class Evaluator:
         self.spec, self.device, self.budgets, self.hw = spec, device, budgets, hw
 
     def evaluate(self, k: Knobs, shape: ExecShape) -> Evaluation:
+        """The evaluation of ``shape``, without speculative layers if their snapshots would not
+        fit in host RAM."""
+        if shape.spec_layers and self.budgets.ram:
+            e = self._evaluate(k, shape, 0 if k.disk_layers is None else k.disk_layers)
+            if e.tiers[1].peak > e.tiers[1].budget:
+                shape = replace(shape, spec_layers=0)
+        return self._placed(k, shape)
+
+    def _placed(self, k: Knobs, shape: ExecShape) -> Evaluation:
+        """``shape`` with the NVMe tier the host budget needs."""
         if k.disk_layers is not None:
             return self._evaluate(k, shape, k.disk_layers)
         e = self._evaluate(k, shape, 0)
@@ -123,7 +140,8 @@ class Evaluator:
 
     def _shape(self, k: Knobs, slots: int, ckpt: str) -> ExecShape:
         return ExecShape(micro_batch=k.micro_batch, seq_len=k.seq_len, n_micro=k.grad_accum,
-                         slots=slots, checkpoints=ckpt, head_chunk=head_chunk(self.spec.vocab_size))
+                         slots=slots, checkpoints=ckpt, head_chunk=head_chunk(self.spec.vocab_size),
+                         spec_layers=SPEC_LAYERS if k.clip else 0)
 
     def _most_slots(self, k: Knobs, ckpt: str) -> Evaluation:
         """As many slots as fit (at least 2, at most L) keeping the budgets' last 10% free, or

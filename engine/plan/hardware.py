@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.errors import UserError
+from engine.jsonfile import read_json
 
 GiB = 1 << 30
 
@@ -52,6 +54,9 @@ class HardwareProfile:
     master, fp32 moments), parameters per second."""
     disk_read_gbs: float
     disk_write_gbs: float
+    adam_fallback_params_per_s: float | None = None
+    """The same update through the PyTorch-op fallback (no C compiler); None: not measured,
+    taken as FALLBACK_SHARE of ``adam_params_per_s``."""
     measured: tuple[str, ...] = ()
     """Names of the fields measured on this machine; the others are defaults."""
     notes: tuple[str, ...] = field(default=())
@@ -63,13 +68,52 @@ class HardwareProfile:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def without_native_adam(self, reason: str) -> "HardwareProfile":
+        """This profile as the planner must see it when the compiled CPU AdamW is unavailable."""
+        rate = self.adam_fallback_params_per_s or FALLBACK_SHARE * self.adam_params_per_s
+        return dataclasses.replace(self, adam_params_per_s=rate, notes=self.notes + (
+            f"compiled CPU AdamW unavailable ({reason}): the PyTorch fallback's "
+            f"{rate / 1e9:.2f} G params/s is used",))
+
     @staticmethod
     def from_dict(d: dict) -> "HardwareProfile":
+        """The profile of a JSON object; ValueError names a figure that is absent or absurd."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON {type(d).__name__}, not an object")
         names = {f.name for f in dataclasses.fields(HardwareProfile)}
         kw = {k: v for k, v in d.items() if k in names}
         kw["measured"] = tuple(kw.get("measured", ()))
         kw["notes"] = tuple(kw.get("notes", ()))
+        _check_figures(kw)
         return HardwareProfile(**kw)
+
+
+FALLBACK_SHARE = 0.87 / 3.01
+"""Fallback / compiled CPU AdamW throughput, fp32 moments, measured on the development machine
+(benchmarks/RESULTS.md: 0.87 vs 3.01 G params/s); used where the fallback was not measured."""
+RATES = ("matmul_tflops", "cpu_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs", "adam_params_per_s",
+         "disk_read_gbs", "disk_write_gbs")
+"""The throughput figures of a profile (each must be a positive number)."""
+
+
+def _check_figures(kw: dict) -> None:
+    """ValueError for a figure that is missing or absurd: the speed model divides by every rate,
+    so a zero, negative or NaN figure would fail far from here."""
+    missing = [f.name for f in dataclasses.fields(HardwareProfile) if f.name not in kw
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"no {', '.join(missing)}")
+    sizes = ("ram_total", "cpu_cores") + (("vram_total",) if kw["vram_total"] is not None else ())
+    for key in RATES + sizes:
+        v = kw[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+            raise ValueError(f"'{key}' is {v!r}, not a positive number")
+    v = kw.get("adam_fallback_params_per_s")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+        raise ValueError(f"'adam_fallback_params_per_s' is {v!r}, not a positive number")
+    for key in ("name", "gpu"):
+        if not isinstance(kw[key], str) and not (key == "gpu" and kw[key] is None):
+            raise ValueError(f"'{key}' is {kw[key]!r}, not a string")
 
 
 # The H200 workstation the project measures on. Sources: its measured ceilings (2026-11-29): bf16 matmul 8192^3 ~730 TFLOP/s; pinned PCIe 55 GB/s each way alone, 48 GB/s each
@@ -111,6 +155,6 @@ def read_profile(path: Path) -> HardwareProfile:
     if not path.is_file():
         raise UserError(path, "does not exist", fix)
     try:
-        return HardwareProfile.from_dict(json.loads(path.read_text(encoding="utf-8")))
-    except (json.JSONDecodeError, UnicodeDecodeError, TypeError, AttributeError) as e:
+        return HardwareProfile.from_dict(read_json(path, fix))
+    except (TypeError, ValueError) as e:
         raise UserError(path, f"is not a hardware profile ({e})", fix) from None

@@ -27,7 +27,9 @@ import torch
 
 from engine.kernels.linear_ce import GW_ROWS, fused_ce_available
 from engine.models.spec import ModelSpec
-from engine.runtime.shapes import BUFFERS, CHUNK, DEVICE_CHUNK, GRAD_RING, ExecShape, file_bytes
+from engine.runtime.shapes import (BUFFERS, CHUNK, DEVICE_CHUNK, ExecShape, file_bytes,
+                                  speculative_layers)
+from engine.runtime.shapes import disk_layers as nvme_layers
 
 MiB = 1 << 20
 TIERS = ("gpu", "host", "disk")
@@ -102,20 +104,23 @@ def _dt(dtype: torch.dtype) -> str:
 
 
 # ---- host state and loading -----------------------------------------------------------------
-def host_state(spec: ModelSpec, prec: Precision, device: str, disk_layers: int = 0,
-               clip: bool = True) -> list[Allocation]:
+def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
+               disk_layers: int = 0, clip: bool = True) -> list[Allocation]:
     """HostItem.w / rem / m / v / g of every item (embed, L layers, head), and the runtime.
 
     The moments of ``disk_layers`` decoder layers live in the NVMe tier (engine.runtime.nvme)
     instead, and pass through its staging buffers (one layer's m and v each). Without
-    clipping the decoder layers own no gradient buffer and share the executor's ring.
+    clipping the decoder layers own no gradient buffer and share the executor's ring; the
+    speculative layers (engine.runtime.grad_ring) keep their gradient in their snapshot.
     """
-    n, c = spec.num_params, prec.c
-    if clip:
+    n, c, L, P = spec.num_params, prec.c, spec.num_layers, spec.params_per_layer
+    spec_n = len(speculative_layers(L, shape.device_layers, shape.spec_layers,
+                                    nvme_layers(L, disk_layers)))
+    if clip:  # HostItem.g of every item but the speculative layers, whose snapshots hold theirs
         grads, grad_note = n * 4, f"{n:,} params x 4 B (fp32)"
-    else:  # HostItem.g of embed and head + SlidingExecutor.ring
-        ring = min(GRAD_RING, spec.num_layers)
-        grads = (spec.embed_layout.numel + spec.head_layout.numel + ring * spec.params_per_layer) * 4
+    else:  # HostItem.g of embed and head + the ring (+ the speculative layers' snapshots)
+        ring = min(shape.grad_ring, L) if spec_n < L else 0
+        grads = (spec.embed_layout.numel + spec.head_layout.numel + (ring + spec_n) * P) * 4
         grad_note = f"embedding, head and a ring of {ring} layers x 4 B (fp32; no clipping)"
     in_ram = n - disk_layers * spec.params_per_layer
     pinned = " (pinned)" if device == "cuda" else ""
@@ -132,6 +137,10 @@ def host_state(spec: ModelSpec, prec: Precision, device: str, disk_layers: int =
                        "Python, torch" + (" and the CUDA runtime" if device == "cuda" else ""), "state"),
             Allocation("host", "runtime working memory", RUNTIME_WORKING,
                        "heap and library buffers kept across steps", "run")]
+    if spec_n:  # Speculation's snapshots: w, rem, m, v of each speculative layer
+        b = P * (c + (2 if prec.compute == torch.bfloat16 else 0) + 2 * prec.mo)
+        out.append(Allocation("host", "speculative update snapshots", spec_n * b,
+                              f"{spec_n} layers' pre-update state ({_gib(b)} each)", "state"))
     if disk_layers:  # NvmeTier._take_buffer: at most BUFFERS, one per disk layer at most
         k, b = min(disk_layers, BUFFERS), file_bytes(spec.params_per_layer, prec.compute, prec.moments)
         out.append(Allocation("host", "NVMe staging buffers", k * b,
@@ -336,7 +345,7 @@ def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
         disk_layers: decoder layers whose moments the NVMe tier holds.
         clip: exact global-norm clipping (every layer keeps its gradient until the norm is known).
     """
-    out = host_state(spec, prec, device, disk_layers, clip) + loading(spec, prec)
+    out = host_state(spec, shape, prec, device, disk_layers, clip) + loading(spec, prec)
     out += device_buffers(spec, shape, prec, device)
     out += step_transients(spec, shape, prec, packed, device == "cuda" and fused_ce_available())
     if device == "cuda":

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from engine.config import RunConfig, format_bytes
 from engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
 from engine.errors import UserError
+from engine.kernels import cpu_adam
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets, resolve_budgets
 from engine.plan.evaluate import TIGHT, Evaluation, Evaluator, Knobs, TierUse
@@ -23,6 +24,7 @@ from engine.plan.memory import Allocation, Precision, peak
 from engine.plan.speed import SpeedEstimate
 from engine.plan.targets import load_profile
 from engine.runtime.shapes import ExecShape
+from engine.validate import validate
 
 _TIER_NAMES = {"gpu": "GPU memory", "host": "host RAM", "disk": "NVMe disk"}
 
@@ -138,22 +140,10 @@ def run_device(cfg: RunConfig, hardware: HardwareProfile) -> str:
 
 
 def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
-    """The planner's settings of a run config (checked, with one error per bad value)."""
+    """The planner's settings of a run config (one that engine.validate accepts)."""
     t, o, b = cfg.train, cfg.optim, cfg.budget
     compute = torch_dtype(compute_dtype_name(t.compute_dtype, device))
     moments = torch_dtype(moments_dtype_name(o.moments_dtype))
-    if b.checkpoints not in ("auto", "gpu", "host"):
-        raise UserError("budget.checkpoints", f"{b.checkpoints!r} is not a placement",
-                        "use auto, gpu or host")
-    for key, value in (("data.max_seq_len", cfg.data.max_seq_len), ("train.micro_batch", t.micro_batch),
-                       ("train.grad_accum", t.grad_accum)):
-        if value < 1:
-            raise UserError(key, f"is {value}", "give a positive integer")
-    if b.slots < 0:
-        raise UserError("budget.slots", f"is {b.slots}", "give 0 (planner's choice) or a positive count")
-    if b.gpu_layers < -1:
-        raise UserError("budget.gpu_layers", f"is {b.gpu_layers}",
-                        "give -1 (planner's choice), 0 (none) or a layer count")
     prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2))
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                  precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
@@ -169,7 +159,10 @@ def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
         hardware: a profile, or the target to plan for (engine.plan.targets.load_profile: this
             machine, a GPU preset such as ``rtx4090``, or a profile file).
     """
+    validate(cfg, "values")
     hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    if hardware == "auto" and cpu_adam.unavailable_reason():  # a plan of this machine
+        hw = hw.without_native_adam(cpu_adam.unavailable_reason())
     device = device or run_device(cfg, hw)
     if device == "cuda" and hw.matmul_tflops <= 0:
         raise UserError("train.device", f"is cuda but {hw.name} has no GPU to plan for",

@@ -13,6 +13,12 @@ backward  a pipeline over L layers: H2D of the L-K layers no longer resident (an
           the CPU update of the layer; a pipeline phase takes L * max(stages) plus the other
           stages once (filling and draining).
 Without clipping the next forward waits for the embedding's update, queued after the layers'.
+speculation with exact clipping the S speculative layers (ExecShape.spec_layers, the first S of
+          the backward) update during the backward, each after its gradient landed and after
+          copying its pre-update state (snapshot_share of an update's time); the
+          other layers keep the barrier chain. Predicted for steps that do not clip; a step
+          that clips stops speculating once the layers' partial norm exceeds the limit and
+          redoes the speculative updates made before (at most S more updates).
 device    items updated on the device (ExecShape.device_update, device_layers: the first G layers)
           skip the CPU, the H2D loads and the gradient D2H; their update runs on the compute
           stream after the backward, moving DEVICE_ADAM_BYTES per parameter at
@@ -33,7 +39,8 @@ from dataclasses import dataclass, replace
 from engine.models.spec import ModelSpec
 from engine.plan.hardware import HardwareProfile
 from engine.plan.memory import Precision
-from engine.runtime.shapes import ExecShape, file_bytes
+from engine.runtime.shapes import ExecShape, file_bytes, speculative_layers
+from engine.runtime.shapes import disk_layers as nvme_layers
 
 # Share of the 8192^3 bf16 matmul rate a decoder layer's forward / recompute / backward reaches
 # (norms, RoPE, attention, elementwise ops included): 0.54-0.57 of 730 TFLOP/s, measured from
@@ -44,6 +51,14 @@ DEVICE_ADAM_BYTES = 32  # bf16 w + remainder + fp32 grad + fp32 m, v: read all, 
 DEVICE_MEMORY_GBS = 1000.0
 # The CPU backend copies with memcpy and runs everything in one thread of control.
 CPU_COPY_GBS = 10.0
+
+def snapshot_share(c: int, mo: int) -> float:
+    """A speculative layer's snapshot copy (w, rem, m, v read and written) in units of its AdamW
+    update, for (compute, moments) element sizes: both stream memory, the update reading and
+    writing the same fields and reading the fp32 gradient too."""
+    state = c + (2 if c == 2 else 0) + 2 * mo
+    return 2 * state / (2 * state + 4)
+
 SERIAL = 1.15
 """A step this much longer than its busiest resource means resources wait for each other."""
 RESOURCES = ("gpu compute", "pcie h2d", "pcie d2h", "cpu optimizer", "disk")
@@ -120,6 +135,15 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
                   grads_eh=(E + Hd) * 4 / both)
 
 
+def _speculation(S: int, t: _Times, snap: float) -> float:
+    """End (from the backward's start) of the S speculative updates: the i-th of them follows
+    its layer's gradient copy and the update before it."""
+    stage, end = max(t.load_b, t.b, t.grad), 0.0
+    for i in range(S):
+        end = max(end, (i + 1) * stage + t.grad) + t.upd + snap
+    return end
+
+
 def _forward(L: int, k: int, ready: list[float], t0: float, t: _Times, G: int = 0) -> float:
     """End of the forward, as SlidingExecutor.forward_window issues it (module docstring);
     layers below G are on the device (no load)."""
@@ -163,11 +187,16 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     dev_upd = on_device * DEVICE_ADAM_BYTES / (DEVICE_MEMORY_GBS * 1e9)
     if shape.device_update:  # no CPU update, refresh or gradient copy for embed and head
         t = replace(t, embed_upd=0.0, head_upd=0.0, refresh_e=0.0, refresh_h=0.0, grads_eh=0.0)
+    S = len(speculative_layers(L, G, shape.spec_layers, nvme_layers(L, disk_layers))) if clip else 0
+    snap = t.upd * snapshot_share(prec.c, prec.mo)
     if clip:  # updates embed, G .. L-1, head from the step's start, overlapping the forward
-        ready = [0.0] * G + [t.embed_upd + (j - G + 1) * t.upd for j in range(G, L)]
+        ready, chain = [0.0] * L, t.embed_upd
+        for j in range(G, L - S):  # the speculative layers (the last S) updated in the backward
+            chain += t.upd
+            ready[j] = chain
         fwd_end = _forward(L, k, ready, dev_upd + t.embed_upd + t.refresh_e, t, G)
         head_ready = max(ready + [t.embed_upd]) + t.head_upd + t.refresh_h
-        bwd = _pipeline(L - G, [t.load_b, t.b, t.grad]) + G * t.b
+        bwd = max(_pipeline(L - G, [t.load_b, t.b, t.grad]), _speculation(S, t, snap)) + G * t.b
     else:  # each layer's update follows its grads in the backward; the embedding's comes last
         fwd_end = _forward(L, k, [0.0] * L, dev_upd + t.embed_upd + t.refresh_e, t, G)
         head_ready = t.embed_upd + t.head_upd + t.refresh_h
@@ -176,7 +205,8 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     busy = {"gpu compute": L * (t.f + t.b) + t.head + dev_upd,
             "pcie h2d": (L - G) * (t.load_f + t.load_b) + t.refresh_e + t.refresh_h,
             "pcie d2h": (L - G) * t.grad + L * t.ck_d2h + t.grads_eh,
-            "cpu optimizer": (spec.num_params - on_device) / hw.adam_params_per_s, "disk": disk}
+            "cpu optimizer": (spec.num_params - on_device) / hw.adam_params_per_s + S * snap,
+            "disk": disk}
     note = ""
     if step > SERIAL * max(busy.values()):
         note = ("the forward waits for the CPU updates (exact clipping), so the optimizer and "

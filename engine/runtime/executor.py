@@ -13,8 +13,10 @@ parameter slots (DESIGN §3.3):
     update    CPU AdamW per item in a worker thread (DESIGN §3.4): without clipping a layer's
               update starts as soon as its gradients reach the host (overlapping the backward),
               and layers without their own host gradient buffer borrow one of a ring of
-              GRAD_RING (the copy into a buffer waits for the update that last read it);
-              with exact clipping all updates wait for the global norm, then run in order
+              ``grad_ring`` (engine.runtime.grad_ring); with exact clipping the last
+              ``spec_layers`` host layers update speculatively in the backward and are repaired
+              at the barrier if the coefficient is not 1 (engine.runtime.grad_ring, which proves
+              it exact); the other updates wait for the global norm, then run in order
               embed, 0 .. L-1, head, overlapping the next step's forward, which waits per item.
     device    with spare VRAM, the embedding and head (``device_update``) and the first
               ``device_layers`` decoder layers keep their master weights and moments on the
@@ -41,8 +43,9 @@ from engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, ro
 from engine.models.model import embed, positions_for
 from engine.models.spec import ModelSpec
 from engine.runtime.activations import DeviceStore, HostStore
+from engine.runtime.grad_ring import GradRing, Speculation
 from engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
-from engine.runtime.shapes import DEVICE_CHUNK, GRAD_RING, ExecShape
+from engine.runtime.shapes import DEVICE_CHUNK, ExecShape, speculative_layers
 from engine.runtime.slots import SlotPool
 from engine.runtime.timeline import StepTimeline
 
@@ -122,12 +125,16 @@ class SlidingExecutor:
         self.pending: dict[str, Future] = {}
         self.resident_stale = {"embed": True, "head": True}
         self.grads_out: dict[str, object] = {}
-        ring = 0 if all(host[f"layer{i}"].g is not None for i in range(L)) else min(GRAD_RING, L)
-        self.ring = [backend.host_alloc(n, torch.float32) for _ in range(ring)]
-        self.ring_user: list[Future | None] = [None] * ring
-        """The update that reads each ring buffer last (the next copy into it waits for it)."""
-        self.ring_next = 0
         self.G = min(shape.device_layers, L)
+        disk = [i for i in range(L) if host[f"layer{i}"].disk is not None]
+        self.snapshots = Speculation(host, speculative_layers(L, self.G, shape.spec_layers, disk),
+                                backend.host_alloc, lambda k, dt: torch.zeros(k, dtype=dt))
+        # zeros, not empty: the pages are resident from the start, as the planner counts them,
+        # even while steps clip early and skip speculating (tests/test_plan_rss.py)
+        self.speculated: list[int] = []
+        """Layers of the current step whose speculative update was submitted."""
+        borrow = [i for i in range(L) if host[f"layer{i}"].g is None and i not in self.snapshots]
+        self.ring = GradRing(backend.host_alloc, min(shape.grad_ring, L) if borrow else 0, n)
         self.dev: dict[str, DeviceItem] = {}
         """Items updated on the device; their host items are refreshed by drain()."""
         if shape.device_update:
@@ -198,14 +205,17 @@ class SlidingExecutor:
             hyper: AdamW hyper-parameters of this step given the clipping coefficient.
             max_grad_norm: exact global-norm clipping threshold; 0 disables clipping.
         """
-        if max_grad_norm > 0 and self.ring:
+        if max_grad_norm > 0 and self.ring.bufs:
             raise ValueError("exact clipping needs every layer's gradient until the global norm is "
-                             "known: build the host state with layer_grads=True")
+                             "known: build the host state with layer_grads=True (the speculative "
+                             "layers excepted)")
         self._ensure_device_state()
         tl = StepTimeline(self.backend, timeline)
         if max_grad_norm <= 0:  # the layer updates start in the backward, last layer first
             self._prefetch_disk([f"layer{i}" for i in reversed(range(self.spec.num_layers))], tl)
         self.step_updates = 0
+        self.speculated = []
+        self.limit_sq = max_grad_norm ** 2
         tokens = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)
         inp = [self._inputs(mb) for mb in micro_batches]
@@ -221,24 +231,67 @@ class SlidingExecutor:
             self.health[-1:].copy_(loss.reshape(1))
             self.backend.start_d2h(self.health_host[-1:], self.health[-1:],
                                    after=[self.backend.mark()])
-        self.backward_window(gys, inp, tl, None if clip else hyper(1.0), guard)
+        self.backward_window(gys, inp, tl, None if clip else hyper(1.0), guard,
+                             hyper(1.0) if clip and self.snapshots.snaps else None)
         norm = math.sqrt(float(self.norm_sq))  # the clip barrier: backward finished
         coef = min(1.0, max_grad_norm / (norm + 1e-6)) if clip else 1.0
         skipped = not (math.isfinite(norm) and math.isfinite(loss.item()))
         if skipped:  # keep the old weights; drop this step's gradients
-            for fut in list(self.pending.values()):
-                fut.result()
-            self.pending.clear()
+            self.roll_back()
         else:
             names = ["embed"] + ([f"layer{i}" for i in range(self.spec.num_layers)] if clip else []) + ["head"]
             names = [name for name in names if name not in self.dev]
             self._prefetch_disk(names, tl)
             for name in names:
-                self._submit_update(name, hyper(coef), tl)
+                self._barrier_update(name, hyper(coef), coef, tl)
+            self.speculated = []  # settled: they are this step's updates now
             self._device_updates(hyper(coef), tl)
         self.pool.invalidate_all()
         applied = guard.applied if skipped and guard is not None else 0
         return StepOutput(float(loss), norm, tokens, skipped, tl, applied)
+
+    def _barrier_update(self, name: str, hp: AdamHyper, coef: float, tl: StepTimeline) -> None:
+        """The update of ``name`` once the norm is known; a speculative layer's update stands
+        when the coefficient is 1 and is redone from its snapshot otherwise."""
+        layer = int(name[5:]) if name.startswith("layer") else -1
+        if layer not in self.speculated:
+            self._submit_update(name, hp, tl)
+        else:
+            self.pending[name] = self.updater.submit(self._settle, layer, self.pending[name], hp,
+                                                     coef, tl)
+
+    def _may_speculate(self, layer: int) -> bool:
+        """False once the squared gradient norms of layers L-1 .. ``layer`` (on the host behind
+        their gradients) already exceed the limit: the coefficient will be below 1, so an
+        update with 1 would be wasted work (a heuristic only: the barrier settles it exactly)."""
+        partial = float(self.health_host[layer:self.spec.num_layers].sum())
+        return not (partial > self.limit_sq)
+
+    def _settle(self, layer: int, speculative: Future, hp: AdamHyper, coef: float,
+                tl: StepTimeline) -> None:
+        """At the barrier: keep a speculative update made with the right coefficient, else
+        redo it from the snapshot; a layer that did not speculate updates now."""
+        speculative.result()  # submitted before this to the same worker: already done
+        item = self.host[f"layer{layer}"]
+        saved = self.snapshots.take(layer)
+        if saved and coef == 1.0:
+            return
+        t0 = time.perf_counter()
+        if saved:
+            self.snapshots.restore(layer, item)
+        adam_update(item, hp, self.workspace, grad=self.snapshots.grad(layer, item.numel))
+        tl.host_span("optimizer", f"layer{layer}", t0, time.perf_counter())
+
+    def roll_back(self) -> None:
+        """Drop the current step: wait for its updates, undo its speculative ones (a skipped
+        step, or one that failed in its backward)."""
+        for fut in list(self.pending.values()):
+            fut.result()
+        self.pending.clear()
+        for layer in self.speculated:
+            if self.snapshots.take(layer):
+                self.snapshots.restore(layer, self.host[f"layer{layer}"])
+        self.speculated = []
 
     def _inputs(self, mb):
         dev = self.backend.device
@@ -309,11 +362,12 @@ class SlidingExecutor:
         self.norm_sq.zero_()
 
     def backward_window(self, gys, inp, tl: StepTimeline, hyper_now: AdamHyper | None,
-                        guard: _Guard | None = None) -> None:
+                        guard: _Guard | None = None, hyper_spec: AdamHyper | None = None) -> None:
         """Layer-wise backward with recompute; gradients leave for the host one layer at a time.
 
         With ``hyper_now`` (no clipping) each layer's update is submitted at once, behind
-        ``guard``'s check of its gradient norm.
+        ``guard``'s check of its gradient norm; with ``hyper_spec`` (clipping) the speculative
+        layers' updates are.
         """
         spec, L, k = self.spec, self.spec.num_layers, self.k
         n = spec.params_per_layer
@@ -335,33 +389,43 @@ class SlidingExecutor:
                 gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask)
             sq = torch.linalg.vector_norm(g).square()
             self.norm_sq += sq
-            if guard is not None:
+            watched = guard is not None or hyper_spec is not None  # norms on the host, per layer
+            if watched:
                 self.health[i].copy_(sq)
             t1 = self.backend.mark()
             tl.device_span("compute", f"layer{i}", t0, t1)
-            if i < self.G:
-                self.store.done_with(i)
-                continue
-            dest, r = self.host[f"layer{i}"].g, None
-            if dest is None:  # a ring buffer, once the update that last read it is done
-                r, self.ring_next = self.ring_next, (self.ring_next + 1) % len(self.ring)
-                if self.ring_user[r] is not None:
-                    self.ring_user[r].result()
-                dest = self.ring[r][:n]
-            h = self.backend.start_d2h(dest, g, after=[t1])
-            tl.device_span("d2h", f"layer{i}", h.start, h)
-            self.gslot_free[slot] = [h]
-            self.grads_out[f"layer{i}"] = [h]
-            if guard is not None:
-                self.grads_out[f"layer{i}"].append(self.backend.start_d2h(
-                    self.health_host[i:i + 1], self.health[i:i + 1], after=[t1]))
+            if i >= self.G:
+                self.gslot_free[slot] = self._send_grad(i, g, t1, tl, hyper_now, guard, hyper_spec,
+                                                        watched)
+                self.pool.release(i, evict=True)
             self.store.done_with(i)
-            self.pool.release(i, evict=True)
-            if hyper_now is not None:
-                self._submit_update(f"layer{i}", hyper_now, tl, guard, i, dest)
-                if r is not None:
-                    self.ring_user[r] = self.pending[f"layer{i}"]
         self._embed_backward(gys, inp, tl)
+
+    def _send_grad(self, i: int, g: torch.Tensor, t1, tl: StepTimeline, hyper_now, guard,
+                   hyper_spec, watched: bool) -> list:
+        """Copy layer i's gradient (and, if ``watched``, its squared norm) to the host and submit
+        the update it may start now; returns the copy's handle (the gradient slot is free once
+        it is done)."""
+        name, n = f"layer{i}", self.spec.params_per_layer
+        dest, r = self.host[name].g, None
+        if i in self.snapshots:
+            dest = self.snapshots.grad(i, n)
+        elif dest is None:  # a ring buffer, once the update that last read it is done
+            r, dest = self.ring.take(n)
+        h = self.backend.start_d2h(dest, g, after=[t1])
+        tl.device_span("d2h", name, h.start, h)
+        self.grads_out[name] = [h]
+        if watched:
+            self.grads_out[name].append(self.backend.start_d2h(
+                self.health_host[i:i + 1], self.health[i:i + 1], after=[t1]))
+        if hyper_now is not None:
+            self._submit_update(name, hyper_now, tl, guard, i, dest)
+            if r is not None:
+                self.ring.used_by(r, self.pending[name])
+        elif hyper_spec is not None and i in self.snapshots:
+            self._submit_update(name, hyper_spec, tl, layer=i, grad=dest, speculative=True)
+            self.speculated.append(i)
+        return [h]
 
     def _layer_backward(self, w, g, x, gy, rope, mask) -> torch.Tensor:
         """Recompute one layer for one micro-batch, add its parameter grads to g; return dL/dx."""
@@ -400,16 +464,19 @@ class SlidingExecutor:
 
     def _submit_update(self, name: str, hp: AdamHyper, tl: StepTimeline,
                        guard: _Guard | None = None, layer: int = 0,
-                       grad: torch.Tensor | None = None) -> None:
+                       grad: torch.Tensor | None = None, speculative: bool = False) -> None:
+        """``speculative``: snapshot the layer first; the update is undone if the step is
+        (so it does not count among the step's applied updates)."""
         handles = self.grads_out.get(name, [])
         if name in ("embed", "head"):
             self.resident_stale[name] = True
-        self.step_updates += 1
+        self.step_updates += not speculative
         self.pending[name] = self.updater.submit(self._update, name, handles, hp, tl, guard, layer,
-                                                 grad)
+                                                 grad, speculative)
 
     def _update(self, name: str, handles, hp: AdamHyper, tl: StepTimeline,
-                guard: _Guard | None, layer: int, grad: torch.Tensor | None = None) -> None:
+                guard: _Guard | None, layer: int, grad: torch.Tensor | None = None,
+                speculative: bool = False) -> None:
         for h in handles:
             h.wait()
         if guard is not None and not guard.allows(layer):
@@ -418,6 +485,10 @@ class SlidingExecutor:
         staged = None if item.disk is None else item.disk.acquire(tl)
         try:
             t0 = time.perf_counter()
+            if speculative and not self._may_speculate(layer):
+                return
+            if speculative:
+                self.snapshots.save(layer, item)
             adam_update(item, hp, self.workspace, staged=staged, grad=grad)
             tl.host_span("optimizer", name, t0, time.perf_counter())
         finally:

@@ -66,12 +66,6 @@ THREADS = 4
 
 
 # ---- which layers, and their size ---------------------------------------------------------------
-def disk_layers(num_layers: int, count: int) -> list[int]:
-    """The ``count`` decoder layers whose state goes to disk, spread evenly over the depth."""
-    count = min(max(count, 0), num_layers)
-    return [i for i in range(num_layers) if (i + 1) * count // num_layers > i * count // num_layers]
-
-
 # ---- the tier ------------------------------------------------------------------------------------
 class Where(enum.Enum):
     ON_DISK = "on_disk"

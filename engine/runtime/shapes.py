@@ -7,12 +7,13 @@ other engine module.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 
 GRAD_RING = 4
-"""Host gradient buffers shared by the decoder layers when they own none (training without
-clipping): the backward may run this many layers ahead of the CPU updates."""
+"""Host gradient buffers shared by the decoder layers that own none: the backward may run this
+many layers ahead of the CPU updates."""
 DEVICE_CHUNK = 1 << 24
 """Parameters per chunk of the device-side update (64 MB of fp32 scratch; few kernel launches)."""
 
@@ -36,6 +37,26 @@ class ExecShape:
     device_layers: int = 0
     """Decoder layers 0 .. device_layers-1 live in VRAM with their optimizer state: no slot,
     no PCIe, updated on the device."""
+    grad_ring: int = GRAD_RING
+    """Host gradient buffers shared by the layers that own none, without clipping."""
+    spec_layers: int = 0
+    """With exact clipping, the last host layers (in RAM) updated speculatively during the
+    backward (:func:`speculative_layers`); each keeps a pre-update snapshot."""
+
+
+def speculative_layers(num_layers: int, device_layers: int, depth: int,
+                       disk: Iterable[int] = ()) -> list[int]:
+    """The decoder layers that update speculatively with clipping, last layer first: the last
+    ``depth`` layers updated on the host whose state is in RAM."""
+    skip = set(disk)
+    host = [i for i in reversed(range(min(device_layers, num_layers), num_layers)) if i not in skip]
+    return host[:max(depth, 0)]
+
+
+def disk_layers(num_layers: int, count: int) -> list[int]:
+    """The ``count`` decoder layers whose state goes to disk, spread evenly over the depth."""
+    count = min(max(count, 0), num_layers)
+    return [i for i in range(num_layers) if (i + 1) * count // num_layers > i * count // num_layers]
 
 
 # 4M elements: 16 MB of fp32 scratch, about 1 MB per thread on a 16-core CPU (L2-resident),

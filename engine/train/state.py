@@ -8,26 +8,32 @@ business); the final export writes a Hugging Face folder of the master weights.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
 
+from engine.errors import UserError
 from engine.models.spec import ModelSpec
 from engine.models.weights import Checkpoint, hf_name, item_layout, item_names, write_hf_folder
 from engine.runtime.host_state import HostItem
 
 
 def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
-                     tier=None, layer_grads: bool = True) -> dict[str, HostItem]:
+                     tier=None, layer_grads: bool = True,
+                     borrowed: Collection[int] = ()) -> dict[str, HostItem]:
     """Allocate the host state of every item (zero moments, uninitialised weights).
 
     ``tier``: an engine.runtime.nvme.NvmeTier; the items it chose keep their moments on disk.
     ``layer_grads``: decoder layers own gradient buffers (needed with clipping); False: they
-    borrow the executor's gradient ring (training without clipping only).
+    borrow the executor's gradient ring (training without clipping only). ``borrowed``: layers
+    that own none in any case (with clipping, the executor's speculative layers:
+    engine.runtime.grad_ring.speculative_layers).
     """
+    def owns_grad(name: str) -> bool:
+        return not name.startswith("layer") or (layer_grads and int(name[5:]) not in borrowed)
     return {name: HostItem(name, item_layout(spec, name), compute_dtype, moments_dtype,
-                           backend.host_alloc, _alloc, tier,
-                           grad=layer_grads or not name.startswith("layer"))
+                           backend.host_alloc, _alloc, tier, grad=owns_grad(name))
             for name in item_names(spec)}
 
 
@@ -41,11 +47,25 @@ def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | s
     ckpt.check(spec)
     for k, (name, item) in enumerate(host.items()):
         buf = torch.empty(item.numel, dtype=torch.float32)
-        item.set_master(ckpt.read_item(spec, name, buf))
+        _check_finite(ckpt, spec, name, ckpt.read_item(spec, name, buf))
+        item.set_master(buf)
         if emit is not None:
             from engine.events import Progress
             emit(Progress("loading weights", k + 1, len(host)))
     ckpt.close()
+
+
+def _check_finite(ckpt: Checkpoint, spec: ModelSpec, item: str, flat: torch.Tensor) -> None:
+    """Refuse weights holding NaN or infinity (training from them only yields NaN losses)."""
+    if bool(torch.isfinite(flat).all()):
+        return
+    for local, view in item_layout(spec, item).views(flat).items():
+        bad = int((~torch.isfinite(view)).sum())
+        if bad:
+            name = hf_name(item, local)
+            raise UserError(ckpt.where[name], f"tensor '{name}' holds {bad:,} NaN or infinite "
+                            "values", "the weights are damaged: download or copy them again, or "
+                            "use another checkpoint of the model")
 
 
 def master_tensors(host: dict[str, HostItem], spec: ModelSpec):

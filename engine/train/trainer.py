@@ -24,24 +24,27 @@ import torch
 
 from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
-from engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
+from engine.devices import compute_dtype_name, moments_dtype_name, torch_dtype
 from engine.errors import UserError
 from engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
                            Timeline, read_events)
-from engine.models.spec import load_spec
-from engine.models.tokenizer import load_tokenizer
+from engine.kernels import cpu_adam
+from engine.models.spec import check_window, load_spec
+from engine.models.tokenizer import check_vocab, load_tokenizer
 from engine.models.weights import Checkpoint
 from engine.plan.planner import Plan, plan_run
 from engine.runtime.backend import make_backend
 from engine.runtime.executor import SlidingExecutor
 from engine.runtime.host_state import AdamHyper
-from engine.runtime.nvme import NvmeTier, disk_layers
+from engine.runtime.nvme import NvmeTier
+from engine.runtime.shapes import disk_layers, speculative_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from engine.train.lock import LOCK_FILE, RunLock, run_owner
 from engine.train.schedule import lr_at
 from engine.train.state import (build_host_state, export_model, load_weights,
                                 state_tensors)
+from engine.validate import validate
 
 GiB = 1 << 30
 RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints", LOCK_FILE}
@@ -114,11 +117,12 @@ class Trainer:
         settings, the plan (a run whose host state cannot fit host RAM is refused here).
         """
         cfg = self.cfg
+        validate(cfg, "train" if data is None else "plan")
         self._check_run_dir(resume)
-        self._check_settings()
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
+        check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
         self.backend = make_backend(cfg.train.device)
         self.dtype = torch_dtype(compute_dtype_name(cfg.train.compute_dtype,
                                                     "cuda" if self.backend.is_cuda else "cpu"))
@@ -126,17 +130,25 @@ class Trainer:
         shape = self.make_plan().exec_shape
         self._check_host_memory()
         self.tok = load_tokenizer(cfg.model.path)
+        check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
         self.prepared, self.stream = data if data is not None else self._prepare_data()
         self.total_steps = cfg.train.max_steps or max(1, math.ceil(
             cfg.train.epochs * self.stream.steps_per_epoch))
         self.tier = self._open_tier()
+        L = self.spec.num_layers
+        speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
+                                         disk_layers(L, self.plan.disk_layers))
         self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
-                                     layer_grads=cfg.optim.max_grad_norm > 0)
+                                     layer_grads=cfg.optim.max_grad_norm > 0, borrowed=speculative)
         if resume:  # the checkpoint holds the whole state: only check the model folder
             Checkpoint(cfg.model.path).check(self.spec)
         else:
             load_weights(self.host, self.spec, cfg.model.path, self.emit)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype)
+        if cpu_adam.unavailable_reason():
+            self.emit(Log("warning", f"compiled CPU AdamW unavailable "
+                                     f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "
+                                     "does the CPU updates, about 3x slower"))
         if resume:
             self._restore()
             if self.step >= self.total_steps and self._exported_at(self.step):
@@ -188,25 +200,14 @@ class Trainer:
         if not resume and (has_checkpoint or foreign):
             raise UserError(d, "already holds a run", "resume it (--resume) or choose another "
                             "output.run_dir" if has_checkpoint else "choose another output.run_dir")
-        d.mkdir(parents=True, exist_ok=True)
-        self.lock.acquire()  # held until cleanup(); the OS drops it if this process dies
-
-    def _check_settings(self) -> None:
-        """The run-loop and output settings (the planner and engine.data check the rest)."""
-        t = self.cfg.train
-        for key, value, low in (("train.save_every", t.save_every, 0),
-                                ("train.eval_every", t.eval_every, 0),
-                                ("train.max_steps", t.max_steps, 0),
-                                ("train.keep_checkpoints", t.keep_checkpoints, 1)):
-            if value < low:
-                raise UserError(key, f"is {value}", f"give an integer >= {low}")
-        if not t.max_steps and not t.epochs > 0:
-            raise UserError("train.epochs", f"is {t.epochs} and train.max_steps is 0",
-                            "give a positive number of epochs, or set train.max_steps")
-        device_kind(t.device, gpu=False)  # names a device (which one is the backend's choice)
-        lr_at(1, 1, self.cfg.optim)  # an unknown schedule is an error now, not at the first step
-        if parse_bytes(self.cfg.output.shard_size, "output.shard_size") <= 0:
-            raise UserError("output.shard_size", "is not a positive size", "e.g. 5GiB")
+        if (d / "checkpoints").exists() and not (d / "checkpoints").is_dir():
+            raise UserError(d / "checkpoints", "is a file, not the run's checkpoint folder",
+                            "move the file away, or choose another output.run_dir")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(d, f"cannot be created ({e.strerror})",
+                            "choose an output.run_dir in a folder you can write to") from None
 
     def _check_host_memory(self) -> None:
         """Refuse a run the plan says cannot fit host RAM, before anything is loaded."""
@@ -269,6 +270,7 @@ class Trainer:
         t0 = time.perf_counter()
         position = self.stream.state_dict()
         mbs = self.stream.next_step()
+        lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
         try:
             out = self.executor.train_step(mbs, self.hyper, self.cfg.optim.max_grad_norm)
         except torch.cuda.OutOfMemoryError:
@@ -279,7 +281,7 @@ class Trainer:
             self.step += 1
         seen = sum(mb.input_ids.numel() for mb in mbs)
         self.emit(StepMetrics(step=self.step, total_steps=self.total_steps,
-                              loss=None if out.skipped else out.loss, lr=self.hyper(1.0).lr,
+                              loss=None if out.skipped else out.loss, lr=lr,
                               grad_norm=out.grad_norm if math.isfinite(out.grad_norm) else None,
                               tokens=out.tokens, tokens_per_s=seen / dt, step_time=dt,
                               peak_vram=self.backend.peak_memory(), peak_ram=peak_rss(),
@@ -302,10 +304,11 @@ class Trainer:
     def _out_of_memory(self, position: dict) -> None:
         """Roll the failed step back: its batch is put back, the state is the previous step's.
 
-        With clipping no update of a step starts before its backward ends, so the host state is
-        untouched; without it, updates overlap the backward and some may have been applied.
+        With clipping the step's speculative updates are undone, so the host state is the
+        previous step's; without it, updates overlap the backward and some may have been applied.
         """
-        self.executor.drain()  # the previous step's updates (they belong to it)
+        self.executor.roll_back()  # the last step's updates finish, this one's are undone
+        self.executor.drain()
         self.stream.load_state_dict(position)
         plan = getattr(self, "plan", None)
         fixes = [f.change for f in getattr(plan, "fixes", ()) if f.available][:2]
@@ -361,9 +364,7 @@ class Trainer:
         if self._failure is None:
             self.evaluate()
         if self._failure is None or self._failure[1]:
-            # At the last step too: extending a finished run (--resume --max-steps M)
-            # continues from here instead of redoing the steps since the last periodic save.
-            self.save_checkpoint()
+            self.save_checkpoint()  # first: an export that fails must not lose the trained steps
         if self._failure is None:
             self.emit(RunState("saving", "exporting the final model", self.step))
             out = self.run_dir / "final"
@@ -371,9 +372,10 @@ class Trainer:
                 self.export(out)
             except OSError as e:
                 self._fail(f"could not write the final model to {out}: "
-                           f"{write_error(e, self.run_dir)}", "free disk space, then continue "
-                           f"with --resume (it writes the model of step {self.step} again)",
-                           save=False)
+                           f"{write_error(e, self.run_dir)}; the trained state is safe in "
+                           f"checkpoints/step-{self.step}", "free disk space, then run the same "
+                           "command with --resume: it writes the final model without training "
+                           "again", save=False)
         if self._failure is not None:
             self.emit(RunState("failed", self._failure[0], self.step))
             return "failed"

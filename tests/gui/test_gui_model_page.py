@@ -106,9 +106,35 @@ def test_dropping_a_folder_chooses_it(qtbot, page, tiny_llama):
 
 
 def test_create_demo_model_makes_and_selects_it(qtbot, page, ctx):
-    with qtbot.waitSignal(page.model_selected, timeout=20000) as selected:
-        qtbot.mouseClick(page.demo_button, Qt.MouseButton.LeftButton)
+    with qtbot.waitSignal(page.model_selected, timeout=60000) as selected:
+        page.tiny_action.trigger()  # "Create demo model" > "Tiny random Llama"
         assert not page.demo_button.isEnabled()
     assert selected.args == [str(ctx.demo_model_dir)]
     assert load_spec(ctx.demo_model_dir).model_type == "llama"
     assert page.demo_button.isEnabled() and page.status.property("state") == "ok"
+
+
+def test_import_gguf_makes_a_new_folder_and_selects_it(qtbot, page, ctx, tiny_llama, tmp_path):
+    from engine.gguf.exporter import export_gguf
+    f = export_gguf(tiny_llama, tmp_path / "tiny.gguf", "q8_0")
+    (ctx.models_dir / "tiny").mkdir(parents=True)  # a folder of that name is kept, not replaced
+    with qtbot.waitSignal(page.model_selected, timeout=60000) as selected:
+        page.import_gguf(str(f))
+        assert not page.gguf_button.isEnabled() and page.status.property("state") == "busy"
+    assert selected.args == [str(ctx.models_dir / "tiny-2")]
+    assert load_spec(ctx.models_dir / "tiny-2").num_layers == load_spec(tiny_llama).num_layers
+    assert page.gguf_button.isEnabled() and page.status.property("state") == "ok"
+
+
+def test_import_of_a_bad_gguf_shows_the_engines_message(qtbot, page, ctx, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF but not really")
+    page.import_gguf(str(bad))
+    qtbot.waitUntil(lambda: page.status.property("state") == "error", timeout=60000)
+    assert "bad.gguf could not be imported" in page.status.text()
+    assert "cannot be read as GGUF" in page.status.text()
+
+
+def test_real_demo_entry_follows_the_installed_package(page):
+    from engine.gguf.installed import smollm2_gguf
+    assert page.real_action.isEnabled() == (smollm2_gguf() is not None)
