@@ -67,7 +67,7 @@ def test_resume_of_a_folder_still_training_is_refused(base):
         _wait_for(lambda: _events_count(run, StepMetrics) >= 2 and checkpoint_dirs(run))
         second = _start(path, "--resume")
         out, err = second.communicate(timeout=120)
-        assert second.returncode == 2, err
+        assert second.returncode == 2, (out, err)
         assert f"is being trained by process {first.pid} right now" in err
         assert "Traceback" not in err
         # The refused process wrote nothing into the folder: one setup, one engine.
