@@ -94,9 +94,9 @@ def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_g
     hardware profile. Its exec_shape is what ``slideformer train`` would run."""
     from engine.config import BudgetConfig
     from engine.plan import Knobs, Precision, make_plan, resolve_budgets
-    from engine.plan.hardware import load_profile
+    from engine.plan.targets import load_profile
     from engine.plan.machine import gpu_memory, host_memory
-    hw = load_profile("auto")
+    hw = load_profile("this")
     vram = f"{int(vram_gib * 2**30)}" if vram_gib else "auto"
     budgets = resolve_budgets(BudgetConfig(vram=vram), device, hw, gpu_memory(), host_memory())
     knobs = Knobs(seq_len=seq, micro_batch=micro_batch, grad_accum=accum,

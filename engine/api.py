@@ -5,9 +5,10 @@ are the engine's promise:
 
 - **Run configs**: :class:`RunConfig` and its sections, :func:`load_config`,
   :func:`config_from_dict`, :func:`validate_config`, :func:`override`, :func:`dumps`.
-- **Plans**: :func:`plan_for_config` (what ``slideformer plan`` and the Plan page show), the machine as the
-  planner sees it (:func:`gpu_memory`, :func:`host_memory`, :func:`load_profile`,
-  :func:`run_device`, :func:`resolve_budgets`) and the plan's parts.
+- **Plans**: :func:`plan_for_config` (what ``slideformer plan`` and the Plan page show), the GPU
+  presets (:data:`PRESETS`), the machine as the planner sees it (:func:`gpu_memory`,
+  :func:`host_memory`, :func:`load_profile`, :func:`run_device`, :func:`resolve_budgets`) and the
+  plan's parts.
 - **Models**: :func:`inspect_model` (``slideformer info``, the Model page), :func:`make_tiny_model`.
 - **Data**: :func:`analyse_data` (``slideformer data inspect``, the Data page).
 - **Runs**: :class:`RunClient` starts, follows, pauses, resumes and stops a run through its
@@ -22,7 +23,8 @@ from typing import Any
 from engine import __version__
 from engine import config as _config
 from engine.config import (BudgetConfig, DataConfig, ModelConfig, OptimConfig, OutputConfig,
-                           RunConfig, TrainConfig, dumps, override, parse_bytes)
+                           RunConfig, TrainConfig, dumps, format_bytes, override,
+                           parse_bytes)
 from engine.data import DataStats, Sample
 from engine.data.preview import Preview
 from engine.data.commands import sample_counts
@@ -39,8 +41,8 @@ from engine.models.commands import model_report as inspect_model
 from engine.models.spec import SUPPORTED, ModelSpec, load_spec
 from engine.models.tiny import TinyShape, make_tiny_model
 from engine.models.tokenizer import load_tokenizer
-from engine.plan import (REFERENCE, Allocation, Budgets, Fix, HardwareProfile, Plan, TierUse,
-                         load_profile, resolve_budgets)
+from engine.plan import (PRESETS, REFERENCE, Allocation, Budgets, Fix, HardwareProfile, Plan,
+                         TierUse, load_profile, resolve_budgets)
 from engine.plan.machine import GpuMemory, HostMemory, gpu_memory, host_memory
 from engine.plan.planner import plan_run, run_device
 from engine.train.checkpoint import checkpoints
@@ -53,7 +55,8 @@ __all__ = [
     "__version__",
     # run configs
     "BudgetConfig", "DataConfig", "ModelConfig", "OptimConfig", "OutputConfig", "RunConfig",
-    "TrainConfig", "config_from_dict", "dumps", "load_config", "override", "parse_bytes",
+    "TrainConfig", "config_from_dict", "dumps", "format_bytes", "load_config", "override",
+    "parse_bytes",
     "parse_toml", "validate_config",
     # errors
     "UserError",
@@ -61,8 +64,8 @@ __all__ = [
     "CheckpointSaved", "EvalMetrics", "Log", "Progress", "RunState", "Span", "StepMetrics",
     "Timeline", "from_json", "read_events",
     # plans and the machine
-    "REFERENCE", "Allocation", "Budgets", "Fix", "GpuMemory", "HardwareProfile", "HostMemory",
-    "Plan", "TierUse", "gpu_memory", "host_memory", "load_profile", "plan_for_config",
+    "PRESETS", "REFERENCE", "Allocation", "Budgets", "Fix", "GpuMemory", "HardwareProfile",
+    "HostMemory", "Plan", "TierUse", "gpu_memory", "host_memory", "load_profile", "plan_for_config",
     "resolve_budgets",
     "run_device",
     # models
@@ -122,11 +125,12 @@ def parse_toml(text: str, source: str) -> dict[str, Any]:
 
 
 # ---- plans ---------------------------------------------------------------------------------------
-def plan_for_config(cfg: RunConfig, hardware: HardwareProfile | str = "auto") -> Plan:
+def plan_for_config(cfg: RunConfig, hardware: HardwareProfile | str = "this") -> Plan:
     """Where every byte of ``cfg``'s run goes, whether it fits and how fast it runs.
 
-    Reads only the model's ``config.json``. ``hardware``: a profile, or ``auto`` (this machine's
-    ``bench --hardware`` profile, else the reference machine), ``reference`` or a JSON file.
+    Reads only the model's ``config.json``. ``hardware``: a profile, or the machine to plan for
+    (engine.plan.targets.load_profile): ``this`` machine, a GPU preset key of :data:`PRESETS`
+    (``rtx4090``) or a profile JSON file.
     """
     if not cfg.model.path:
         raise UserError("model.path", "is missing", "choose a model folder (with config.json)")

@@ -357,6 +357,18 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def format_bytes(n: float) -> str:
+    """A size for people, in binary units like the budgets: 1536 -> "1.5 KiB", 3e13 -> "27.3 TiB".
+
+    The one way sizes are written in the product (CLI, plans, the desktop app).
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_bytes(text: str, where: str = "size") -> int:
     """Parse "24GiB", "1.5 TB", "512MiB" or a plain byte count."""
     s = str(text).strip().lower().replace(" ", "")

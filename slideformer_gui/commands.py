@@ -14,8 +14,11 @@ def register(sub) -> None:
     p = sub.add_parser("gui", help="open the desktop app (the default command)")
     p.add_argument("--model", help="model folder to choose at start")
     p.add_argument("--self-test", action="store_true",
-                   help="check this installation offscreen (tiny model, 3 training steps, "
-                        "every page rendered) and exit")
+                   help="check this installation (tiny model, 3 training steps, every page "
+                        "rendered) and exit; offscreen unless --platform is given")
+    p.add_argument("--platform", metavar="NAME",
+                   help="with --self-test: open the window on this Qt platform (xcb, wayland; "
+                        "native: the one the app uses here), so missing system libraries show")
     p.set_defaults(func=_gui)
 
 
@@ -34,8 +37,13 @@ def _check_display() -> None:
 def _gui(args) -> int:
     if args.self_test:
         from slideformer_gui.self_test import run_self_test
-        return run_self_test()
+        return run_self_test(args.platform)
+    if args.platform:
+        from engine.api import UserError
+        raise UserError("--platform", "is for --self-test", "add --self-test, or leave it out")
     _check_display()
+    from slideformer_gui.platform_check import check_platform
+    check_platform()
     try:
         from slideformer_gui.app import run
     except ImportError as e:

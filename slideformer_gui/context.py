@@ -5,6 +5,12 @@ needs the model (Plan, Data, Train) connects to :attr:`AppContext.model_changed`
 :attr:`AppContext.model_path` when it is built. Likewise the data settings
 (:meth:`AppContext.set_data_config`, :attr:`AppContext.data_changed`: Data and Train pages) and
 runs to show (:meth:`AppContext.request_run`, :attr:`AppContext.run_requested`: Runs -> Train).
+
+The next run is one draft: the Train page's settings (a whole RunConfig), the Model page's
+folder and the Data page's data settings; the sequence length is the data settings' and every
+page that shows it edits that one value. "Use this plan" on the Plan page writes the plan's
+settings (shape, precision, budgets) into the draft (:meth:`AppContext.use_plan`,
+:attr:`AppContext.plan_used`), and the Train page shows that plan next to Start.
 """
 from __future__ import annotations
 
@@ -33,13 +39,16 @@ class AppContext(QObject):
     """The main window switched to the "light" or "dark" theme."""
     run_requested = Signal(str, bool)
     """Show a run on the Train page: (run folder, resume it); False follows it as it is."""
+    plan_used = Signal(object, dict)
+    """Train with this plan: (the :class:`~engine.plan.Plan`, the run-config settings it was
+    made for, ``{"train.micro_batch": 4, ...}``)."""
 
     def __init__(self, settings: Settings, data_dir: Path | None = None, gpu_source: str = "nvml"):
         super().__init__()
         self.settings = settings
         self.data_dir = Path(data_dir) if data_dir is not None else default_data_dir()
         self.gpu_source = gpu_source
-        """Where the Monitor reads GPU figures: "nvml", "fake" or "none"."""
+        """Where the Monitor reads GPU figures: "nvml", "none", or a reader factory (tests)."""
         self.model_path: str | None = None
         self.model_report: dict | None = None
         """The engine's summary of the chosen model (``engine.api.inspect_model``)."""
@@ -76,3 +85,10 @@ class AppContext(QObject):
 
     def request_run(self, run_dir: str, resume: bool) -> None:
         self.run_requested.emit(run_dir, resume)
+
+    def use_plan(self, plan, settings: dict) -> None:
+        if "data.max_seq_len" in settings:
+            from dataclasses import replace
+            self.set_data_config(replace(self.data_config,
+                                         max_seq_len=int(settings["data.max_seq_len"])))
+        self.plan_used.emit(plan, dict(settings))

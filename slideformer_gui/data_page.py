@@ -44,6 +44,10 @@ VALIDATION_MODES = ("none", "fraction", "file")
 TEMPLATE_FILE = "\0file"
 """The chat-template entry that asks for a .jinja file."""
 TRAINED_COLOR, MASKED_COLOR, TRUNCATED_COLOR = "#16a34a", "#9ca3af", "#f59e0b"
+AXIS_LABEL = "record length (tokens, before truncation)"
+FAR_BEYOND = 4
+"""A sequence length this many times the longest record's bin edge is drawn as a note on the
+axis, not as a line far to the right of every bar."""
 
 
 @dataclass(frozen=True)
@@ -121,10 +125,11 @@ class LengthHistogram(pg.PlotWidget):
         self.setMouseEnabled(x=False, y=False)
         self.hideButtons()
         self.setMenuEnabled(False)
-        self.setBackground("#ffffff")
+        self._background = "#ffffff"
+        self.setBackground(self._background)
         item = self.getPlotItem()
         item.showGrid(y=True, alpha=0.15)
-        item.setLabel("bottom", "record length (tokens, before truncation)")
+        item.setLabel("bottom", AXIS_LABEL)
         item.setLabel("left", "records")
         self.bars = pg.BarGraphItem(x0=[], x1=[], height=[], brush=TRAINED_COLOR)
         self.addItem(self.bars)
@@ -143,24 +148,33 @@ class LengthHistogram(pg.PlotWidget):
         brushes = [pg.mkBrush(TRUNCATED_COLOR if lo >= stats.seq_len else "#3b82f6")
                    for lo in edges[:-1]]
         self.bars.setOpts(x0=list(edges[:-1]), x1=list(edges[1:]), height=list(counts),
-                          brushes=brushes, pen=pg.mkPen("#ffffff", width=1))
+                          brushes=brushes, pen=pg.mkPen(self._background, width=1))
         self.limit.setPos(stats.seq_len)
-        self.limit.show()
         self.limit.label.setFormat(f"sequence length {stats.seq_len}")
-        right = max(edges[-1], stats.seq_len) * 1.05
+        # A sequence length far beyond the longest record would squeeze every bar into the
+        # left edge: the axis then spans the records, and its label says that all of them fit.
+        far = stats.seq_len > FAR_BEYOND * edges[-1]
+        self.limit.setVisible(not far)
+        self.getPlotItem().setLabel("bottom", f"{AXIS_LABEL}: all shorter than the sequence "
+                                              f"length {stats.seq_len}" if far else AXIS_LABEL)
+        right = (edges[-1] if far else max(edges[-1], stats.seq_len)) * 1.05
         self.getPlotItem().setXRange(0, right, padding=0)
         self.getPlotItem().setYRange(0, max(counts, default=1) * 1.1, padding=0)
 
     def clear_stats(self) -> None:
         self.bars.setOpts(x0=[], x1=[], height=[], brushes=[])
         self.limit.hide()
+        self.getPlotItem().setLabel("bottom", AXIS_LABEL)
 
     def set_colors(self, background: str, foreground: str) -> None:
+        self._background = background  # bar outlines: gaps between bars, not white frames
         self.setBackground(background)
+        self.bars.setOpts(pen=pg.mkPen(background, width=1))
         for name in ("left", "bottom"):
             axis = self.getPlotItem().getAxis(name)
             axis.setPen(pg.mkPen(foreground))
             axis.setTextPen(pg.mkPen(foreground))
+            axis.setLabel(axis.labelText, color=foreground)
 
 
 class DataPage(QWidget):

@@ -3,14 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
-def human_bytes(n: float) -> str:
-    """1536 -> "1.5 KiB"; binary units, like the Monitor's GiB."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+from engine.api import format_bytes as human_bytes  # noqa: F401 - one size format everywhere
 
 
 def human_count(n: int) -> str:

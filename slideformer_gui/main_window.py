@@ -7,11 +7,13 @@ page is adding one line to :data:`PAGES`.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from PySide6.QtCore import QSize, Qt
 from PySide6.QtGui import QAction, QKeySequence
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFrame, QHBoxLayout, QLabel,
                                QListWidget, QListWidgetItem, QMainWindow, QScrollArea,
-                               QStackedWidget, QWidget)
+                               QStackedWidget, QToolButton, QWidget)
 
 from slideformer_gui.about import AboutDialog
 from slideformer_gui.chat_page import ChatPage
@@ -25,6 +27,13 @@ from slideformer_gui.plan_page import PlanPage
 from slideformer_gui.runs_page import RunsPage
 from slideformer_gui.theme import PLOT_COLORS, icon, palette, style_sheet
 from slideformer_gui.train_page import TrainPage
+
+SIDEBAR_PX = 124
+DOCK_MIN_PX, DOCK_PX = 240, 280
+"""The Monitor dock's least and first width: with the sidebar, they leave a 1366 px screen
+about 900 px for the page (the widest page, Data, needs 800)."""
+DEFAULT_SIZE = (1366, 768)
+"""A laptop's screen: the size every page is laid out and tested for."""
 
 # The sidebar, top to bottom: (title, icon in resources/icons, page class built as Page(ctx)).
 PAGES = (
@@ -48,7 +57,7 @@ class MainWindow(QMainWindow):
 
         self.sidebar = QListWidget()
         self.sidebar.setObjectName("sidebar")
-        self.sidebar.setFixedWidth(170)
+        self.sidebar.setFixedWidth(SIDEBAR_PX)
         self.sidebar.setIconSize(QSize(20, 20))
         self.stack = QStackedWidget()
         self.pages: dict[str, QWidget] = {}
@@ -64,11 +73,8 @@ class MainWindow(QMainWindow):
         lay.setContentsMargins(0, 0, 0, 0)
         lay.setSpacing(0)
         lay.addWidget(self.sidebar)
-        page_area = QWidget()
-        page_lay = QHBoxLayout(page_area)
-        page_lay.setContentsMargins(18, 14, 18, 14)
-        page_lay.addWidget(self.stack)
-        lay.addWidget(page_area, 1)
+        self.stack.setContentsMargins(10, 8, 10, 8)
+        lay.addWidget(self.stack, 1)
         self.setCentralWidget(central)
 
         self.monitor = MonitorPanel()
@@ -83,9 +89,9 @@ class MainWindow(QMainWindow):
         self.monitor_dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetClosable
                                       | QDockWidget.DockWidgetFeature.DockWidgetMovable
                                       | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
-        self.monitor_dock.setMinimumWidth(340)
+        self.monitor_dock.setMinimumWidth(DOCK_MIN_PX)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.monitor_dock)
-        self.resizeDocks([self.monitor_dock], [400], Qt.Orientation.Horizontal)
+        self.resizeDocks([self.monitor_dock], [DOCK_PX], Qt.Orientation.Horizontal)
 
         self.sampler = MonitorSampler(ctx.gpu_source, parent=self)
         self.sampler.sampled.connect(self.monitor.add_sample)
@@ -94,18 +100,27 @@ class MainWindow(QMainWindow):
 
         self.model_label = QLabel("No model chosen")
         self.statusBar().addWidget(self.model_label)
-        ctx.model_changed.connect(
-            lambda path: self.model_label.setText(f"Model: {short_path(path)}"))
+        monitor_button = QToolButton()
+        monitor_button.setDefaultAction(self.monitor_dock.toggleViewAction())
+        monitor_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
+        self.statusBar().addPermanentWidget(monitor_button)  # show or hide the Monitor (Ctrl+M)
+        ctx.model_changed.connect(self._show_model)
         ctx.run_requested.connect(lambda *_: self.show_page("Train"))
+        ctx.plan_used.connect(lambda *_: self.show_page("Train"))
 
         self._build_menus()
         self.set_theme(ctx.settings.theme())
-        self.resize(1280, 800)
+        self.resize(*DEFAULT_SIZE)
         geometry, state = ctx.settings.window_geometry(), ctx.settings.window_state()
         if geometry is not None:
             self.restoreGeometry(geometry)
         if state is not None:
             self.restoreState(state)
+
+    def _show_model(self, path: str) -> None:
+        """The folder's name (a long path would set the window's least width)."""
+        self.model_label.setText(f"Model: {Path(path).name}")
+        self.model_label.setToolTip(short_path(path))
 
     @property
     def model_page(self) -> ModelPage:

@@ -37,10 +37,13 @@ ROWS: tuple[tuple[str, object], ...] = (
                                   f"(head dim {r['head_dim']})"),
     ("Vocabulary", lambda r: f"{r['vocab']:,} tokens"),
     ("Parameters", lambda r: f"{r['parameters']:,}  ({human_count(r['parameters'])})"),
-    ("Data type", lambda r: f"{r['dtype']}  (weights stored as {r['weights_dtype']})"),
+    ("Data type", lambda r: f"{r['dtype']}  (weights stored as {r['weights_dtype']})"
+                            if r["weights_dtype"] else f"{r['dtype']}  (no weights yet)"),
     ("Tied embeddings", lambda r: "yes" if r["tied_embeddings"] else "no"),
-    ("Size on disk", lambda r: human_bytes(r["size_on_disk"])),
-    ("Chat template", lambda r: "yes" if r["chat_template"] else "no"),
+    ("Size on disk", lambda r: human_bytes(r["size_on_disk"]) if r["size_on_disk"] is not None
+                               else "— (no weights yet)"),
+    ("Chat template", lambda r: "—" if r["chat_template"] is None else
+                                "yes" if r["chat_template"] else "no"),
 )
 
 
@@ -174,14 +177,17 @@ class ModelPage(QWidget):
         self.folder.setText(short_path(path))
         self._show_status("busy", "Checking the folder…")
         self._clear_fields()
-        run_task(inspect_model, path, name="model-report",
+        run_task(inspect_model, path, True, name="model-report",
                  done=lambda report: self._on_report(path, report),
                  failed=lambda message: self._on_error(path, message))
 
     def _on_report(self, path: str, report: dict) -> None:
         if path != self._pending:
             return
-        self._show_status("ok", "Valid model folder.")
+        if report["config_only"]:  # "will it fit?" before a large download
+            self._show_status("info", f"Plan only: {report['config_only']}.")
+        else:
+            self._show_status("ok", "Valid model folder.")
         for label, fmt in ROWS:
             self.fields[label].setText(fmt(report))
         self._fill_recent(self.ctx.settings.add_recent_model(path))

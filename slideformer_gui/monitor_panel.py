@@ -89,7 +89,7 @@ class ChartView(QWidget):
     def __init__(self, chart: Chart, parent=None):
         super().__init__(parent)
         self.chart = chart
-        self.title = QLabel(chart.title)
+        self.title = QLabel(f"{chart.title} ({chart.unit})")  # the unit of its y axis
         self.title.setObjectName("chartTitle")
         self.value = QLabel("n/a")
         self.value.setObjectName("chartValue")

@@ -12,11 +12,11 @@ from PySide6.QtCore import QObject, Signal
 
 from slideformer_gui.monitor_source import GpuUnavailable, HostReader, open_gpu_reader, read_sample
 
-NO_GPU_NOTICE = "No NVIDIA GPU found: showing host figures only"
+NO_GPU_NOTICE = "No NVIDIA GPU found:\nhost figures only"  # two short lines: a narrow dock
 
 
 class MonitorSampler(QObject):
-    """Samples GPU (``gpu_source``: "nvml", "fake" or "none") and host figures at ``rate_hz``."""
+    """Samples GPU (``gpu_source``: see ``open_gpu_reader``) and host figures at ``rate_hz``."""
 
     gpu_found = Signal(str)
     """The GPU's name, once the reader is open."""

@@ -1,8 +1,8 @@
 """Hardware readings for the Monitor, without Qt: GPU readers, the host reader, ring buffers.
 
-A *GPU reader* has ``name`` and ``read() -> GpuReading``; there are three: :class:`NvmlReader`
-(the real one, through ``pynvml``), :class:`FakeGpuReader` (deterministic synthetic figures, for
-tests and screenshots) and none at all. :func:`open_gpu_reader` turns a source name into a reader
+A *GPU reader* has ``name`` and ``read() -> GpuReading``: :class:`NvmlReader` (through
+``pynvml``), or none at all (tests bring their own stand-in). :func:`open_gpu_reader` turns a
+source into a reader
 or a :class:`GpuUnavailable` that says why there is none. :class:`HostReader` reads RAM and CPU
 through ``psutil``. :func:`read_sample` combines both into one :class:`Sample`, and
 :class:`History` keeps the last few minutes of samples in fixed-size numpy ring buffers that the
@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 
 GIB = 1 << 30
-GPU_SOURCES = ("nvml", "fake", "none")
+GPU_SOURCES = ("nvml", "none")
 
 
 @dataclass(frozen=True)
@@ -115,37 +115,17 @@ class NvmlReader:
             pass
 
 
-class FakeGpuReader:
-    """A 24 GiB GPU whose figures follow slow deterministic waves (tests, screenshots)."""
-
-    name = "Simulated GPU (24 GiB)"
-
-    def __init__(self, clock=time.monotonic):
-        self._clock = clock
-        self._t0 = clock()
-
-    def read(self) -> GpuReading:
-        t = self._clock() - self._t0
-        wave = 0.5 + 0.5 * math.sin(t / 3.0)
-        return GpuReading(mem_used=(14.0 + 6.0 * wave) * GIB, mem_total=24.0 * GIB,
-                          util=60.0 + 35.0 * math.sin(t * 1.3),
-                          pcie_rx=(18.0 + 6.0 * wave) * 1e9, pcie_tx=(9.0 + 5.0 * (1 - wave)) * 1e9,
-                          temperature=55.0 + 15.0 * wave, power=180.0 + 200.0 * wave)
-
-    def close(self) -> None:
-        pass
-
-
-def open_gpu_reader(source: str):
-    """A GPU reader for ``source`` ("nvml", "fake" or "none").
+def open_gpu_reader(source):
+    """A GPU reader for ``source``: "nvml", "none", or a function that makes a reader (tests
+    pass their stand-ins that way; the product reads real GPUs only).
 
     Raises:
         GpuUnavailable: the source is "none", or NVML has no GPU to read.
     """
     if source == "nvml":
         return NvmlReader()
-    if source == "fake":
-        return FakeGpuReader()
+    if callable(source):
+        return source()
     if source == "none":
         raise GpuUnavailable("GPU monitoring is off")
     raise ValueError(f"GPU source must be one of {GPU_SOURCES}, not {source!r}")

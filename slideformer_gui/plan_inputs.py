@@ -1,7 +1,7 @@
-"""The Plan page's inputs: this machine and its budgets, and the shape of the run.
+"""The Plan page's inputs: the machine to plan for and its budgets, and the shape of the run.
 
-:func:`detect_machine` asks the planner what this machine has (NVML, psutil, the hardware
-profile) and what ``auto`` budgets it would take. :class:`PlanInputs` shows that and holds the
+:func:`detect_machine` asks the planner what the target (this machine, or a GPU preset) has
+(NVML and psutil here, the preset's figures otherwise) and what ``auto`` budgets it would take. :class:`PlanInputs` shows that and holds the
 settings the planner varies, each widget bound to one run-config key in one table
 (:meth:`PlanInputs.settings` reads them all, :meth:`PlanInputs.apply` sets any of them, e.g. a
 fix's ``settings``).
@@ -16,8 +16,9 @@ from PySide6.QtWidgets import (QBoxLayout, QCheckBox, QComboBox, QDoubleSpinBox,
                                QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPushButton, QSlider, QSpinBox, QWidget)
 
-from engine.api import BudgetConfig, Budgets, GpuMemory, HardwareProfile, HostMemory, RunConfig, \
-    UserError, gpu_memory, host_memory, load_profile, parse_bytes, resolve_budgets, run_device
+from engine.api import PRESETS, BudgetConfig, Budgets, GpuMemory, HardwareProfile, HostMemory, \
+    RunConfig, UserError, gpu_memory, host_memory, load_profile, parse_bytes, resolve_budgets, \
+    run_device
 from slideformer_gui.formatting import human_bytes
 
 GiB = 1 << 30
@@ -32,7 +33,7 @@ class Machine:
     """GPU 0 through NVML; None without an NVIDIA GPU."""
     host: HostMemory
     profile: HardwareProfile
-    """Speeds the plan predicts with (measured here, or the reference machine's)."""
+    """Speeds the plan predicts with (this machine's, measured or assumed, or a preset's)."""
     device: str
     """cuda or cpu: the backend a run would use."""
     auto: Budgets | None
@@ -44,10 +45,11 @@ class Machine:
         return self.gpu.total if self.gpu else self.profile.vram_total
 
 
-def detect_machine() -> Machine:
-    """This machine as the planner sees it (reads NVML and psutil: call off the GUI thread)."""
-    profile = load_profile("auto")
-    gpu, host = gpu_memory(), host_memory()
+def detect_machine(target: str = "this") -> Machine:
+    """``target`` (``this`` or a GPU preset key) as the planner sees it (reads NVML and psutil:
+    call off the GUI thread)."""
+    profile = load_profile(target)
+    gpu, host = (None if profile.preset else gpu_memory()), host_memory()
     device = run_device(RunConfig(), profile)
     try:
         return Machine(gpu, host, profile, device,
@@ -124,6 +126,12 @@ class PlanInputs(QWidget):
         defaults = RunConfig()
         self._clip_norm = defaults.optim.max_grad_norm if defaults.optim.max_grad_norm > 0 else 1.0
 
+        self.target = QComboBox()
+        self.target.addItem("This machine", "this")
+        for key, preset in PRESETS.items():
+            self.target.addItem(preset.name.removeprefix("NVIDIA "), key)
+        self.target.setToolTip("Plan for this machine, or for a GPU you may buy or rent (its "
+                               "vendor figures; type the RAM and disk of its host below)")
         self.detected = QLabel("Detecting this machine…")
         self.detected.setObjectName("hint")
         self.detected.setWordWrap(True)
@@ -149,6 +157,7 @@ class PlanInputs(QWidget):
         detected_row.addWidget(self.reset_button, 0, Qt.AlignmentFlag.AlignTop)
         machine_box = QGroupBox("Machine and budgets")
         form = QFormLayout(machine_box)
+        form.addRow("Plan for", self.target)
         form.addRow(detected_row)
         form.addRow("GPU memory", self.vram)
         form.addRow("Host RAM", self.ram)
@@ -298,15 +307,14 @@ class PlanInputs(QWidget):
         """Show what the machine has, bound the budgets by it, and start from its budgets."""
         self.machine = machine
         gpu, host, profile = machine.gpu, machine.host, machine.profile
-        if gpu is not None:
+        if profile.preset:
+            gpu_text = (f"GPU: {profile.gpu}, {human_bytes(profile.vram_total)} (vendor "
+                        f"figures). Give the RAM of the machine it sits in.")
+        elif gpu is not None:
             gpu_text = f"GPU: {gpu.name}, {human_bytes(gpu.total)} ({human_bytes(gpu.free)} free)"
-        elif machine.device == "cuda":
-            gpu_text = (f"No NVIDIA GPU found here: planning for the GPU of the speed profile, "
-                        f"{profile.gpu} with {human_bytes(profile.vram_total)}. Set the GPU "
-                        f"memory to your GPU's.")
         else:
-            gpu_text = "No NVIDIA GPU: the run would use the CPU backend."
-        lines = [gpu_text, f"RAM: {human_bytes(host.total)} ({human_bytes(host.available)} "
+            gpu_text = "No NVIDIA GPU here: the run would use the CPU backend."
+        lines = [gpu_text, f"RAM here: {human_bytes(host.total)} ({human_bytes(host.available)} "
                            f"available)"]
         if machine.auto_error:
             lines.append(machine.auto_error)

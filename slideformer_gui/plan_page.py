@@ -8,7 +8,11 @@ settings to the inputs), the largest batches and the predicted speed.
 
 Recomputing: every edit restarts a short timer; when it fires the page asks the planner, one
 request at a time. An answer for inputs that changed meanwhile is dropped and the latest inputs
-are planned instead, so the page always ends on the plan of what it shows.
+are planned instead, so the page always ends on the plan of what it shows. Until it does, the
+plan on screen is greyed out under a "Recomputing" line: it answers other inputs.
+
+"Use this plan" puts the plan's settings into the next run (AppContext.use_plan) and shows the
+Train page, which then names the plan next to Start.
 """
 from __future__ import annotations
 
@@ -82,12 +86,20 @@ class PlanPage(QWidget):
         self.inputs = PlanInputs()
         self.inputs.changed.connect(self._edited)
         self.inputs.find_max_batch.connect(self.use_max_batch)
+        self.inputs.target.currentIndexChanged.connect(self._target_changed)
+        self.inputs.set_settings({"data.max_seq_len": ctx.data_config.max_seq_len})
 
         self.status = QLabel(NO_MODEL)
         self.status.setObjectName("status")
         self.status.setWordWrap(True)
         self.status.setTextFormat(Qt.TextFormat.PlainText)
         set_state(self.status, "info")
+        self.recomputing = QLabel("Recomputing for the changed settings… (the plan below is for "
+                                  "the previous ones)")
+        self.recomputing.setObjectName("status")
+        self.recomputing.setWordWrap(True)
+        set_state(self.recomputing, "busy")
+        self.recomputing.hide()
         self.results = self._build_results()
         self.results.hide()
 
@@ -95,6 +107,7 @@ class PlanPage(QWidget):
         col = QVBoxLayout(column)
         col.setContentsMargins(0, 0, 0, 0)
         col.addWidget(self.status)
+        col.addWidget(self.recomputing)
         col.addWidget(self.results)
         col.addStretch(1)
         content = QWidget()
@@ -117,6 +130,7 @@ class PlanPage(QWidget):
         lay.addWidget(scroll, 1)
 
         ctx.model_changed.connect(self._model_changed)
+        ctx.data_changed.connect(self._data_changed)
         self.planner = shared_planner()
         # Owned by the app, so a request still out when the page goes never deletes it in the
         # requests thread; the page's bound methods are disconnected when the page goes.
@@ -139,10 +153,19 @@ class PlanPage(QWidget):
         self.fixes.chosen.connect(self.apply_fix)
         self.shape = QLabel("")
         self.shape.setWordWrap(True)
+        self.use_button = QPushButton("Use this plan")
+        self.use_button.setObjectName("primary")
+        self.use_button.setToolTip("Train with these settings: the Train page takes the plan's "
+                                   "sequence length, batch, precision and budgets")
+        self.use_button.clicked.connect(self.use_plan)
+        use_row = QHBoxLayout()
+        use_row.addWidget(self.use_button)
+        use_row.addStretch(1)
         verdict_box = QGroupBox("Verdict")
         v = QVBoxLayout(verdict_box)
         for w in (self.verdict, self.notes, self.fixes, self.shape):
             v.addWidget(w)
+        v.addLayout(use_row)
 
         self.memory = StackedBars()
         hint = QLabel("Each bar is what the tier holds at its peak; the dashed line is its "
@@ -222,14 +245,45 @@ class PlanPage(QWidget):
         self._detect_error = message
         self._show_status("error", message)
 
+    def _target_changed(self) -> None:
+        """Plan for another machine: find what it has, then plan again from its budgets."""
+        self._version += 1
+        self._mark_stale()
+        run_task(detect_machine, self.inputs.target.currentData(), name="plan-machine",
+                 done=self.set_machine, failed=self._not_detected)
+
     def _model_changed(self, path: str) -> None:
         self._version += 1
+        self._mark_stale()
         self.debounce.stop()
         self._start()
 
+    def _data_changed(self) -> None:
+        """The draft's sequence length is shared with the Data and Train pages."""
+        seq = self.ctx.data_config.max_seq_len
+        if seq != self.inputs.seq_len.value():
+            self.inputs.apply({"data.max_seq_len": seq})
+
     def _edited(self) -> None:
         self._version += 1
+        self._mark_stale()
         self.debounce.start()
+
+    def _mark_stale(self) -> None:
+        """The plan on screen no longer answers the inputs: grey it out and say so."""
+        if self.plan is not None and self.results.isVisible():
+            self.results.setEnabled(False)
+            self.recomputing.show()
+
+    def use_plan(self) -> None:
+        """Train with the plan on screen: its settings go into the next run's draft."""
+        if self.plan is None or not self.settled():
+            return
+        settings = self.inputs.settings()
+        if self.machine is not None and self.machine.profile.preset:
+            # Budgets of a GPU this machine does not have would only mislead its run.
+            settings = {k: v for k, v in settings.items() if not k.startswith("budget.")}
+        self.ctx.use_plan(self.plan, settings)
 
     def use_max_batch(self) -> None:
         """Set the micro-batch to the largest the plan says fits."""
@@ -294,12 +348,15 @@ class PlanPage(QWidget):
         self.status.setText(text)
         set_state(self.status, state)
         self.status.show()
+        self.recomputing.hide()
         self.results.hide()
 
     # ---- showing a plan ---------------------------------------------------------------------
     def _show_plan(self, plan: Plan) -> None:
         self.plan = plan
         self.status.hide()
+        self.recomputing.hide()
+        self.results.setEnabled(True)
         self.results.show()
         self._show_verdict(plan)
         self.memory.set_rows(memory_rows(plan))

@@ -42,6 +42,8 @@ class RunSummary:
     """``final/`` holds an exported model."""
     live: bool
     """A process is running this run now."""
+    settings: str = ""
+    """What tells this run from its neighbours: tokens per step, its shape and learning rate."""
 
     @property
     def name(self) -> str:
@@ -77,17 +79,21 @@ def summarize(run_dir: Path | str) -> RunSummary:
     live = RunClient(run_dir).alive() is not None
     if state not in TERMINAL_STATES and not live:
         state = "interrupted"
-    model = data = ""
+    model = data = settings = ""
     try:
         cfg = load_config(run_dir / CONFIG_FILE)
         model, data = cfg.model.path, cfg.data.train
         total = total or cfg.train.max_steps
+        t = cfg.train
+        settings = (f"{t.micro_batch} x {t.grad_accum} x {cfg.data.max_seq_len} tokens, "
+                    f"lr {cfg.optim.lr:g}")
     except UserError:
         pass
     return RunSummary(path=run_dir, status=state, step=step, total_steps=total, loss=loss,
                       model=model, data=data, updated=updated,
                       checkpoint=latest_checkpoint(run_dir),
-                      has_final=(run_dir / "final" / "config.json").is_file(), live=live)
+                      has_final=(run_dir / "final" / "config.json").is_file(), live=live,
+                      settings=settings)
 
 
 def _tail_events(path: Path) -> list:

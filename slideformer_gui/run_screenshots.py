@@ -1,10 +1,11 @@
-"""Render the Data, Train and Runs pages during a real training run, for the documentation.
+"""Take every page's picture, light and dark, during a real training run, for the documentation.
 
-    python -m slideformer_gui.run_screenshots --out docs/screenshots
+    xvfb-run -s "-screen 0 1366x768x24" python -m slideformer_gui.run_screenshots --out docs/screenshots
 
-Offscreen, with throw-away settings and data folders. The run is real: the demo model and the
-demo dataset (letter reversal), the "Demo" preset, on the CPU engine, so the charts show what a
-user sees on any machine; the pictures are taken while it trains, then it is stopped and saved.
+A real X window (xcb) at 1366x768 with the Monitor showing this machine, throw-away settings and
+data folders. The run is real: the demo model and the demo dataset (letter reversal), the plan
+of the Plan page ("Use this plan") with the "Demo" preset's length, on the CPU engine; the
+pictures are taken while it trains, then it is stopped and saved.
 """
 from __future__ import annotations
 
@@ -13,16 +14,15 @@ from pathlib import Path
 
 from slideformer_gui.main_window import MainWindow
 from slideformer_gui.model_page import ensure_demo_model
-from slideformer_gui.screenshots import (out_parser, print_paths, run_loop, save, studio_window,
-                                         wait_until)
+from slideformer_gui.screenshots import (WINDOW_SIZE, out_parser, print_paths, run_loop, save,
+                                         studio_window, use_x_server, wait_until)
 
-WINDOW_SIZE = (1560, 980)
-STEPS_SHOWN = 70
+STEPS_SHOWN = 10
 """The Train page is photographed once the run has made this many steps."""
 
 
 def render(out: Path) -> list[Path]:
-    """Write data-during-run.png, train-during-run.png and runs.png into ``out``."""
+    """Write ``<page>-light.png`` and ``<page>-dark.png`` of every page into ``out``."""
     with studio_window(out) as (window, _):
         try:
             return _shoot(window, out)
@@ -36,7 +36,6 @@ def render(out: Path) -> list[Path]:
 def _shoot(window: MainWindow, out: Path) -> list[Path]:
     written = []
     window.resize(*WINDOW_SIZE)
-    window.monitor_dock.hide()  # the pages need the width; the Monitor has its own pictures
     window.show()
     ctx = window.ctx
     model = window.model_page
@@ -55,21 +54,30 @@ def _shoot(window: MainWindow, out: Path) -> list[Path]:
     train.settings.apply_preset(preset)
     train.settings.device.setCurrentIndex(train.settings.device.findData("cpu"))
     wait_until(lambda: data.report is not None and data.report.cfg == ctx.data_config, 60000)
+    plan = window.pages["Plan"]
+    window.show_page("Plan")
+    cfg = train.settings.config()
+    plan.inputs.apply({"train.micro_batch": cfg.train.micro_batch,
+                       "train.grad_accum": cfg.train.grad_accum,
+                       "optim.max_grad_norm": cfg.optim.max_grad_norm})
+    wait_until(lambda: plan.plan is not None and plan.settled(), 120000)
+    plan.use_plan()  # the run takes the plan's shape and budgets, the Train page its forecast
+    train.settings.device.setCurrentIndex(train.settings.device.findData("cpu"))
     train.start()
     wait_until(lambda: train.dashboard.history.last is not None
-               and train.dashboard.history.last.step >= STEPS_SHOWN and len(train.dashboard.history.val_steps) >= 2,
-               300000)
-    run_loop(600)
-    train.dashboard.repaint_all()
-    written.append(save(window, out / "train-during-run.png"))
-
-    window.show_page("Data")
-    written.append(save(window, out / "data-during-run.png"))
-
+               and train.dashboard.history.last.step >= STEPS_SHOWN,
+               900000)
     runs = window.pages["Runs"]
-    window.show_page("Runs")
-    wait_until(lambda: runs.select(train.run_dir))
-    written.append(save(window, out / "runs.png"))
+    window.show_page("Runs")  # the page scans its folder when shown
+    wait_until(lambda: runs.select(train.run_dir), 180000)
+    for theme in ("light", "dark"):
+        window.set_theme(theme)
+        for title in window.pages:
+            window.show_page(title)
+            run_loop(600)
+            train.dashboard.repaint_all()
+            written.append(save(window, out / f"{title.lower()}-{theme}.png"))
+    window.set_theme("light")
 
     window.show_page("Train")
     train.stop_and_save()
@@ -78,7 +86,9 @@ def _shoot(window: MainWindow, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return print_paths(render(out_parser(__doc__).parse_args(argv).out))
+    args = out_parser(__doc__).parse_args(argv)
+    use_x_server()
+    return print_paths(render(args.out))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from slideformer_gui.tasks import run_task
 from slideformer_gui.widgets import page_header, status_label
 
 REFRESH_MS = 2000
-COLUMNS = ("Run", "Status", "Step", "Loss", "Model", "Data", "Last activity")
+COLUMNS = ("Run", "Status", "Step", "Loss", "Model", "Data", "Batch and LR", "Last activity")
 STATUS_COLORS = {"running": "#16a34a", "setup": "#16a34a", "saving": "#16a34a",
                  "paused": "#d97706", "failed": "#dc2626", "interrupted": "#dc2626",
                  "finished": "#2563eb", "stopped": "#6b7280"}
@@ -177,7 +177,7 @@ class RunsPage(QWidget):
             loss = f"{s.loss:.4f}" if s.loss is not None else "—"
             step = f"{s.step:,} / {s.total_steps:,}" if s.total_steps else f"{s.step:,}"
             item = QTreeWidgetItem([s.name, status_text(s), step, loss, Path(s.model).name,
-                                    Path(s.data).name, ago(s.updated)])
+                                    Path(s.data).name, s.settings, ago(s.updated)])
             item.setData(0, Qt.ItemDataRole.UserRole, str(s.path))
             item.setToolTip(0, str(s.path))
             item.setForeground(1, QBrush(QColor(STATUS_COLORS.get(s.status, "#6b7280"))))

@@ -1,20 +1,18 @@
-"""Render the app's pages offscreen to PNG files, for the documentation.
+"""Take the Model page's and the About box's pictures for the documentation.
 
-    python -m slideformer_gui.screenshots --out docs/screenshots
+    xvfb-run -s "-screen 0 1366x768x24" python -m slideformer_gui.screenshots --out docs/screenshots
 
-Runs without a display (Qt's offscreen platform) and without touching the user's settings or
-data folder. The Monitor shows two minutes of a *simulated* GPU (its name says so) with
-figures like those of a fine-tuning run, so the charts have something to show on any machine.
+A real X window (Qt's xcb platform; any X server, Xvfb included) at 1366x768, a laptop's screen,
+with the Monitor showing what this machine really has; the user's settings and data folder are
+not touched. The helpers here serve the other screenshot scripts and the self-test too.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,29 +20,14 @@ from pathlib import Path
 from PySide6.QtCore import QEventLoop, QSettings, QTimer
 from PySide6.QtWidgets import QWidget
 
+from engine.api import UserError
 from slideformer_gui.app import make_application
 from slideformer_gui.context import AppContext
-from slideformer_gui.main_window import MainWindow
+from slideformer_gui.main_window import DEFAULT_SIZE, MainWindow
 from slideformer_gui.model_page import ensure_demo_model
-from slideformer_gui.monitor_source import GIB, FakeGpuReader, History, Sample
 from slideformer_gui.settings import Settings
 
-WINDOW_SIZE = (1360, 860)
-
-
-def simulated_history(panel, seconds: float = 120.0, rate_hz: float = 4.0) -> None:
-    """Fill ``panel`` with ``seconds`` of samples from a simulated GPU and a busy host."""
-    now = time.monotonic()
-    clock_t = [now - seconds]
-    gpu = FakeGpuReader(clock=lambda: clock_t[0])
-    panel.history = History(panel.history.capacity)
-    for i in range(int(seconds * rate_hz)):
-        t = now - seconds + i / rate_hz
-        clock_t[0] = t
-        panel.add_sample(Sample(time=t, gpu=gpu.read(),
-                                ram_used=(38.0 + 4.0 * math.sin(t / 7.0)) * GIB,
-                                ram_total=64.0 * GIB, cpu=55.0 + 30.0 * math.sin(t / 2.3)))
-    panel.show_gpu(gpu.name)
+WINDOW_SIZE = DEFAULT_SIZE
 
 
 def run_loop(ms: int, done=lambda: False) -> None:
@@ -77,12 +60,23 @@ def save(widget: QWidget, path: Path) -> Path:
     return path
 
 
+def use_x_server() -> None:
+    """Take the pictures in a real X window: the xcb platform, on the display of $DISPLAY
+    (exits with one message when there is none)."""
+    if not os.environ.get("DISPLAY"):
+        raise SystemExit("error: " + str(UserError(
+            "DISPLAY", "is not set: the screenshots are taken on an X server",
+            'run under one, e.g. xvfb-run -s "-screen 0 1366x768x24" python -m '
+            "slideformer_gui.run_screenshots")))
+    os.environ["QT_QPA_PLATFORM"] = "xcb"
+
+
 @contextmanager
 def studio_window(out: Path) -> Iterator[tuple[MainWindow, Path]]:
     """A main window on throw-away settings and data folders, and the folder standing as HOME.
 
-    Creates ``out``, starts the application offscreen, and closes the window and puts HOME
-    back afterwards.
+    Creates ``out``, starts the application (offscreen unless QT_QPA_PLATFORM says otherwise,
+    see :func:`use_x_server`), and closes the window and puts HOME back afterwards.
     """
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # read when the QApplication starts
     out.mkdir(parents=True, exist_ok=True)
@@ -141,12 +135,9 @@ def _shoot(window, tmp: Path, out: Path) -> list[Path]:
     wait_until(lambda: window.monitor.history.count >= 2)
     written.append(save(window, out / "model-error-no-gpu.png"))
 
-    # The demo model chosen, and a simulated GPU under load, in both themes.
-    window.sampler.stop()
-    run_loop(50)  # deliver the samples already queued before the simulated ones
+    # The demo model chosen, in both themes.
     page.load(ensure_demo_model(window.ctx.demo_model_dir))
     wait_until(lambda: page.status.property("state") == "ok")
-    simulated_history(window.monitor)
     written.append(save(window, out / "model-light.png"))
     window.set_theme("dark")
     written.append(save(window, out / "model-dark.png"))
@@ -160,7 +151,9 @@ def _shoot(window, tmp: Path, out: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return print_paths(render(out_parser(__doc__).parse_args(argv).out))
+    args = out_parser(__doc__).parse_args(argv)
+    use_x_server()
+    return print_paths(render(args.out))
 
 
 if __name__ == "__main__":

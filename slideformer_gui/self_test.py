@@ -16,6 +16,8 @@ import time
 import traceback
 from pathlib import Path
 
+from engine.api import UserError
+
 TRAIN_STEPS = 3
 
 
@@ -25,12 +27,6 @@ class _Report:
 
     def ok(self, what: str) -> None:
         print(f"  ok   {what}  ({time.monotonic() - self.t0:.1f} s)", flush=True)
-
-
-def _no_display() -> bool:
-    if sys.platform.startswith("linux"):
-        return not any(os.environ.get(v) for v in ("DISPLAY", "WAYLAND_DISPLAY"))
-    return False
 
 
 def _imports(report: _Report) -> None:
@@ -96,14 +92,33 @@ def _render(model: Path, out: Path, report: _Report) -> list[Path]:
     return written
 
 
-def run_self_test() -> int:
-    """Run every check; 0 when all pass, 1 (with the failing check named) otherwise."""
-    if _no_display():
-        os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+def _platform(platform: str | None, report: _Report) -> None:
+    """Choose the Qt platform before Qt starts, and check its system libraries."""
+    if platform is None:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+        return
+    if platform != "native":
+        os.environ["QT_QPA_PLATFORM"] = platform
+    else:
+        os.environ.pop("QT_QPA_PLATFORM", None)
+    from slideformer_gui.platform_check import check_platform, platform_name
+    check_platform()
+    report.ok(f"Qt platform {platform_name()}: its system libraries are here")
+
+
+def run_self_test(platform: str | None = None) -> int:
+    """Run every check; 0 when all pass, 1 (with the failing check named) otherwise.
+
+    Args:
+        platform: the Qt platform to open the window on (``native``: the session's); None
+            renders offscreen, which needs no display and no X libraries.
+    """
     report = _Report()
     print("SlideFormer Studio self-test", flush=True)
-    step = "imports"
+    step = "the Qt platform"
     try:
+        _platform(platform, report)
+        step = "imports"
         _imports(report)
         with tempfile.TemporaryDirectory(prefix="slideformer-self-test-") as tmp:
             root = Path(tmp)
@@ -111,6 +126,9 @@ def run_self_test() -> int:
             model = _train(root, report)
             step = "rendering the pages"
             _render(model, root / "pages", report)
+    except UserError as e:  # a missing system library: what to install, no traceback
+        print(f"self-test FAILED at {step}: {e}", file=sys.stderr, flush=True)
+        return 1
     except Exception as e:  # noqa: BLE001 - the report is the product here
         traceback.print_exc()
         print(f"self-test FAILED at {step}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

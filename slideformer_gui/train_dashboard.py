@@ -45,7 +45,7 @@ class Dashboard(QWidget):
         """Chart name -> history version it shows."""
         self._turn = 0
         self._last_event_at = now()
-        self.running = False
+        self._running = False
         """Steps are expected (the stall watch is on)."""
 
         self.status = status_label()
@@ -159,7 +159,7 @@ class Dashboard(QWidget):
         version = self.history.version
         if self._painted.get("progress") != version:
             self._painted["progress"] = version
-            shown = progress(self.history)
+            shown = progress(self.history, self._running)
             if shown is not None:
                 self.progress_bar.setValue(round(1000 * shown.fraction))
                 self.progress_text.setText(shown.text)
@@ -181,6 +181,17 @@ class Dashboard(QWidget):
         """Bring every chart up to date now (screenshots, the end of a run)."""
         for _ in range(len(self.plots) + 2):
             self._repaint()
+
+    @property
+    def running(self) -> bool:
+        """The run is training now (not paused, stopping or ended): the time left counts."""
+        return self._running
+
+    @running.setter
+    def running(self, on: bool) -> None:
+        if on != self._running:
+            self._running = on
+            self._painted.pop("progress", None)  # rewrite the progress line at the next tick
 
     def check_stall(self) -> None:
         """Show or hide the warning of a run that stopped making progress."""

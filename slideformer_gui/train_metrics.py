@@ -122,15 +122,15 @@ class ProgressText:
     text: str
 
 
-def progress(history: StepHistory) -> ProgressText | None:
-    """Step x/y, seconds per step and the time left, from the recent steps."""
+def progress(history: StepHistory, running: bool = True) -> ProgressText | None:
+    """Step x/y, seconds per step and, while the run trains, the time left."""
     ev = history.last
     if ev is None or not ev.total_steps:
         return None
     usual = history.usual_step_time() or ev.step_time
-    left = max(0, ev.total_steps - ev.step) * usual
-    text = (f"step {ev.step:,} / {ev.total_steps:,}   ·   {format_seconds(usual)} per step   ·   "
-            f"{format_seconds(left)} left")
+    text = f"step {ev.step:,} / {ev.total_steps:,}   ·   {format_seconds(usual)} per step"
+    if running:  # a stopped, paused or finished run has no time left to count down
+        text += f"   ·   {format_seconds(max(0, ev.total_steps - ev.step) * usual)} left"
     return ProgressText(ev.step / ev.total_steps, text)
 
 

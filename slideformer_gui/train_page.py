@@ -14,10 +14,10 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QUrl, Slot
 from PySide6.QtGui import QDesktopServices
-from PySide6.QtWidgets import (QFrame, QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
-                               QScrollArea, QSplitter, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
+                               QSplitter, QVBoxLayout, QWidget)
 
-from engine.api import RunState
+from engine.api import RunClient, RunState, StepMetrics, UserError, load_config, override
 from slideformer_gui.context import AppContext
 from slideformer_gui.engine_bridge import EngineBridge, RunEnd, launch_argv
 from slideformer_gui.formatting import short_path
@@ -25,7 +25,7 @@ from slideformer_gui.run_files import CONFIG_FILE, latest_checkpoint
 from slideformer_gui.theme import PLOT_COLORS
 from slideformer_gui.train_dashboard import Dashboard
 from slideformer_gui.train_settings import CommandDialog, RunSettings, write_config
-from slideformer_gui.widgets import page_header
+from slideformer_gui.widgets import ColumnScroll, page_header
 
 ACTIVE = ("starting", "setup", "running", "pausing", "paused", "resuming", "stopping", "saving")
 STATE_TEXT = {
@@ -50,6 +50,12 @@ class TrainPage(QWidget):
         self.run_dir: Path | None = None
         self.phase = "idle"
         self.end: RunEnd | None = None
+        self.plan = None
+        """The Plan page's plan the settings came from ("Use this plan"), or None."""
+        self.plan_settings: dict = {}
+        self.run_plan = None
+        """The plan the run on screen was started with (its speed is compared with it)."""
+        self._measured_tps: float | None = None
         self.dashboard = Dashboard()
 
         self.settings = RunSettings()
@@ -66,20 +72,13 @@ class TrainPage(QWidget):
         sl.addWidget(self.settings)
         sl.addWidget(self.command_button)
         sl.addStretch(1)
-        scroll = QScrollArea()
-        scroll.setWidget(settings_box)
-        scroll.setWidgetResizable(True)
-        scroll.setFrameShape(QFrame.Shape.NoFrame)
-        scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        # As wide as the form needs: the column scrolls vertically, never clips sideways.
-        scroll.setMinimumWidth(settings_box.minimumSizeHint().width()
-                               + scroll.verticalScrollBar().sizeHint().width())
+        scroll = ColumnScroll(settings_box)  # scrolls vertically, never clips sideways
 
         splitter = QSplitter(Qt.Orientation.Horizontal)
         splitter.addWidget(scroll)
         splitter.addWidget(self._build_run_side())
         splitter.setStretchFactor(1, 1)
-        splitter.setSizes([scroll.minimumWidth(), 1000])
+        splitter.setSizes([scroll.minimumSizeHint().width(), 1000])
         splitter.setChildrenCollapsible(False)
         lay = QVBoxLayout(self)
         lay.addWidget(page_header("Train", "Fine-tune the chosen model on the chosen data. The "
@@ -91,6 +90,7 @@ class TrainPage(QWidget):
         ctx.data_changed.connect(self._inputs_changed)
         ctx.theme_changed.connect(lambda name: self.dashboard.set_colors(*PLOT_COLORS[name]))
         ctx.run_requested.connect(self.open_run)
+        ctx.plan_used.connect(self.use_plan)
         self.dashboard.set_colors(*PLOT_COLORS[ctx.settings.theme()])
         self._auto_output = ""
         """The run folder the page proposed; a folder the user typed is left alone."""
@@ -124,10 +124,16 @@ class TrainPage(QWidget):
             controls.addWidget(w)
         controls.addStretch(1)
         controls.addWidget(self.open_button)
+        self.plan_label = QLabel("No plan used: the Plan page's \"Use this plan\" sets the run "
+                                 "from a plan and shows its prediction here.")
+        self.plan_label.setObjectName("hint")
+        self.plan_label.setWordWrap(True)
+        self.plan_label.setTextFormat(Qt.TextFormat.PlainText)
         box = QWidget()
         lay = QVBoxLayout(box)
         lay.setContentsMargins(4, 0, 0, 0)
         lay.addLayout(controls)
+        lay.addWidget(self.plan_label)
         lay.addWidget(self.dashboard, 1)
         return box
 
@@ -161,6 +167,34 @@ class TrainPage(QWidget):
         """The sequence length is shared with the Data page."""
         self.ctx.set_data_config(replace(self.ctx.data_config,
                                          max_seq_len=self.settings.seq_len.value()))
+        self._show_plan()
+
+    @Slot(object, dict)
+    def use_plan(self, plan, settings: dict) -> None:
+        """Take the run's shape, precision and budgets from a plan, and show its prediction."""
+        self.plan, self.plan_settings = plan, dict(settings)
+        self.settings.show_config(override(self.settings.config(), settings))
+        self._settings_changed()
+
+    def plan_matches(self) -> bool:
+        """Whether the settings are still those the plan was made for."""
+        cfg = self.settings.config()
+        return self.plan is not None and override(cfg, self.plan_settings) == cfg
+
+    def _show_plan(self) -> None:
+        """The plan's verdict and predicted speed next to Start; measured speed once running."""
+        plan = self.plan
+        if plan is None:
+            return
+        predicted = plan.speed.tokens_per_s
+        text = (f"Plan: {plan.verdict} on {plan.hardware.name}; predicted {predicted:,.0f} "
+                f"tokens/s ({plan.speed.step_time:.2f} s per step, bound by {plan.speed.bound})")
+        if not self.plan_matches():
+            text += ". The settings changed since: plan them again on the Plan page."
+        elif self._measured_tps is not None and self.run_plan is plan:
+            text += (f"; measured {self._measured_tps:,.0f} tokens/s "
+                     f"({self._measured_tps / predicted:.0%} of the prediction)")
+        self.plan_label.setText(text + ".")
 
     def _preset_applied(self, preset) -> None:
         """A preset's [data] keys go to the Data page's settings."""
@@ -182,6 +216,9 @@ class TrainPage(QWidget):
         """Why Start cannot run now, or None."""
         if not self.ctx.model_path:
             return "Choose a model first (Model page)."
+        if (self.ctx.model_report or {}).get("config_only"):
+            return ("The model folder has no weights yet, so it can be planned but not "
+                    "trained: download its *.safetensors into it, then choose it again.")
         if not self.ctx.data_config.train:
             return "Choose a dataset first (Data page)."
         return None
@@ -228,11 +265,18 @@ class TrainPage(QWidget):
             return
         config_file = write_config(cfg, run_dir / CONFIG_FILE)
         self._launch(run_dir, launch_argv(config_file, resume=False))
+        self.run_plan = self.plan if self.plan_matches() else None
         self._new_output()
 
     def resume_run(self, run_dir: Path | str) -> None:
         """Continue a stopped or crashed run from its newest checkpoint."""
         run_dir = Path(run_dir)
+        owner = RunClient(run_dir).alive()
+        if owner is not None:  # one owner per folder: a second engine would interleave it
+            self._show_status("error", f"{short_path(run_dir)} is being trained by process "
+                                       f"{owner} right now: follow it from the Runs page "
+                                       f"instead, or stop it first.")
+            return
         if latest_checkpoint(run_dir) is None:
             self._show_status("error", f"{short_path(run_dir)} has no checkpoint to resume "
                                        f"from.")
@@ -257,9 +301,21 @@ class TrainPage(QWidget):
         else:
             self.follow_run(run_dir)
 
+    def _show_run_config(self, run_dir: Path) -> None:
+        """The settings, model and data of the run on screen (one the app did not start, too)."""
+        try:
+            cfg = load_config(run_dir / CONFIG_FILE)
+        except UserError:
+            return  # a run folder from before config.toml: its events still show
+        self.settings.show_config(cfg)
+        self.inputs.setText(f"Model: {Path(cfg.model.path).name}\n"
+                            f"Data: {Path(cfg.data.train).name}  (this run's)")
+
     def _launch(self, run_dir: Path, argv: list[str] | None) -> None:
+        self._show_run_config(run_dir)
         self.run_dir = run_dir
         self.end = None
+        self._measured_tps = self.run_plan = None
         self.dashboard.reset(run_dir)
         self.bridge = EngineBridge(run_dir, argv, parent=self)
         self.bridge.events.connect(self._on_events)
@@ -350,6 +406,13 @@ class TrainPage(QWidget):
     @Slot(list)
     def _on_events(self, events: list) -> None:
         self.dashboard.add_events(events)
+        speeds = [ev.tokens_per_s for ev in events if isinstance(ev, StepMetrics)
+                  and ev.tokens_per_s and ev.step > 1]  # step 1 carries the warm-up
+        if speeds and self.run_plan is not None:
+            for tps in speeds:  # smoothed like the CLI's progress bar
+                old = self._measured_tps
+                self._measured_tps = tps if old is None else 0.3 * tps + 0.7 * old
+            self._show_plan()
         for ev in events:
             if isinstance(ev, RunState) and ev.state in STATE_TEXT:
                 self._set_phase(ev.state)

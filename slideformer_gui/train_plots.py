@@ -44,26 +44,30 @@ class Metric:
     lines: tuple[Line, ...]
     fmt: str
     """Format of the newest value of each line, e.g. "{:.3f}"."""
+    axis: str
+    """What the y axis counts, with its unit."""
     unit: str = ""
+    """Unit written after the newest values."""
     log_y: bool = False
 
 
 METRICS = {
     "loss": Metric("Loss", (Line("loss", "raw", BLUE, 1.0, 90), Line("smooth", "smoothed", BLUE),
-                            Line("val", "validation", ORANGE)), "{:.3f}"),
-    "lr": Metric("Learning rate", (Line("lr", "", PURPLE),), "{:.2e}"),
-    "grad_norm": Metric("Gradient norm", (Line("grad_norm", "", RED),), "{:.2f}",
-                        log_y=False),
-    "tokens_per_s": Metric("Throughput", (Line("tokens_per_s", "", GREEN),), "{:,.0f}", "tok/s"),
+                            Line("val", "validation", ORANGE)), "{:.3f}", "nats/token"),
+    "lr": Metric("Learning rate", (Line("lr", "", PURPLE),), "{:.2e}", "learning rate"),
+    "grad_norm": Metric("Gradient norm", (Line("grad_norm", "", RED),), "{:.2f}", "L2 norm"),
+    "tokens_per_s": Metric("Throughput", (Line("tokens_per_s", "", GREEN),), "{:,.0f}",
+                           "tokens/s", "tok/s"),
     "memory": Metric("Peak memory", (Line("peak_vram", "VRAM", BLUE, scale=GIB),
-                                     Line("peak_ram", "RAM", TEAL, scale=GIB)), "{:.2f}", "GiB"),
+                                     Line("peak_ram", "RAM", TEAL, scale=GIB)), "{:.2f}", "GiB",
+                     "GiB"),
 }
 
 
 def _small_axes(item: pg.PlotItem) -> None:
     for name in ("left", "bottom"):
         item.getAxis(name).setStyle(maxTickLevel=0, tickFont=QFont(QFont().family(), 8))
-    item.getAxis("left").setWidth(46)
+    item.getAxis("left").setWidth(58)  # tick values and the axis name beside them
     item.getAxis("bottom").setHeight(32)  # tick values and the axis name below them
 
 
@@ -94,6 +98,8 @@ class MetricPlot(QWidget):
         item.showGrid(x=True, y=True, alpha=0.15)
         item.setLogMode(y=metric.log_y)
         _small_axes(item)
+        item.setLabel("left", metric.axis)
+        item.setLabel("bottom", "step")
         self.curves = []
         for line in metric.lines:
             color = pg.mkColor(line.color)
@@ -105,14 +111,23 @@ class MetricPlot(QWidget):
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 2, 0, 2)
         lay.setSpacing(0)
+        # An empty chart says what it waits for, instead of showing made-up 0-1 axes.
+        self.waiting = QLabel("waiting for the first step")
+        self.waiting.setObjectName("hint")
+        self.waiting.setAlignment(Qt.AlignmentFlag.AlignCenter)
+        self.waiting.setMinimumHeight(90)
         lay.addLayout(head)
         lay.addWidget(self.plot, 1)
+        lay.addWidget(self.waiting, 1)
+        self.plot.hide()
 
     def set_colors(self, background: str, foreground: str) -> None:
         color_plot(self.plot, background, foreground)
 
     def repaint_from(self, history: StepHistory) -> None:
         steps = history.column("step")
+        self.plot.setVisible(len(steps) > 0)
+        self.waiting.setVisible(len(steps) == 0)
         texts = []
         for curve, line in zip(self.curves, self.spec.lines):
             if line.column == "val":
@@ -121,16 +136,19 @@ class MetricPlot(QWidget):
                 x, y = steps, history.column(line.column) / line.scale
             curve.setData(x, y)
             finite = y[np.isfinite(y)]
-            value = self.spec.fmt.format(finite[-1]) if len(finite) else "n/a"
-            label = f"{line.label} " if len(self.spec.lines) > 1 else ""
-            texts.append(f'<span style="color:{line.color}">{label}{value}</span>')
-        unit = f" {self.spec.unit}" if self.spec.unit else ""
-        self.value.setText(" · ".join(texts) + unit)
+            if len(finite):  # a line with no value yet (validation, VRAM on the CPU) is left out
+                label = f"{line.label} " if len(self.spec.lines) > 1 else ""
+                texts.append(f'<span style="color:{line.color}">{label}'
+                             f'{self.spec.fmt.format(finite[-1])}</span>')
+        unit = f" {self.spec.unit}" if self.spec.unit and texts else ""
+        self.value.setText(" · ".join(texts) + unit if texts else "—")
 
     def clear(self) -> None:
         for curve in self.curves:
             curve.setData([], [])
         self.value.setText("—")
+        self.plot.hide()
+        self.waiting.show()
 
 
 # Lanes of the timeline, top to bottom: (lane name in the Timeline event, label, colour).
@@ -167,6 +185,7 @@ class TimelineView(QWidget):
         lay.setSpacing(2)
         lay.addWidget(self.caption)
         lay.addWidget(self.plot, 1)
+        self.plot.hide()  # no made-up axes before there is a step to draw
 
     def set_colors(self, background: str, foreground: str) -> None:
         color_plot(self.plot, background, foreground)
@@ -174,6 +193,7 @@ class TimelineView(QWidget):
     def show_timeline(self, timeline: Timeline, step_time: float | None = None) -> None:
         """Draw ``timeline`` (spans in seconds from the step start)."""
         self.step = timeline.step
+        self.plot.show()
         lanes = [lane for lane in LANES if any(s.lane == lane[0] for s in timeline.spans)]
         row = {name: i for i, (name, _, _) in enumerate(lanes)}
         colour = {name: c for name, _, c in LANES}
@@ -232,3 +252,4 @@ class TimelineView(QWidget):
         for label in self.labels:
             label.setVisible(False)
         self.step = None
+        self.plot.hide()

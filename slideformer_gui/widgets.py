@@ -1,8 +1,9 @@
 """Small pieces every page uses: the page header, its row of actions and state-styled labels."""
 from __future__ import annotations
 
-from PySide6.QtCore import Qt
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtCore import QSize, Qt
+from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QScrollArea, QSizePolicy, QVBoxLayout,
+                               QWidget)
 
 
 def page_header(title: str, subtitle: str) -> QWidget:
@@ -71,3 +72,21 @@ def color_plot(plot, background: str, foreground: str) -> None:
         axis = plot.getPlotItem().getAxis(name)
         axis.setPen(pg.mkPen(foreground))
         axis.setTextPen(pg.mkPen(foreground))
+
+
+
+class ColumnScroll(QScrollArea):
+    """A scroll area for a column of forms: it scrolls up and down, never sideways, and its
+    least width is what its content needs (also after a style sheet or font changed that)."""
+
+    def __init__(self, content: QWidget, parent=None):
+        super().__init__(parent)
+        self.setWidget(content)
+        self.setWidgetResizable(True)
+        self.setFrameShape(QFrame.Shape.NoFrame)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
+
+    def minimumSizeHint(self) -> QSize:
+        inner = self.widget().minimumSizeHint().width()
+        bar = self.verticalScrollBar().sizeHint().width()
+        return QSize(inner + bar + 2 * self.frameWidth(), super().minimumSizeHint().height())

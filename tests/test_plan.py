@@ -16,10 +16,10 @@ from engine import cli
 from engine.config import BudgetConfig, RunConfig, override
 from engine.errors import UserError
 from engine.models.spec import load_spec
-from engine.plan import REFERENCE, plan_run
+from engine.plan import REFERENCE, load_profile, plan_run
 from engine.plan.budget import resolve_budgets
 from engine.plan.evaluate import TIGHT
-from engine.plan.hardware import load_profile, read_profile, save_profile
+from engine.plan.hardware import read_profile, save_profile
 from engine.plan.machine import HostMemory
 
 FIXTURES = Path(__file__).parent / "fixtures" / "configs"
@@ -169,14 +169,14 @@ def test_trainer_runs_the_plans_shape(tiny_model_factory, tmp_path):
 def test_a_folder_with_only_config_json_plans(tmp_path, capsys):
     folder = model_folder(tmp_path, "llama-3.2-3b")
     rc = cli.main(["plan", "--model", str(folder), "--seq-len", "1024", "--micro-batch", "8",
-                   "--grad-accum", "4", "--vram", "24GiB", "--ram", "120GiB", "--hardware", "reference"])
+                   "--grad-accum", "4", "--vram", "24GiB", "--ram", "120GiB", "--gpu", "rtx4090"])
     out = capsys.readouterr().out
     assert rc == 0
     for text in ("parameter slots", "activation checkpoints", "AdamW moments", "verdict: FITS",
                  "largest micro-batch", "tokens/s, bound by"):
         assert text in out
     rc = cli.main(["plan", "--model", str(folder), "--json", "--vram", "24GiB", "--ram", "120GiB",
-                   "--hardware", "reference", "--no-clip", "--moments", "bfloat16"])
+                   "--gpu", "rtx4090", "--no-clip", "--moments", "bfloat16"])
     data = json.loads(capsys.readouterr().out)
     assert rc == 0 and data["total_params"] == 3_212_749_824 and data["moments_dtype"] == "bfloat16"
     assert {"tier", "purpose", "bytes", "detail", "phase"} <= set(data["allocations"][0])
@@ -194,7 +194,7 @@ def test_a_folder_with_only_config_json_plans(tmp_path, capsys):
 def test_bad_budgets_are_one_clear_error(tmp_path, capsys, args, message):
     folder = model_folder(tmp_path, "llama-3.2-3b")
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    rc = cli.main(["plan", "--model", str(folder), "--hardware", "reference", *args])
+    rc = cli.main(["plan", "--model", str(folder), "--gpu", "rtx4090", *args])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "fix:" in err and "Traceback" not in err
     assert err.count("error:") == 1

@@ -178,6 +178,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(base, reference, d
 def test_resume_restores_schedule_data_and_rng(base, reference):
     import base64
     run = copy_run(reference(), base, "restore")
+    shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")  # as if killed before the final save
     t = Trainer(run_cfg(base, run.name))
     torch.manual_seed(123)
     random.seed(123)
@@ -275,8 +276,9 @@ def test_failed_export_keeps_the_previous_final_model(base, reference, monkeypat
     def no_space(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr("engine.models.weights.save_file", no_space)
-    assert run_training(run_cfg(base, run.name), resume=True) == "failed"
+    monkeypatch.setattr("safetensors.torch.save_file", no_space)
+    extended = run_cfg(base, run.name, train__max_steps=STEPS + 1)
+    assert run_training(extended, resume=True) == "failed"
     assert "could not write the final model" in last_state(run).message
     assert {p.name: p.read_bytes() for p in (run / "final").iterdir()} == before
     assert not (run / "final.partial").exists()

@@ -41,18 +41,30 @@ def _make_tiny(a) -> int:
     return 0
 
 
-def model_report(model_dir: Path | str) -> dict:
-    """Validate a model folder (config, weights headers, tokenizer) and summarise it."""
+CONFIG_ONLY = ("this folder has a config.json but no weights (*.safetensors) yet: it can be "
+               "planned, not trained; download the weights into it to train")
+
+
+def model_report(model_dir: Path | str, config_only: bool = False) -> dict:
+    """Validate a model folder (config, weights headers, tokenizer) and summarise it.
+
+    Args:
+        config_only: accept a folder with only config.json (the weights not downloaded yet):
+            the report then says so in ``config_only``, and has no weights, size or template.
+    """
     from engine.models.tokenizer import load_tokenizer
     from engine.models.weights import Checkpoint
 
     spec = load_spec(model_dir)
+    if config_only and not any(Path(model_dir).glob("*.safetensors")):
+        return dict(spec.summary(), weights_dtype=None, size_on_disk=None, chat_template=None,
+                    config_only=CONFIG_ONLY)
     ckpt = Checkpoint(model_dir)
     ckpt.check(spec)
     tok = load_tokenizer(model_dir)
     out = spec.summary()
     out.update(weights_dtype=ckpt.dtype(), size_on_disk=ckpt.size_on_disk(),
-               chat_template=tok.chat_template is not None)
+               chat_template=tok.chat_template is not None, config_only="")
     return out
 
 
@@ -62,5 +74,7 @@ def _info(a) -> int:
         print(json.dumps(report, indent=2))
     else:
         for k, v in report.items():
+            if v is None or k == "config_only" and not v:
+                continue
             print(f"{k:>16}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:>16}: {v}")
     return 0

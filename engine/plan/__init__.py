@@ -11,7 +11,7 @@ import importlib
 # engine.plan.commands without importing torch, which the planner needs.
 _SOURCES = {"Budgets": "budget", "resolve_budgets": "budget", "Knobs": "evaluate",
             "TierUse": "evaluate", "Fix": "fixes", "REFERENCE": "hardware",
-            "HardwareProfile": "hardware", "load_profile": "hardware", "Allocation": "memory",
+            "HardwareProfile": "hardware", "PRESETS": "targets", "load_profile": "targets", "Allocation": "memory",
             "Precision": "memory", "allocations": "memory", "Plan": "planner",
             "knobs_from_config": "planner", "make_plan": "planner", "plan_run": "planner",
             "SpeedEstimate": "speed"}

@@ -7,8 +7,8 @@ What it measures (each a median of a few timed repeats after a warm-up):
 - CPU AdamW: engine.runtime.host_state.adam_update on a 64M-parameter HostItem with bf16
   compute (bf16 weights + int16 remainder, fp32 moments): exactly the engine's update;
 - disk: writing 1 GiB with fsync, then reading it back after dropping it from the page cache.
-Whatever cannot be measured (no GPU) keeps the reference machine's default and is named in the
-profile's notes.
+Whatever cannot be measured (no GPU) keeps what engine.plan.targets.detected assumes and is
+named in the profile's notes.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ import psutil
 import torch
 
 from engine.models.spec import Layout
-from engine.plan.hardware import REFERENCE, HardwareProfile
+from engine.plan.hardware import HardwareProfile
+from engine.plan.targets import detected
 from engine.runtime.host_state import AdamHyper, AdamWorkspace, HostItem, adam_update
 
 GiB = 1 << 30
@@ -116,7 +117,8 @@ def disk_gbs(folder: Path, nbytes: int = GiB) -> tuple[float, float]:
 
 
 def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwareProfile:
-    """Measure what this machine allows; the rest keeps the reference defaults (and says so)."""
+    """Measure what this machine allows; the rest keeps what engine.plan.targets.detected
+    assumes (and says so)."""
     vals: dict[str, object] = {"name": platform.node() or "this machine",
                                "ram_total": psutil.virtual_memory().total,
                                "cpu_cores": psutil.cpu_count(logical=False) or os.cpu_count() or 1}
@@ -129,7 +131,7 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
         vals.update(h2d_gbs=up, d2h_gbs=down, duplex_gbs=both)
     else:
         vals.update(gpu=None, vram_total=None)
-        notes.append("no CUDA GPU: GPU matmul and PCIe figures are the reference machine's defaults")
+        notes.append("no CUDA GPU: nothing measured on a GPU; plans here use the CPU backend")
     vals["cpu_tflops"] = _step(log, "CPU fp32 matmul", cpu_matmul_tflops, "TFLOP/s")
     vals["adam_params_per_s"] = _step(log, "CPU AdamW (adam_update, 64M params)", adam_params_per_s,
                                       "params/s")
@@ -140,9 +142,9 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
         read, write = _step(log, f"disk in {disk_folder}", lambda: disk_gbs(disk_folder), "GB/s")
         vals.update(disk_read_gbs=read, disk_write_gbs=write)
     except OSError as e:
-        notes.append(f"disk not measured ({e}): reference defaults kept")
+        notes.append(f"disk not measured ({e}): assumed figures kept")
     measured = tuple(k for k in vals if k in _MEASURABLE)
-    return dataclasses.replace(REFERENCE, **vals, measured=measured, notes=tuple(notes))
+    return dataclasses.replace(detected(), **vals, measured=measured, notes=tuple(notes))
 
 
 _MEASURABLE = ("matmul_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs", "cpu_tflops",

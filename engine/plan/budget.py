@@ -3,7 +3,7 @@
 ``auto`` budgets leave a safety margin for everything that is not this run:
 - VRAM: the GPU's free memory plus what this process holds already, less
   max(512 MiB, 3% of the GPU) for the display server, other programs and the driver's growth;
-  with no GPU here, the hardware profile's VRAM less the same margin (a plan for that machine).
+  when the plan is for a GPU preset (or no GPU is here), the profile's VRAM less the same margin.
 - RAM: available memory plus this process's resident memory, less max(2 GiB, 5% of RAM) for
   the OS, the page cache of the data and the GUI.
 - Disk (the NVMe tier): none unless a folder is given; a folder without a size gets its free
@@ -17,7 +17,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.config import BudgetConfig, parse_bytes
+from engine.config import BudgetConfig, format_bytes, parse_bytes
 from engine.errors import UserError
 from engine.plan.hardware import HardwareProfile
 from engine.plan.machine import GpuMemory, HostMemory
@@ -64,24 +64,24 @@ def _vram(text: str, device: str, profile: HardwareProfile, gpu: GpuMemory | Non
             return None, "none: the CPU backend keeps its buffers in host memory"
         if gpu:
             free = gpu.free + gpu.own
-            return free - vram_margin(gpu.total), (f"auto: {free / GiB:.1f} GiB free on {gpu.name} "
-                                                    f"less a {vram_margin(gpu.total) / GiB:.1f} GiB margin")
+            return free - vram_margin(gpu.total), (f"auto: {format_bytes(free)} free on {gpu.name} "
+                                                    f"less a {format_bytes(vram_margin(gpu.total))} margin")
         if total is None:
             raise UserError("budget.vram", "is auto but there is no GPU to measure",
                             "give the VRAM of the GPU to plan for, e.g. --vram 24GiB")
-        return total - vram_margin(total), f"auto: {what} less a {vram_margin(total) / GiB:.1f} GiB margin"
+        return total - vram_margin(total), f"auto: {what} less a {format_bytes(vram_margin(total))} margin"
     value = _size(text, "budget.vram")
     if total is not None and value > total:
-        raise UserError("budget.vram", f"{text} is more than {what} has ({total / GiB:.1f} GiB)",
-                        f"give at most {total / GiB:.1f}GiB, or plan for another machine with --hardware")
+        raise UserError("budget.vram", f"{text} is more than {what} has ({format_bytes(total)})",
+                        f"give at most {total / GiB:.1f}GiB, or plan for another machine with --gpu")
     return value, "given"
 
 
 def _ram(text: str, host: HostMemory) -> tuple[int, str]:
     if text.strip().lower() == "auto":
         free = host.available + host.own
-        return free - ram_margin(host.total), (f"auto: {free / GiB:.1f} GiB available less a "
-                                               f"{ram_margin(host.total) / GiB:.1f} GiB margin")
+        return free - ram_margin(host.total), (f"auto: {format_bytes(free)} available less a "
+                                               f"{format_bytes(ram_margin(host.total))} margin")
     return _size(text, "budget.ram"), "given"
 
 
@@ -96,7 +96,7 @@ def _disk(folder: str, size: str) -> tuple[int, str]:
         raise UserError(path, "is not a folder", "create it, or give a folder on the NVMe disk")
     if size.strip().lower() in ("", "0", "auto"):
         free = shutil.disk_usage(path).free
-        return int(0.95 * free), f"auto: {free / GiB:.0f} GiB free in {path} less 5%"
+        return int(0.95 * free), f"auto: {format_bytes(free)} free in {path} less 5%"
     return _size(size, "budget.nvme_size"), "given"
 
 

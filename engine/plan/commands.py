@@ -8,6 +8,7 @@ from pathlib import Path
 from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
 from engine.errors import UserError
+from engine.plan.targets import PRESETS
 from engine.validate import validate
 
 
@@ -37,9 +38,12 @@ def register(sub) -> None:
     p.add_argument("--no-packing", action="store_true", help="pad sequences instead of packing them")
     p.add_argument("--compute-dtype", choices=("auto", "bfloat16", "float32"))
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N (train.device)")
-    p.add_argument("--hardware", default="auto",
-                   help="auto (this machine's `bench --hardware` profile, else the reference machine), "
-                        "reference, or a profile JSON file")
+    p.add_argument("--gpu", default="this", metavar="NAME",
+                   help="the machine to plan for: this (this machine: its `bench --hardware` "
+                        "profile, else what can be seen of it) or a GPU: " + ", ".join(PRESETS)
+                        + "; --ram and --disk give the host it sits in")
+    p.add_argument("--hardware", metavar="FILE",
+                   help="plan with a profile file (`bench --hardware --json` of another machine)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_plan)
     # argparse takes "-3GiB" for an option; let it through to the budget check's clear error.
@@ -89,7 +93,7 @@ def _plan(a) -> int:
     from engine.plan.report import format_plan
 
     cfg = config_from_args(a)
-    plan = plan_run(cfg, load_spec(cfg.model.path), hardware=a.hardware)
+    plan = plan_run(cfg, load_spec(cfg.model.path), hardware=a.hardware or a.gpu)
     print(json.dumps(plan.to_dict(), indent=2, default=str) if a.json else format_plan(plan))
     return 0
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from engine.config import format_bytes
 from engine.plan.evaluate import Evaluation, Evaluator, Knobs
 
 _NO_LIMIT = 1 << 62
@@ -179,9 +180,9 @@ def floor_notes(ev: Evaluator, k: Knobs, tiers: tuple[str, ...]) -> tuple[str, .
                 if a.tier == t.tier and not a.reclaimable and a.purpose != "AdamW moments m, v":
                     name = _RESIDENT if a.purpose in _RESIDENT_PARTS else a.purpose
                     groups[name] = groups.get(name, 0) + a.bytes
-            big = ", ".join(f"{n} {b / 2**30:.1f} GiB" for n, b in
+            big = ", ".join(f"{n} {format_bytes(b)}" for n, b in
                             sorted(groups.items(), key=lambda nb: -nb[1])[:3])
             notes.append(f"no setting makes {t.tier} fit: with micro-batch 1, host checkpoints, "
                          f"2 slots, bf16 moments and the moments on disk it still needs "
-                         f"{need / 2**30:.1f} GiB of {t.budget / 2**30:.1f} GiB ({big})")
+                         f"{format_bytes(need)} of {format_bytes(t.budget)} ({big})")
     return tuple(notes)

@@ -3,11 +3,12 @@
 A profile holds the figures that bound a sliding-window step: GPU matmul throughput, pinned PCIe
 bandwidth each way, CPU AdamW throughput and disk bandwidth, plus the machine's memory sizes.
 ``slideformer bench --hardware`` measures them (engine.plan.bench) and caches the result per
-machine as JSON in the user cache folder; every figure it could not measure keeps its default.
+machine as JSON in the user cache folder. Which profile a plan uses (this machine, or a GPU
+preset) is engine.plan.targets' business.
 
-The defaults are the reference GPU machine's figures (shared/GPU_MACHINE.md, measured there on
-2026-11-29: one H200, 16 Xeon cores, 128 GiB RAM), so a plan made on a machine without a
-profile describes that machine, and says so.
+:data:`REFERENCE` is one machine measured end to end (an H200 workstation): the speed model's
+calibration (engine.plan.speed) and the tests' and benchmarks' fixed machine. Product output
+never plans for it unless asked to with its profile file.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class HardwareProfile:
     """Throughput and capacity figures of one machine."""
 
     name: str
-    """Where the figures come from (machine name, or the reference machine)."""
+    """The machine in words, as plans name it ("this machine (...)", a GPU preset)."""
     gpu: str | None
     """GPU model, or None for a machine without an NVIDIA GPU."""
     vram_total: int | None
@@ -60,6 +61,9 @@ class HardwareProfile:
     """Names of the fields measured on this machine; the others are defaults."""
     notes: tuple[str, ...] = field(default=())
     """What could not be measured, and why."""
+    preset: str = ""
+    """The GPU preset (engine.plan.targets.PRESETS) this profile stands for; "" for a real
+    machine."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -112,15 +116,14 @@ def _check_figures(kw: dict) -> None:
             raise ValueError(f"'{key}' is {kw[key]!r}, not a string")
 
 
-# The reference GPU machine. Sources: shared/GPU_MACHINE.md ("Ceilings measured there",
-# 2026-11-29): bf16 matmul 8192^3 ~730 TFLOP/s; pinned PCIe 55 GB/s each way alone, 48 GB/s each
+# The H200 workstation the project measures on. Sources: its measured ceilings (2026-11-29): bf16 matmul 8192^3 ~730 TFLOP/s; pinned PCIe 55 GB/s each way alone, 48 GB/s each
 # way when both run at once; disk ~1.7 GB/s read, ~1.5 GB/s write. Measured there with
-# `slideformer bench --hardware` (2026-11-29), as GPU_MACHINE.md has no such figure: our CPU
+# `slideformer bench --hardware` (2026-11-29), as its ceilings list no such figure: our CPU
 # AdamW (adam_update: the compiled one-pass kernel on bf16 weights + remainder, fp32 moments,
 # 15 threads) 3.85 G params/s, CPU fp32 matmul 1.3-1.4 TFLOP/s; the GPU's memory as torch
 # reports it. (The same bench measured 742-790 TFLOP/s and 46-49 GB/s duplex there.)
 REFERENCE = HardwareProfile(
-    name="reference GPU machine (defaults from GPU_MACHINE.md)", gpu="NVIDIA H200",
+    name="NVIDIA H200 workstation (measured)", gpu="NVIDIA H200",
     vram_total=150_109_880_320, ram_total=128 * GiB, cpu_cores=16, matmul_tflops=730.0,
     cpu_tflops=1.3, h2d_gbs=55.0, d2h_gbs=55.0, duplex_gbs=48.0, adam_params_per_s=3.85e9,
     disk_read_gbs=1.7, disk_write_gbs=1.5)
@@ -155,18 +158,3 @@ def read_profile(path: Path) -> HardwareProfile:
         return HardwareProfile.from_dict(read_json(path, fix))
     except (TypeError, ValueError) as e:
         raise UserError(path, f"is not a hardware profile ({e})", fix) from None
-
-
-def load_profile(which: str = "auto") -> HardwareProfile:
-    """The profile to plan with.
-
-    Args:
-        which: ``auto`` (this machine's cached measurement, else the reference defaults),
-            ``reference`` (the reference GPU machine) or the path of a profile JSON file.
-    """
-    if which == "reference":
-        return REFERENCE
-    if which == "auto":
-        path = cache_file()
-        return read_profile(path) if path.is_file() else REFERENCE
-    return read_profile(Path(which))

@@ -10,22 +10,23 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, replace
 
-from engine.config import RunConfig
+from engine.config import RunConfig, format_bytes
 from engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
+from engine.errors import UserError
 from engine.kernels import cpu_adam
 from engine.models.lora import lora_spec
 from engine.models.spec import ModelSpec
 from engine.plan.budget import Budgets, resolve_budgets
 from engine.plan.evaluate import TIGHT, Evaluation, Evaluator, Knobs, TierUse
 from engine.plan.fixes import Fix, find_fixes, floor_notes
-from engine.plan.hardware import HardwareProfile, load_profile
+from engine.plan.hardware import HardwareProfile
 from engine.plan.machine import gpu_memory, host_memory
 from engine.plan.memory import Allocation, Precision, peak
 from engine.plan.speed import SpeedEstimate
+from engine.plan.targets import load_profile
 from engine.runtime.shapes import ExecShape
 from engine.validate import validate
 
-GiB = 1 << 30
 _TIER_NAMES = {"gpu": "GPU memory", "host": "host RAM", "disk": "NVMe disk"}
 
 
@@ -82,13 +83,13 @@ def _verdict(tiers: tuple[TierUse, ...]) -> tuple[str, str]:
     over = [t for t in tiers if t.budget is not None and t.peak > t.budget]
     if over:
         return "does not fit", "; ".join(
-            f"{_TIER_NAMES[t.tier]} needs {t.peak / GiB:.1f} GiB of the {t.budget / GiB:.1f} GiB "
+            f"{_TIER_NAMES[t.tier]} needs {format_bytes(t.peak)} of the {format_bytes(t.budget)} "
             f"budget (peak in the {t.phase})" for t in over)
     tight = [t for t in tiers if t.budget and t.peak > TIGHT * t.budget]
     if tight:
         return "tight", "; ".join(f"{_TIER_NAMES[t.tier]} at {t.share:.0%} of its budget "
-                                  f"({t.peak / GiB:.1f} of {t.budget / GiB:.1f} GiB)" for t in tight)
-    room = ", ".join(f"{(t.budget - t.peak) / GiB:.1f} GiB of {_TIER_NAMES[t.tier]}"
+                                  f"({format_bytes(t.peak)} of {format_bytes(t.budget)})" for t in tight)
+    room = ", ".join(f"{format_bytes(t.budget - t.peak)} of {_TIER_NAMES[t.tier]}"
                      for t in tiers if t.budget and t.tier != "disk")
     return "fits", f"fits with {room} to spare"
 
@@ -113,6 +114,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
     ev = Evaluator(spec, device, budgets, hardware)
     base: Evaluation = ev.choose(knobs)
     verdict, reason = _verdict(base.tiers)
+    reason = f"{reason} on {hardware.name}"
     share = 1.0 if verdict == "does not fit" else TIGHT
     short = tuple(t.tier for t in base.tiers if t.budget is not None and t.peak > share * t.budget)
     fixes = find_fixes(ev, base, knobs, short, share) if short else ()
@@ -154,16 +156,22 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
 
 def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
              hardware: HardwareProfile | str = "auto") -> Plan:
-    """The plan of a run config on this machine (budgets ``auto`` read NVML and psutil).
+    """The plan of a run config on a machine (budgets ``auto`` read NVML and psutil here).
 
     Args:
         device: the backend the run uses; None derives it from ``train.device`` and the profile.
-        hardware: a profile, or where to get one (engine.plan.hardware.load_profile).
+        hardware: a profile, or the target to plan for (engine.plan.targets.load_profile: this
+            machine, a GPU preset such as ``rtx4090``, or a profile file).
     """
     validate(cfg, "values")
     hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
     if hardware == "auto" and cpu_adam.unavailable_reason():  # a plan of this machine
         hw = hw.without_native_adam(cpu_adam.unavailable_reason())
     device = device or run_device(cfg, hw)
-    budgets = resolve_budgets(cfg.budget, device, hw, gpu_memory(), host_memory())
+    if device == "cuda" and hw.matmul_tflops <= 0:
+        raise UserError("train.device", f"is cuda but {hw.name} has no GPU to plan for",
+                        "plan for a GPU (slideformer plan --gpu rtx4090, or the Plan page's "
+                        "target), or use the CPU backend")
+    gpu = None if hw.preset else gpu_memory()  # a preset's VRAM is the preset's, not this GPU's
+    budgets = resolve_budgets(cfg.budget, device, hw, gpu, host_memory())
     return make_plan(spec, knobs_from_config(cfg, spec, device), device, budgets, hw)

@@ -17,6 +17,7 @@ from typing import Iterator
 
 from engine.events import RunState, from_json, read_events
 from engine.train.control import engine_alive, send_command
+from engine.train.lock import run_owner
 
 EVENTS_FILE, CONFIG_FILE, LOG_FILE = "events.jsonl", "config.toml", "engine.log"
 """``LOG_FILE``: the console output (stdout and stderr) of an engine process a client started."""
@@ -135,8 +136,13 @@ class RunClient:
 
     # ---- reading -------------------------------------------------------------------------------
     def alive(self) -> int | None:
-        """The pid of the live process training this run, or None."""
-        return engine_alive(self.run_dir)
+        """The pid of the live process training this run (0 if its lock names none), or None.
+
+        The folder's lock (engine.train.lock) is held from before the engine's first event to
+        its exit; the liveness mark covers an engine that predates the lock.
+        """
+        owner = run_owner(self.run_dir)
+        return owner if owner is not None else engine_alive(self.run_dir)
 
     def events(self) -> list:
         """Every complete event of the run so far ([] before the engine wrote one)."""

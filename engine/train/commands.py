@@ -8,11 +8,8 @@ from pathlib import Path
 
 from engine import config as config_mod
 from engine.errors import UserError
-from engine.events import Log, RunState, StepMetrics
-from engine.validate import validate
-
-
 from engine.gguf.installed import SMOLLM2_INSTALL
+from engine.validate import validate
 
 # flag -> config key; every flag overrides the same key of the TOML file
 FLAGS = {"model": "model.path", "data": "data.train", "validation": "data.validation",
@@ -66,29 +63,6 @@ def _toml_value(text: str, where: str):
         return text  # a bare word is a string
 
 
-class ProgressPrinter:
-    """Step, loss, tokens/s and ETA on one line (a TTY) or one line per step."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stdout
-        self.tty = self.stream.isatty()
-        self.t0 = time.time()
-
-    def __call__(self, ev) -> None:
-        if isinstance(ev, StepMetrics):
-            elapsed = time.time() - self.t0
-            eta = elapsed / max(ev.step, 1) * (ev.total_steps - ev.step)
-            loss = "skipped" if ev.loss is None else f"{ev.loss:.4f}"
-            tps = f"{ev.tokens_per_s:,.0f}" if ev.tokens_per_s else "-"
-            line = f"step {ev.step}/{ev.total_steps}  loss {loss}  {tps} tok/s  ETA {eta:,.0f}s"
-            self.stream.write(("\r" + line + "  ") if self.tty else line + "\n")
-        elif isinstance(ev, (Log, RunState)) and getattr(ev, "level", "info") != "debug":
-            text = ev.message if isinstance(ev, Log) else f"[{ev.state}] {ev.message}"
-            if text.strip():
-                self.stream.write(("\n" if self.tty else "") + text + "\n")
-        self.stream.flush()
-
-
 def run_training(cfg, resume: bool = False, callbacks=()) -> str:
     """Set up and run a Trainer; Ctrl-C (or SIGTERM) stops and saves, a second one aborts.
 
@@ -121,12 +95,14 @@ def run_training(cfg, resume: bool = False, callbacks=()) -> str:
 
 
 def _train(a) -> int:
+    from engine.train.progress import ProgressPrinter
     cfg = build_config(a)
     state = run_training(cfg, a.resume, [ProgressPrinter()])
     return 0 if state in ("finished", "stopped") else 1
 
 
 def _demo(a) -> int:
+    from engine.train.progress import ProgressPrinter
     from engine.gguf.installed import smollm2_gguf
     root = Path(a.dir) if a.dir else _user_cache() / "demo"
     print(f"demo folder: {root}")
@@ -165,6 +141,7 @@ def run_demo(root: Path, steps: int, callbacks=()) -> dict:
 def _identity_demo(root: Path, steps: int) -> int:
     """SmolLM2 learns a new name and maker; held-out questions answered before and after."""
     from engine.train import identity_demo as idm
+    from engine.train.progress import ProgressPrinter
     t0 = time.perf_counter()
     paths = idm.prepare_identity(root)
     questions = (*idm.HELD_OUT, idm.GENERAL)

@@ -26,7 +26,8 @@ from engine import config as config_mod
 from engine.config import RunConfig, parse_bytes
 from engine.devices import compute_dtype_name, moments_dtype_name, torch_dtype
 from engine.errors import UserError
-from engine.events import CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics, Timeline
+from engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
+                           Timeline, read_events)
 from engine.kernels import cpu_adam
 from engine.models.spec import check_window, load_spec
 from engine.models.tokenizer import check_vocab, load_tokenizer
@@ -39,6 +40,7 @@ from engine.runtime.nvme import NvmeTier
 from engine.runtime.shapes import ExecShape, disk_layers, speculative_layers
 from engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
+from engine.train.lock import LOCK_FILE, RunLock, run_owner
 from engine.train.schedule import lr_at
 from engine.train.state import (build_frozen_state, build_host_state, export_model,
                                 load_weights, state_tensors)
@@ -48,7 +50,7 @@ from engine.runtime.lora import init_adapters, is_adapter
 from engine.train.lora_export import write_adapter, write_merged
 
 GiB = 1 << 30
-RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints"}
+RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints", LOCK_FILE}
 """What a run leaves in its folder before its first complete checkpoint: with nothing else
 there (and no complete checkpoint), the folder may start a new run."""
 NONFINITE_LIMIT = 3
@@ -92,6 +94,7 @@ class Trainer:
         self.executor = None
         self.tier = None
         self.sink = None
+        self.lock = RunLock(self.run_dir)
 
     # ---- control from other threads ---------------------------------------------------------
     def pause(self) -> None:
@@ -145,6 +148,11 @@ class Trainer:
                                      "does the CPU updates, about 3x slower"))
         if resume:
             self._restore()
+            if self.step >= self.total_steps and self._exported_at(self.step):
+                raise UserError(self.run_dir, f"has finished: its newest checkpoint is step "
+                                f"{self.step} of {self.total_steps}",
+                                f"to train on, resume with more steps, e.g. --max-steps "
+                                f"{2 * self.step}; the fine-tuned model is in {self.run_dir / 'final'}")
         _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
@@ -200,6 +208,8 @@ class Trainer:
         d = self.run_dir
         if d.exists() and not d.is_dir():
             raise UserError(d, "is a file, not a run folder", "choose another output.run_dir")
+        if d.is_dir() and run_owner(d) is not None:
+            self.lock.acquire()  # raises, naming the process that trains this folder
         has_checkpoint = bool(checkpoints(d / "checkpoints"))
         if resume and not has_checkpoint:
             raise UserError(d, "has no checkpoint to resume from",
@@ -456,6 +466,13 @@ class Trainer:
             self.emit(Log("warning", "resuming with changed settings: " + ", ".join(changed)))
         self.emit(Log("info", f"resumed from {folder.name}"))
 
+    def _exported_at(self, step: int) -> bool:
+        """Whether this folder's run finished at ``step`` with its final model written (a
+        run whose export failed resumes to write it again)."""
+        states = [e for e in read_events(self.run_dir / "events.jsonl") if isinstance(e, RunState)
+                  and e.state in ("finished", "stopped", "failed")]
+        return bool(states) and states[-1].state == "finished" and states[-1].step == step
+
     def cleanup(self) -> None:
         if self.executor is not None:
             self.executor.close()
@@ -466,6 +483,7 @@ class Trainer:
             self.tier = None
         if self.sink is not None:
             self.sink.close()
+        self.lock.release()
 
 
 def _write_atomic(path: Path, text: str) -> None:

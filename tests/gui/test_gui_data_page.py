@@ -104,3 +104,26 @@ def test_refused_preference_file_shows_the_message_and_no_stale_figures(qtbot, p
     qtbot.waitUntil(lambda: page.status.property("state") == "error", timeout=30000)
     assert "dpo.jsonl:1" in page.status.text() and "preference data" in page.status.text()
     assert page.fields["Records"].text() == "—" and "say 0" not in page.preview.toPlainText()
+
+
+def test_histogram_reads_at_any_sequence_length_and_in_the_dark_theme(qtbot, page, ctx, tmp_path):
+    from slideformer_gui.theme import PLOT_COLORS
+    path = alpaca_file(tmp_path / "alpaca.jsonl")
+    page.seq_len.setValue(32)
+    analysed(qtbot, page, lambda: page.set_file(str(path)))
+    hist = page.histogram
+    x_min, x_max = hist.getPlotItem().viewRange()[0]
+    assert hist.limit.isVisible() and x_min <= 32 <= x_max
+    last_edge = hist.bars.opts["x1"][-1]
+
+    report = analysed(qtbot, page, lambda: page.seq_len.setValue(8192))  # far beyond every record
+    assert report.stats.seq_len == 8192 and report.stats.hist_edges[-1] == last_edge
+    assert not hist.limit.isVisible()
+    assert hist.getPlotItem().viewRange()[0][1] < 2 * last_edge  # the bars span the chart
+    assert "sequence length 8192" in hist.getPlotItem().getAxis("bottom").labelText
+
+    ctx.theme_changed.emit("dark")  # what the main window sends when the theme changes
+    background, foreground = PLOT_COLORS["dark"]
+    assert hist.bars.opts["pen"].color().name() == background  # no white frames on dark
+    axis = hist.getPlotItem().getAxis("bottom")
+    assert axis.textPen().color().name() == foreground and axis.labelStyle["color"] == foreground

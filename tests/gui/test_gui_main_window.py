@@ -48,7 +48,7 @@ def test_view_menu_toggles_the_monitor_and_the_theme(qtbot, window, ctx):
 def test_layout_and_theme_are_remembered(qtbot, window, ctx, tmp_path):
     window.set_theme("dark")
     window.monitor_dock.hide()
-    window.resize(700, 600)  # Qt's offscreen screen is 800 x 800
+    window.resize(700, 650)  # Qt's offscreen screen is 800 x 800
     size = window.size()
     window.close()
     assert ctx.settings.window_geometry() is not None and ctx.settings.window_state() is not None
@@ -58,7 +58,7 @@ def test_layout_and_theme_are_remembered(qtbot, window, ctx, tmp_path):
     again.show()
     assert again.dark_action.isChecked()
     assert not again.monitor_dock.isVisible()
-    assert again.height() == size.height() == 600  # restored (widths clamp to the screen)
+    assert again.height() == size.height() == 650  # restored (widths clamp to the screen)
     again.set_theme("light")
     again.close()
 

@@ -6,6 +6,8 @@ from slideformer_gui.monitor_panel import CHARTS, MonitorPanel, value_text
 from slideformer_gui.monitor_sampler import NO_GPU_NOTICE, MonitorSampler
 from slideformer_gui.monitor_source import GIB
 
+from fake_gpu import FakeGpuReader
+
 
 @pytest.fixture
 def monitor(qtbot, request):
@@ -51,7 +53,7 @@ def test_fake_nvml_figures_reach_the_ring_buffers_and_the_charts(qtbot, monitor,
     assert "n/a" in value_text(next(c for c in CHARTS if c.title == "GPU power"), panel.history)
 
 
-@pytest.mark.parametrize("monitor", ["fake"], indirect=True)
+@pytest.mark.parametrize("monitor", [FakeGpuReader], indirect=True)
 def test_fake_gpu_and_real_psutil_figures_all_show(qtbot, monitor):
     panel, sampler = monitor
     sampler.start()

@@ -5,7 +5,8 @@ import numpy as np
 import psutil
 import pytest
 
-from slideformer_gui.monitor_source import (GIB, SERIES, FakeGpuReader, GpuReading,
+from fake_gpu import FakeGpuReader
+from slideformer_gui.monitor_source import (GIB, SERIES, GpuReading,
                                             GpuUnavailable, History, HostReader, NvmlReader,
                                             Sample, open_gpu_reader, read_sample)
 
@@ -60,7 +61,7 @@ def test_host_reader_reads_this_machine():
 
 
 def test_gpu_sources():
-    assert isinstance(open_gpu_reader("fake"), FakeGpuReader)
+    assert isinstance(open_gpu_reader(FakeGpuReader), FakeGpuReader)
     with pytest.raises(GpuUnavailable):
         open_gpu_reader("none")
     with pytest.raises(ValueError):

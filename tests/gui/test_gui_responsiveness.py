@@ -11,10 +11,13 @@ from slideformer_gui.app import freeze_heap, make_application
 from slideformer_gui.context import AppContext
 from slideformer_gui.main_window import MainWindow
 
+from fake_gpu import FakeGpuReader
+
+
 @pytest.fixture
 def busy_window(qtbot, settings, tmp_path):
     make_application()
-    w = MainWindow(AppContext(settings, data_dir=tmp_path / "data", gpu_source="fake"))
+    w = MainWindow(AppContext(settings, data_dir=tmp_path / "data", gpu_source=FakeGpuReader))
     qtbot.addWidget(w)
     freeze_heap()  # as the app does at start-up
     w.show()

@@ -1,6 +1,7 @@
 """Point-and-click fine-tuning end to end: real engine processes on the CPU, a tiny model, the
 demo task. Covers start / pause / resume / stop-and-save, an engine killed with SIGKILL and its
-resume from the Runs page, a terminal run followed live, and the GUI thread's latency throughout.
+resume from the Runs page, and a terminal run followed live (how late the GUI thread runs
+meanwhile is measured by benchmarks/gui_latency.py, not asserted here).
 """
 import os
 import signal
@@ -14,7 +15,6 @@ from PySide6.QtCore import Qt
 from engine import config as config_mod
 from engine.events import RunState, StepMetrics, read_events
 from slideformer_gui.app import freeze_heap
-from test_gui_responsiveness import MAX_LATE_S, LatencyProbe  # one probe for all GUI tests
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -81,8 +81,6 @@ def test_point_and_click_run_pause_resume_stop_and_save(qtbot, window, tiny_llam
     fill_settings(page, **RUN_SETTINGS)
     assert window.ctx.data_config.max_seq_len == 64  # the sequence length is shared
     freeze_heap()
-    probe = LatencyProbe()
-    probe.timer.start()
 
     qtbot.mouseClick(page.start_button, Qt.MouseButton.LeftButton)
     run_dir = page.run_dir
@@ -97,15 +95,12 @@ def test_point_and_click_run_pause_resume_stop_and_save(qtbot, window, tiny_llam
     qtbot.waitUntil(lambda: page.dashboard.history.last.step > paused_at, timeout=20000)
     qtbot.mouseClick(page.stop_button, Qt.MouseButton.LeftButton)
     qtbot.waitUntil(lambda: page.end is not None, timeout=60000)
-    probe.timer.stop()
 
     assert page.end.outcome == "stopped", page.end
     assert page.dashboard.status.property("state") == "ok"
     for name in ("loss", "lr", "grad_norm", "tokens_per_s", "memory"):
         assert points(page, name) >= 3, name
     assert page.dashboard.timeline.step is not None and page.dashboard.timeline.bars.opts["x0"]
-    assert probe.ticks >= 50
-    assert probe.worst < MAX_LATE_S, f"the GUI thread stalled for {probe.worst * 1000:.0f} ms"
 
     losses = step_losses(run_dir)
     assert 3 <= len(losses) < RUN_SETTINGS["max_steps"]

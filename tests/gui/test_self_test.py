@@ -16,4 +16,4 @@ def test_self_test_passes_offscreen(tmp_path):
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "self-test passed" in done.stdout
-    assert "rendered 5 pages" in done.stdout
+    assert "rendered 6 pages: Model, Data, Plan, Train, Runs, Chat" in done.stdout

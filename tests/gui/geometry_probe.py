@@ -1,0 +1,106 @@
+"""Lay the main window out at 1366x768 on a real X server and list what does not fit.
+
+Run as a child process by test_gui_geometry.py (``DISPLAY`` set, the xcb platform):
+``python tests/gui/geometry_probe.py OUT.json``. For every page, in both themes, with a model
+chosen and the Monitor visible, it writes the problems it finds:
+
+- a widget that reaches outside the window, or outside its parent (a clipped box);
+- a label narrower than its one-line text, or shorter than its wrapped text;
+- a scroll area that never scrolls sideways but whose content is wider than it.
+
+Content inside a scroll area is clipped by design (it scrolls); pyqtgraph's views are drawn,
+not laid out, and are left out.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+os.environ["QT_QPA_PLATFORM"] = "xcb"
+
+from PySide6.QtCore import QPoint, QRect, QSettings, Qt  # noqa: E402
+from PySide6.QtWidgets import QAbstractScrollArea, QGraphicsView, QLabel, QWidget  # noqa: E402
+
+SIZE = (1366, 768)
+
+
+def _inside_scrolled(w: QWidget) -> bool:
+    """``w`` lives in a scroll area's viewport (or is drawn by a graphics view)."""
+    p = w.parentWidget()
+    while p is not None:
+        if isinstance(p, QGraphicsView):
+            return True
+        if isinstance(p.parentWidget(), QAbstractScrollArea) and p is p.parentWidget().viewport():
+            return True
+        p = p.parentWidget()
+    return False
+
+
+def problems(window: QWidget, where: str) -> list[str]:
+    found = []
+    frame = window.rect()
+    for w in window.findChildren(QWidget):
+        if not w.isVisibleTo(window) or w.isWindow() or _inside_scrolled(w) \
+                or isinstance(w.parentWidget(), QGraphicsView):
+            continue
+        name = f"{where}: {type(w).__name__} {w.objectName() or ''}".rstrip()
+        r = QRect(w.mapTo(window, QPoint(0, 0)), w.size())
+        if not frame.contains(r):
+            found.append(f"{name} {r.getRect()} is outside the window {frame.getRect()}")
+        elif w.parentWidget() is not None and not w.parentWidget().rect().contains(w.geometry()):
+            found.append(f"{name} {w.geometry().getRect()} is clipped by its parent "
+                         f"{type(w.parentWidget()).__name__} {w.parentWidget().rect().getRect()}")
+        if isinstance(w, QLabel) and w.text():
+            if not w.wordWrap() and w.width() < w.minimumSizeHint().width():
+                found.append(f"{name} {w.text()[:40]!r} is {w.width()} px wide, needs "
+                             f"{w.minimumSizeHint().width()}")
+            elif w.wordWrap() and w.height() < w.heightForWidth(w.width()):
+                found.append(f"{name} {w.text()[:40]!r} is {w.height()} px tall, needs "
+                             f"{w.heightForWidth(w.width())}")
+        if isinstance(w, QAbstractScrollArea) and not isinstance(w, QGraphicsView) \
+                and w.horizontalScrollBarPolicy() == Qt.ScrollBarPolicy.ScrollBarAlwaysOff \
+                and getattr(w, "widget", None) is not None and w.widget() is not None \
+                and w.widget().width() > w.viewport().width():
+            found.append(f"{name}: content {w.widget().width()} px wide in a "
+                         f"{w.viewport().width()} px view that does not scroll sideways")
+    return found
+
+
+def main(out: str) -> int:
+    from slideformer_gui.app import make_application
+    from slideformer_gui.context import AppContext
+    from slideformer_gui.main_window import MainWindow
+    from slideformer_gui.model_page import ensure_demo_model
+    from slideformer_gui.screenshots import run_loop, wait_until
+    from slideformer_gui.settings import Settings
+
+    make_application()
+    tmp = Path(tempfile.mkdtemp(prefix="geometry-"))
+    ctx = AppContext(Settings(QSettings(str(tmp / "s.ini"), QSettings.Format.IniFormat)),
+                     data_dir=tmp / "data", gpu_source="none")
+    window = MainWindow(ctx)
+    window.resize(*SIZE)
+    window.show()
+    window.model_page.load(ensure_demo_model(ctx.demo_model_dir))
+    wait_until(lambda: ctx.model_path is not None, 60000)
+    report = {"window": [window.width(), window.height()],
+              "monitor": window.monitor_dock.isVisible(), "problems": []}
+    for theme in ("light", "dark"):
+        window.set_theme(theme)
+        for title in window.pages:
+            window.show_page(title)
+            run_loop(400)
+            report["problems"] += problems(window, f"{theme} {title}")
+            if (window.width(), window.height()) != SIZE:  # it grew past the screen
+                report["problems"].append(f"{theme} {title}: the window is {window.width()}x"
+                                          f"{window.height()} on a {SIZE[0]}x{SIZE[1]} screen")
+    Path(out).write_text(json.dumps(report, indent=1))
+    window.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
