@@ -226,6 +226,7 @@ class Trainer:
         except OSError as e:
             raise UserError(d, f"cannot be created ({e.strerror})",
                             "choose an output.run_dir in a folder you can write to") from None
+        self.lock.acquire()  # held until cleanup(); the OS drops it if this process dies
 
     def _check_host_memory(self) -> None:
         """Refuse a run the plan says cannot fit host RAM, before anything is loaded."""
