@@ -145,7 +145,12 @@ def test_one_click_fix_makes_the_run_fit(qtbot, page, tmp_path, name, settings):
     fixes = page.plan.fixes
     buttons = page.fix_buttons()
     assert [b.text() for b in buttons] == [f.name for f in fixes]
-    assert [b.isEnabled() for b in buttons] == [f.available for f in fixes]
+    inputs = page.inputs.settings()  # a fix is clickable when the page has an input for it
+    assert [b.isEnabled() for b in buttons] == [
+        f.available and all(key in inputs for key, _ in f.settings) for f in fixes]
+    for b, f in zip(buttons, fixes):  # e.g. "switch to qlora": chosen on the Train page
+        if f.available and not b.isEnabled():
+            assert b.toolTip() == "This page has no input for it"
     fix = fixes[0]  # the cheapest, which the planner says makes it fit
     assert fix.fits and buttons[0].objectName() == "primary"
 
