@@ -128,12 +128,12 @@ BAD_FOLDERS = [
      "config.json", r"rope_scaling type 'yarn' is not supported"),
     ("rope-incomplete", lambda d: edit_json(
         d / "config.json", rope_scaling={"rope_type": "llama3", "factor": 8.0}),
-     "config.json", r"lacks low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+     "config.json", r"lacks a positive low_freq_factor, high_freq_factor, original_max_position_embeddings"),
     ("no-safetensors", lambda d: [p.rename(p.with_name("pytorch_model.bin"))
                                   for p in d.glob("*.safetensors")],
      ".", r"has no \*\.safetensors weights.*pickle"),
     ("index-not-json", lambda d: (d / "model.safetensors.index.json").write_text("{"),
-     "model.safetensors.index.json", r"is not a valid safetensors index"),
+     "model.safetensors.index.json", r"is not valid JSON"),
     ("shard-missing", lambda d: (d / SHARD2).unlink(),
      SHARD2, r"is named in model\.safetensors\.index\.json but missing"),
     ("header-truncated-file", lambda d: (d / SHARD2).write_bytes(b"\x10\x00"),
@@ -141,7 +141,7 @@ BAD_FOLDERS = [
     ("header-bad-length", lambda d: patch_bytes(d / SHARD2, 0, struct.pack("<Q", 1 << 40)),
      SHARD2, r"corrupt safetensors header \(bad length\)"),
     ("header-not-json", lambda d: patch_bytes(d / SHARD2, 8, b"\x00garbage"),
-     SHARD2, r"corrupt safetensors header \(not JSON\)"),
+     SHARD2, r"corrupt safetensors header \(is not valid JSON"),
     ("header-bad-entries", lambda d: header_of(d / SHARD2, {UP1: {"dtype": "F32"}}),
      SHARD2, r"corrupt safetensors header \(bad tensor entries\)"),
     ("data-truncated", lambda d: (d / SHARD2).write_bytes((d / SHARD2).read_bytes()[:-100]),

@@ -42,7 +42,7 @@ def test_cli_lora_run_exports_an_adapter_peft_loads(setup_dir, tmp_path, capsys)
             "--lr", "2e-2", "--set", "train.method=\"lora\"", "--set", "lora.rank=4",
             "--set", "lora.export_merged=true", "--set", "lora.target_modules=\"q_proj,v_proj,down_proj\""]
     assert main(args) == 0
-    assert "step 4/4" in capsys.readouterr().out
+    assert "4/4 steps" in capsys.readouterr().out
     final = run / "final"
     cfg = json.loads((final / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"]

@@ -42,7 +42,7 @@ def test_qlora_fits_70b_and_123b_on_24_gib_and_128_gib(tmp_path, name):
 def test_cli_plan_says_fits_for_qlora_70b(tmp_path, capsys):
     d = model_folder(tmp_path, "llama-3.1-70b")
     assert main(["plan", "--model", str(d), "--method", "qlora", "--vram", "24GiB", "--ram",
-                 "128GiB", "--device", "cuda", "--hardware", "reference"]) == 0
+                 "128GiB", "--gpu", "rtx4090"]) == 0
     out = capsys.readouterr().out
     assert "verdict: FITS" in out and "qlora" in out
 

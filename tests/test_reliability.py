@@ -183,8 +183,8 @@ def test_resume_restores_schedule_data_and_rng(base, reference):
     torch.manual_seed(123)
     random.seed(123)
     t.setup(resume=True)
-    meta = json.loads((run / "checkpoints" / f"step-{STEPS}" / "trainer.json").read_text())
-    assert t.step == STEPS and t.stream.state_dict() == meta["data"]
+    meta = json.loads((run / "checkpoints" / f"step-{STEPS - 1}" / "trainer.json").read_text())
+    assert t.step == STEPS - 1 and t.stream.state_dict() == meta["data"]
     assert t.hyper(1.0).lr == meta["next_lr"]
     assert bytes(torch.get_rng_state().tolist()) == base64.b64decode(meta["rng"]["torch"])
     assert list(random.getstate()[1]) == meta["rng"]["python"][1]
