@@ -238,6 +238,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", help="also append the JSON records to this file")
+    ap.add_argument("--tokens", type=int, help="only the size with this many tokens per step "
+                    "(e.g. 16384), to split a table over calls of limited length")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -247,22 +249,37 @@ def main() -> None:
     if args.tiny:
         shape, seq, sizes = "tiny", 32, tuple((2, acc // 4 or 1) for _, acc in sizes)
     print(json.dumps({"versions": versions(), "table": args.table, "shape": shape}))
+    if args.tokens:
+        sizes = tuple((mb, acc) for mb, acc in sizes if mb * seq * acc == args.tokens)
     rows = []
     for mb, acc in sizes:
         for c in contenders:
             a = dict(contender=c, shape=shape, seq=seq, micro_batch=mb, accum=acc,
                      vram_cap=args.vram_cap, warmup=args.warmup, steps=args.steps)
-            p = subprocess.run([sys.executable, __file__, "--one", json.dumps(a)],
-                               capture_output=True, text=True)
-            lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
-            rec = json.loads(lines[-1][len(MARK):]) if lines else {
-                **a, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"}
-            rows.append(rec)
-            print(json.dumps(rec), flush=True)
-            if args.out:
-                with open(args.out, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(rec) + "\n")
+            for rec in attempts(a):
+                rows.append(rec)
+                print(json.dumps(rec), flush=True)
+                if args.out:
+                    with open(args.out, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(rec) + "\n")
     print(table(rows))
+
+
+def attempts(a: dict):
+    """Run one contender in a fresh process; an HF contender out of VRAM is retried with half
+    the micro-batch and twice the accumulation (same tokens per step), down to micro-batch 1,
+    since that is what its users would do. Every attempt is a record."""
+    while True:
+        p = subprocess.run([sys.executable, __file__, "--one", json.dumps(a)],
+                           capture_output=True, text=True)
+        lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
+        rec = json.loads(lines[-1][len(MARK):]) if lines else {
+            **a, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"}
+        yield rec
+        oom = "out of memory" in rec.get("error", "")
+        if not (oom and a["contender"].startswith("hf") and a["micro_batch"] > 1):
+            return
+        a = dict(a, micro_batch=a["micro_batch"] // 2, accum=a["accum"] * 2)
 
 
 def table(rows: list[dict]) -> str:
