@@ -38,7 +38,7 @@ NAME = "SlideFormerStudio"
 LAUNCHER = "slideformer-studio"
 DIST = ROOT / "dist"
 WORK = ROOT / "build" / "pyinstaller"
-ICON = ROOT / "resources" / "icons" / "slideformer.svg"
+ICON = ROOT / "slideformer" / "gui" / "resources" / "icons" / "slideformer.svg"
 
 # Installed in a development environment but not used by the app; PyInstaller would follow
 # torch's optional imports into some of them. (Not sympy: autograd imports it on the first
@@ -78,7 +78,7 @@ echo "added $apps/{launcher}.desktop"
 
 def version() -> str:
     sys.path.insert(0, str(ROOT))
-    from engine import __version__
+    from slideformer.engine import __version__
     return __version__
 
 
@@ -117,18 +117,16 @@ def run_pyinstaller() -> Path:
             "--distpath", str(DIST), "--workpath", str(WORK), "--specpath", str(WORK),
             "--paths", str(ROOT),
             # Command handlers import their modules when they run, so follow every module.
-            "--collect-submodules", "engine", "--collect-submodules", "slideformer_gui",
             "--collect-submodules", "slideformer",
-            "--hidden-import", "resources",
-            "--add-data", f"{ROOT / 'resources'}{sep}resources",
+            "--add-data", f"{ROOT / 'slideformer' / 'gui' / 'resources'}{sep}slideformer/gui/resources",
             # the CPU AdamW kernel's C source, compiled on the user's machine at first use
-            "--add-data", f"{ROOT / 'engine' / 'kernels' / 'cpu_adam.c'}{sep}engine/kernels"]
+            "--add-data", f"{ROOT / 'slideformer' / 'engine' / 'kernels' / 'cpu_adam.c'}{sep}slideformer/engine/kernels"]
     for name in EXCLUDES:
         args += ["--exclude-module", name]
     subprocess.run(args, check=True, cwd=ROOT)
     bundle = DIST / NAME
     # Python files of the resources package are compiled into the bundle; keep only data.
-    for cache in (bundle / "_internal" / "resources").rglob("__pycache__"):
+    for cache in (bundle / "_internal" / "slideformer" / "gui" / "resources").rglob("__pycache__"):
         shutil.rmtree(cache, ignore_errors=True)
     return bundle
 

@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from engine.generate.sampling import SamplingConfig
-from engine.generate.session import ChatModel
+from slideformer.engine.generate.sampling import SamplingConfig
+from slideformer.engine.generate.session import ChatModel
 
 PROMPT = [{"role": "user", "content": "Explain in a few sentences why the sky is blue."}]
 

@@ -21,9 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.gguf.installed import SMOLLM2_INSTALL, smollm2_gguf  # noqa: E402
-from engine.models.tokenizer import load_tokenizer  # noqa: E402
-from engine.train.demo import load_dense  # noqa: E402
+from slideformer.engine.gguf.installed import SMOLLM2_INSTALL, smollm2_gguf  # noqa: E402
+from slideformer.engine.models.tokenizer import load_tokenizer  # noqa: E402
+from slideformer.engine.train.demo import load_dense  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
@@ -31,7 +31,7 @@ PROMPT = [{"role": "user", "content": "What is the capital of France? Answer in 
 def run_cli(*args: str) -> tuple[float, float]:
     """(wall seconds, peak RSS in MiB) of one ``slideformer`` command in a child process."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", *args], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "slideformer.engine.cli", *args], cwd=ROOT,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:

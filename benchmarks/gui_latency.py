@@ -80,10 +80,10 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="gui-latency-"))
     for var in ("XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_CACHE_HOME"):
         os.environ[var] = str(tmp / var.lower())
-    from slideformer_gui.app import freeze_heap, make_application
-    from slideformer_gui.context import AppContext
-    from slideformer_gui.main_window import MainWindow
-    from slideformer_gui.settings import Settings
+    from slideformer.gui.app import freeze_heap, make_application
+    from slideformer.gui.context import AppContext
+    from slideformer.gui.main_window import MainWindow
+    from slideformer.gui.settings import Settings
 
     make_application()
     settings = Settings(QSettings(str(tmp / "studio.ini"), QSettings.Format.IniFormat))

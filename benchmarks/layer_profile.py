@@ -1,6 +1,6 @@
 """Where one decoder layer's time goes: forward, recompute + backward, by component.
 
-Runs the engine's own layer maths (engine.models.layers.decoder_layer, as the executor calls it:
+Runs the engine's own layer maths (slideformer.engine.models.layers.decoder_layer, as the executor calls it:
 forward without autograd, then recompute with autograd + backward from the same input) on random
 bf16 weights of one layer of a model shape, for each micro-batch size and for plain causal and
 packed-document attention. Prints one JSON line per case:
@@ -34,11 +34,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sliding_step import shape_spec  # noqa: E402
-from engine.models import layers  # noqa: E402
-from engine.models.layers import decoder_layer, packed_causal_mask, rope_tables  # noqa: E402
-from engine.models.model import positions_for  # noqa: E402
-from engine.plan.speed import layer_flops  # noqa: E402
-from engine.runtime.executor import ExecShape  # noqa: E402
+from slideformer.engine.models import layers  # noqa: E402
+from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rope_tables  # noqa: E402
+from slideformer.engine.models.model import positions_for  # noqa: E402
+from slideformer.engine.plan.speed import layer_flops  # noqa: E402
+from slideformer.engine.runtime.executor import ExecShape  # noqa: E402
 
 def random_layer(spec, device, dtype):
     g = torch.Generator(device="cpu").manual_seed(0)

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.kernels.linear_ce import linear_ce_fwd_bwd  # noqa: E402
+from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd  # noqa: E402
 
 
 def bench(h, w, y, chunk: int, use_triton: bool, warmup: int, repeats: int) -> dict:

@@ -48,6 +48,9 @@ TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 102
 }
 GiB = 1 << 30
 MARK = "@@LORA "
+# HF + bnb saves and reloads the model to quantise it as users load one: in RAM where possible
+SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.statvfs("/dev/shm").f_bavail * \
+    os.statvfs("/dev/shm").f_frsize > 40 * (1 << 30) else None
 
 
 def shape_config(name: str) -> dict:
@@ -82,8 +85,8 @@ def vram() -> dict:
 # ---- ours --------------------------------------------------------------------------------------
 def random_frozen_state(spec, backend, lora, nf4: bool, device: str, dtype: torch.dtype):
     """Frozen base with random weights, quantised layer by layer on ``device`` (qlora)."""
-    from engine.runtime.lora import init_adapters, is_adapter
-    from engine.train.state import build_frozen_state
+    from slideformer.engine.runtime.lora import init_adapters, is_adapter
+    from slideformer.engine.train.state import build_frozen_state
     host = build_frozen_state(spec, backend, dtype, torch.float32, lora, nf4=nf4)
     g = torch.Generator(device).manual_seed(0)
     for name, item in host.items():
@@ -101,13 +104,13 @@ def random_frozen_state(spec, backend, lora, nf4: bool, device: str, dtype: torc
 
 
 def run_ours(a: dict) -> dict:
-    from engine.config import RunConfig, override
-    from engine.models.lora import lora_spec
-    from engine.models.spec import spec_from_config
-    from engine.plan import plan_run
-    from engine.runtime.backend import make_backend
-    from engine.runtime.executor import SlidingExecutor
-    from engine.runtime.host_state import AdamHyper
+    from slideformer.engine.config import RunConfig, override
+    from slideformer.engine.models.lora import lora_spec
+    from slideformer.engine.models.spec import spec_from_config
+    from slideformer.engine.plan import plan_run
+    from slideformer.engine.runtime.backend import make_backend
+    from slideformer.engine.runtime.executor import SlidingExecutor
+    from slideformer.engine.runtime.host_state import AdamHyper
     method = a["contender"].removeprefix("ours-")
     spec = spec_from_config(shape_config(a["shape"]))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -254,7 +257,7 @@ def main() -> None:
     rows = []
     for mb, acc in sizes:
         for c in contenders:
-            a = dict(contender=c, shape=shape, seq=seq, micro_batch=mb, accum=acc,
+            a = dict(contender=c, shape=shape, seq=seq, micro_batch=mb, accum=acc, tmp=SCRATCH,
                      vram_cap=args.vram_cap, warmup=args.warmup, steps=args.steps)
             for rec in attempts(a):
                 rows.append(rec)

@@ -39,16 +39,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import BudgetConfig  # noqa: E402
-from engine.models.spec import spec_from_config  # noqa: E402
-from engine.plan import REFERENCE, Knobs, Precision, make_plan, resolve_budgets  # noqa: E402
-from engine.plan.machine import gpu_memory, host_memory  # noqa: E402
-from engine.runtime.backend import make_backend  # noqa: E402
-from engine.runtime.executor import SlidingExecutor  # noqa: E402
-from engine.runtime.host_state import AdamHyper  # noqa: E402
-from engine.runtime.nvme import NvmeTier
-from engine.runtime.shapes import disk_layers  # noqa: E402
-from engine.train.state import build_host_state  # noqa: E402
+from slideformer.engine.config import BudgetConfig  # noqa: E402
+from slideformer.engine.models.spec import spec_from_config  # noqa: E402
+from slideformer.engine.plan import REFERENCE, Knobs, Precision, make_plan, resolve_budgets  # noqa: E402
+from slideformer.engine.plan.machine import gpu_memory, host_memory  # noqa: E402
+from slideformer.engine.runtime.backend import make_backend  # noqa: E402
+from slideformer.engine.runtime.executor import SlidingExecutor  # noqa: E402
+from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
+from slideformer.engine.runtime.nvme import NvmeTier
+from slideformer.engine.runtime.shapes import disk_layers  # noqa: E402
+from slideformer.engine.train.state import build_host_state  # noqa: E402
 
 GiB = 1 << 30
 WIDTHS = {  # published config.json values; the layer count is what the search varies

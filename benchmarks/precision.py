@@ -3,7 +3,7 @@
 For a tiny random model of each family, the same batches and AdamW settings (global-norm clipping
 on) are trained four ways on the CPU:
 
-- ``fp32``: the engine in fp32 (equal to dense fp32 PyTorch AdamW: tests/test_sliding_equivalence.py);
+- ``fp32``: the engine in fp32 (equal to dense fp32 PyTorch AdamW: tests/engine/runtime/test_sliding_equivalence.py);
 - ``ours``: the engine in bf16 (bf16 weights and compute, exact fp32 master, fp32 moments);
 - ``autocast``: dense PyTorch, fp32 parameters, the forward under torch.autocast(bfloat16), fp32
   AdamW: what most trainers do;
@@ -29,16 +29,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.config import OptimConfig  # noqa: E402
-from engine.models.spec import load_spec  # noqa: E402
-from engine.models.tiny import TinyShape, make_tiny_model  # noqa: E402
-from engine.models.weights import item_names  # noqa: E402
-from engine.runtime.backend import CpuBackend  # noqa: E402
-from engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
-from engine.runtime.host_state import AdamHyper  # noqa: E402
-from engine.train.schedule import lr_at  # noqa: E402
-from engine.train.state import build_host_state, load_weights  # noqa: E402
-from tests.test_sliding_equivalence import DenseReference, make_batches  # noqa: E402
+from slideformer.engine.config import OptimConfig  # noqa: E402
+from slideformer.engine.models.spec import load_spec  # noqa: E402
+from slideformer.engine.models.tiny import TinyShape, make_tiny_model  # noqa: E402
+from slideformer.engine.models.weights import item_names  # noqa: E402
+from slideformer.engine.runtime.backend import CpuBackend  # noqa: E402
+from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
+from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
+from slideformer.engine.train.schedule import lr_at  # noqa: E402
+from slideformer.engine.train.state import build_host_state, load_weights  # noqa: E402
+from tests.engine.runtime.test_sliding_equivalence import DenseReference, make_batches  # noqa: E402
 
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.05, schedule="cosine", warmup_steps=2, max_grad_norm=1.0)
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")

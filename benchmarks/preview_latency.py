@@ -1,7 +1,7 @@
 """Latency of the data preview (what the Data page shows first) against the size of a record.
 
 Writes plain-text files without blank lines (one paragraph, as a book or a scraped page often
-is) of growing size, and a JSONL file of large records, and times ``engine.data.preview`` on
+is) of growing size, and a JSONL file of large records, and times ``slideformer.engine.data.preview`` on
 each with the tiny model's tokenizer, 5 records, ``max_seq_len`` 1024. A linear preview keeps
 ms/MB flat as the size grows.
 
@@ -15,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from engine.config import DataConfig
-from engine.data import preview
-from engine.models.tiny import make_tiny_model, synthetic_corpus
-from engine.models.tokenizer import load_tokenizer
+from slideformer.engine.config import DataConfig
+from slideformer.engine.data import preview
+from slideformer.engine.models.tiny import make_tiny_model, synthetic_corpus
+from slideformer.engine.models.tokenizer import load_tokenizer
 
 
 def text_of_size(size_kb: float, seed: int = 0) -> str:

@@ -22,12 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.models.spec import spec_from_config  # noqa: E402
-from engine.runtime.backend import make_backend  # noqa: E402
-from engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
-from engine.runtime.host_state import AdamHyper  # noqa: E402
-from engine.train.state import build_host_state  # noqa: E402
-from engine.train.trainer import peak_rss  # noqa: E402
+from slideformer.engine.models.spec import spec_from_config  # noqa: E402
+from slideformer.engine.runtime.backend import make_backend  # noqa: E402
+from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
+from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
+from slideformer.engine.train.state import build_host_state  # noqa: E402
+from slideformer.engine.train.trainer import peak_rss  # noqa: E402
 
 SHAPES = {  # published config.json values of the public models
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -92,10 +92,10 @@ def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_g
     """The plan the engine's planner makes for this run: VRAM budget ``vram_gib`` (0: the GPU's
     free memory less a margin), the machine's available RAM, its measured or reference
     hardware profile. Its exec_shape is what ``slideformer train`` would run."""
-    from engine.config import BudgetConfig
-    from engine.plan import Knobs, Precision, make_plan, resolve_budgets
-    from engine.plan.targets import load_profile
-    from engine.plan.machine import gpu_memory, host_memory
+    from slideformer.engine.config import BudgetConfig
+    from slideformer.engine.plan import Knobs, Precision, make_plan, resolve_budgets
+    from slideformer.engine.plan.targets import load_profile
+    from slideformer.engine.plan.machine import gpu_memory, host_memory
     hw = load_profile("this")
     vram = f"{int(vram_gib * 2**30)}" if vram_gib else "auto"
     budgets = resolve_budgets(BudgetConfig(vram=vram), device, hw, gpu_memory(), host_memory())
@@ -154,9 +154,9 @@ def _gib(n: int) -> float:
 def bench_cpu_update(n: int) -> list[dict]:
     """Our update (bf16 + remainder master) at several thread counts, the PyTorch-op fallback,
     and torch AdamW(fused) on fp32, on the same number of parameters."""
-    from engine.kernels import cpu_adam
-    from engine.models.spec import Layout
-    from engine.runtime.host_state import AdamWorkspace, HostItem, adam_update
+    from slideformer.engine.kernels import cpu_adam
+    from slideformer.engine.models.spec import Layout
+    from slideformer.engine.runtime.host_state import AdamWorkspace, HostItem, adam_update
     lay = Layout.build([("w", (n // 1024, 1024))])
     item = HostItem("x", lay, torch.bfloat16, torch.float32, lambda k, d: torch.zeros(k, dtype=d),
                     lambda k, d: torch.zeros(k, dtype=d))

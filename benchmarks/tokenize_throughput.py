@@ -1,7 +1,7 @@
 """Tokenization throughput of ``prepare_data`` on a large JSONL file, with a fresh cache.
 
 Generates a deterministic JSONL of plain-text records (``--size-mb``, default 200), tokenizes it
-with a tiny model's tokenizer through :func:`engine.data.prepare_data` into an empty cache, and
+with a tiny model's tokenizer through :func:`slideformer.engine.data.prepare_data` into an empty cache, and
 prints MB/s. For context it also prints the bare tokenizer's speed on the same text
 (``encode_batch_fast`` alone, the ceiling of any pipeline) and the time of cached re-opens.
 
@@ -26,12 +26,12 @@ from pathlib import Path
 
 import numpy as np
 
-import engine.data.tokenize as tokenize_mod
-from engine.config import DataConfig
-from engine.data import prepare_data
-from engine.events import Progress
-from engine.models.tiny import make_tiny_model, synthetic_corpus
-from engine.models.tokenizer import load_tokenizer
+import slideformer.engine.data.tokenize as tokenize_mod
+from slideformer.engine.config import DataConfig
+from slideformer.engine.data import prepare_data
+from slideformer.engine.events import Progress
+from slideformer.engine.models.tiny import make_tiny_model, synthetic_corpus
+from slideformer.engine.models.tokenizer import load_tokenizer
 
 
 def write_corpus(path: Path, size_mb: float, seed: int = 0) -> int:

@@ -1,15 +1,15 @@
 """The ``slideformer`` command: the engine's commands plus ``gui``, the desktop app (the default).
 
-This module sits above both packages: the engine's command line (:mod:`engine.cli`) never names
-the app, and the app's command (:mod:`slideformer_gui.commands`) imports Qt only when it runs.
+This module sits above both packages: the engine's command line (:mod:`slideformer.engine.cli`) never names
+the app, and the app's command (:mod:`slideformer.gui.commands`) imports Qt only when it runs.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from engine import cli as engine_cli
-from slideformer_gui import commands as gui_commands
+from slideformer.engine import cli as engine_cli
+from slideformer.gui import commands as gui_commands
 
 COMMANDS = (gui_commands, *engine_cli.COMMANDS)
 """Modules with a ``register(subparsers)`` function, in the order shown by --help."""

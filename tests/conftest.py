@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.models.model import DenseModel
-from engine.models.spec import SUPPORTED, load_spec
-from engine.models.tiny import TinyShape, make_tiny_model
-from engine.models.weights import Checkpoint
+from slideformer.engine.models.model import DenseModel
+from slideformer.engine.models.spec import SUPPORTED, load_spec
+from slideformer.engine.models.tiny import TinyShape, make_tiny_model
+from slideformer.engine.models.weights import Checkpoint
 
 
 # ---- tiny model folders ------------------------------------------------------------------------

@@ -1,10 +1,10 @@
 """Count the import edges from one package into another (``file -> module`` pairs).
 
-    python tools/import_edges.py                       # slideformer_gui -> engine, by module
-    python tools/import_edges.py --check engine.api    # exit 1 unless every edge ends there
+    python tools/import_edges.py                       # slideformer.gui -> engine, by module
+    python tools/import_edges.py --check slideformer.engine.api    # exit 1 unless every edge ends there
 
 An edge is one file of the source package importing one module of the target package (a
-``from engine.plan import Fix, Plan`` line is one edge to ``engine.plan``; the same module imported
+``from slideformer.engine.plan import Fix, Plan`` line is one edge to ``slideformer.engine.plan``; the same module imported
 twice by one file counts once). Imports inside functions count: they are dependencies too.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ def edges(source: Path, target: str) -> set[tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--source", default="slideformer_gui", help="package folder to scan")
-    p.add_argument("--target", default="engine", help="package whose imports are counted")
+    p.add_argument("--source", default="slideformer/gui", help="package folder to scan")
+    p.add_argument("--target", default="slideformer.engine", help="package whose imports are counted")
     p.add_argument("--check", metavar="MODULE", help="fail unless every edge imports MODULE")
     a = p.parse_args(argv)
     found = edges(ROOT / a.source, a.target)

@@ -24,20 +24,20 @@ def _no_user_files(tmp_path, monkeypatch):
 
 @pytest.fixture
 def settings(tmp_path):
-    from slideformer_gui.settings import Settings
+    from slideformer.gui.settings import Settings
     return Settings(QSettings(str(tmp_path / "studio.ini"), QSettings.Format.IniFormat))
 
 
 @pytest.fixture
 def ctx(settings, tmp_path):
-    from slideformer_gui.context import AppContext
+    from slideformer.gui.context import AppContext
     return AppContext(settings, data_dir=tmp_path / "data", gpu_source="none")
 
 
 @pytest.fixture
 def window(qtbot, ctx):
-    from slideformer_gui.app import make_application
-    from slideformer_gui.main_window import MainWindow
+    from slideformer.gui.app import make_application
+    from slideformer.gui.main_window import MainWindow
     make_application()
     w = MainWindow(ctx)
     qtbot.addWidget(w)

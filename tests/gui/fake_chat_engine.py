@@ -3,7 +3,7 @@
     python fake_chat_engine.py MODEL [--log FILE] [--delay S] [--mode M] [--fail MSG]
                                      [--crash-after N] [--words N]
 
-It speaks the protocol of engine/generate/protocol.py: ``ready``, then per request one ``token``
+It speaks the protocol of slideformer/engine/generate/protocol.py: ``ready``, then per request one ``token``
 event per word of "MODEL-NAME says: <the last user message> <filler words>", then ``done``.
 ``--log`` appends every request received as a JSON line; ``--fail`` reports a fatal load error;
 ``--crash-after N`` exits abruptly after N tokens of the first reply.

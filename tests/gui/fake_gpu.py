@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 import time
 
-from slideformer_gui.monitor_source import GIB, GpuReading
+from slideformer.gui.models.monitor import GIB, GpuReading
 
 
 class FakeGpuReader:

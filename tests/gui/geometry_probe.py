@@ -70,12 +70,12 @@ def problems(window: QWidget, where: str) -> list[str]:
 
 
 def main(out: str) -> int:
-    from slideformer_gui.app import make_application
-    from slideformer_gui.context import AppContext
-    from slideformer_gui.main_window import MainWindow
-    from slideformer_gui.model_page import ensure_demo_model
-    from slideformer_gui.screenshots import run_loop, wait_until
-    from slideformer_gui.settings import Settings
+    from slideformer.gui.app import make_application
+    from slideformer.gui.context import AppContext
+    from slideformer.gui.main_window import MainWindow
+    from slideformer.gui.pages.model import ensure_demo_model
+    from slideformer.gui.capture import run_loop, wait_until
+    from slideformer.gui.settings import Settings
 
     make_application()
     tmp = Path(tempfile.mkdtemp(prefix="geometry-"))

@@ -7,11 +7,11 @@ from pathlib import Path
 import torch
 from PySide6.QtWidgets import QApplication
 
-from engine import __version__
-from slideformer_gui.about import versions
-from slideformer_gui.context import AppContext
-from slideformer_gui.main_window import PAGES, MainWindow
-from slideformer_gui.theme import style_sheet
+from slideformer.engine import __version__
+from slideformer.gui.pages.about import versions
+from slideformer.gui.context import AppContext
+from slideformer.gui.main_window import PAGES, MainWindow
+from slideformer.gui.theme import style_sheet
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,13 +4,13 @@ import sys
 import textwrap
 import subprocess
 
-from engine import config as config_mod
-from engine.config import format_bytes
-from engine.events import StepMetrics
-from slideformer_gui.formatting import human_bytes
-from slideformer_gui.run_files import summarize
-from slideformer_gui.train_metrics import StepHistory, progress
-from slideformer_gui.train_plots import METRICS, MetricPlot
+from slideformer.engine import config as config_mod
+from slideformer.engine.config import format_bytes
+from slideformer.engine.events import StepMetrics
+from slideformer.gui.models.formatting import human_bytes
+from slideformer.gui.models.runs import summarize
+from slideformer.gui.models.metrics import StepHistory, progress
+from slideformer.gui.widgets.plots import METRICS, MetricPlot
 
 
 def _step(n, total=100):
@@ -56,7 +56,7 @@ def test_the_runs_table_tells_runs_apart_and_sees_the_lock(tmp_path):
     assert not summarize(run).live
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import time
-        from engine.train.lock import RunLock
+        from slideformer.engine.train.lock import RunLock
         RunLock({str(run)!r}).acquire()
         print("held", flush=True)
         time.sleep(600)""")], stdout=subprocess.PIPE, text=True)

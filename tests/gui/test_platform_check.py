@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from engine.errors import UserError
-from slideformer_gui import platform_check as pc
+from slideformer.engine.errors import UserError
+from slideformer.gui import platform_check as pc
 
 
 def test_package_names_follow_debian():
@@ -47,7 +47,7 @@ def test_a_plugin_that_cannot_load_names_its_libraries(tmp_path, monkeypatch):
 def test_this_installation_can_load_its_xcb_plugin():
     """In a fresh process (the test process runs Qt offscreen already)."""
     env = dict(os.environ, QT_QPA_PLATFORM="xcb")
-    done = subprocess.run([sys.executable, "-c", "from slideformer_gui.platform_check import "
+    done = subprocess.run([sys.executable, "-c", "from slideformer.gui.platform_check import "
                            "check_platform; check_platform(); print('ok')"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "ok", done.stderr

@@ -1,0 +1,137 @@
+"""The engine's front door: everything the desktop app and the command line call.
+
+Everything else in ``engine/`` is free to change without touching a front end. The names here
+are the engine's promise:
+
+- **Run configs**: :class:`RunConfig` and its sections, :func:`load_config`,
+  :func:`config_from_dict`, :func:`validate_config`, :func:`override`, :func:`dumps`.
+- **Plans**: :func:`plan_for_config` (what ``slideformer plan`` and the Plan page show), the GPU
+  presets (:data:`PRESETS`), the machine as the planner sees it (:func:`gpu_memory`,
+  :func:`host_memory`, :func:`load_profile`, :func:`run_device`, :func:`resolve_budgets`) and the
+  plan's parts.
+- **Models**: :func:`inspect_model` (``slideformer info``, the Model page), :func:`make_tiny_model`.
+- **Data**: :func:`analyse_data` (``slideformer data inspect``, the Data page).
+- **Runs**: :class:`RunClient` starts, follows, pauses, resumes and stops a run through its
+  folder, whoever started it; the event dataclasses are what its ``events.jsonl`` holds.
+- **Errors**: :class:`UserError`, one message for people (what, where, how to fix).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from slideformer.engine import __version__
+from slideformer.engine import config as _config
+from slideformer.engine.config import (BudgetConfig, DataConfig, ModelConfig, OptimConfig, OutputConfig,
+                           RunConfig, TrainConfig, dumps, format_bytes, override,
+                           parse_bytes)
+from slideformer.engine.data import DataStats, Sample
+from slideformer.engine.data.preview import Preview
+from slideformer.engine.data.commands import sample_counts
+from slideformer.engine.data.analysis import DataAnalysis, analyse_data
+from slideformer.engine.data.formats import FORMATS
+from slideformer.engine.errors import UserError
+from slideformer.engine.gguf.commands import default_out as gguf_export_path
+from slideformer.engine.gguf.installed import SMOLLM2_INSTALL, smollm2_gguf
+from slideformer.engine.gguf.kinds import EXPORT_KINDS as GGUF_EXPORT_TYPES
+from slideformer.engine.validate import validate
+from slideformer.engine.events import (CheckpointSaved, EvalMetrics, Log, Progress, RunState, Span,
+                           StepMetrics, Timeline, from_json, read_events)
+from slideformer.engine.models.commands import model_report as inspect_model
+from slideformer.engine.models.spec import SUPPORTED, ModelSpec, load_spec
+from slideformer.engine.models.tiny import TinyShape, make_tiny_model
+from slideformer.engine.models.tokenizer import load_tokenizer
+from slideformer.engine.plan import (PRESETS, REFERENCE, Allocation, Budgets, Fix, HardwareProfile, Plan,
+                         TierUse, load_profile, resolve_budgets)
+from slideformer.engine.plan.machine import GpuMemory, HostMemory, gpu_memory, host_memory
+from slideformer.engine.plan.planner import plan_run, run_device
+from slideformer.engine.train.checkpoint import checkpoints
+from slideformer.engine.train.client import (CONFIG_FILE, EVENTS_FILE, LOG_FILE, TERMINAL_STATES, EventReader,
+                                 RunClient, engine_command, engine_env, train_argv)
+from slideformer.engine.train.commands import run_training
+from slideformer.engine.train.demo import write_task
+
+__all__ = [
+    "__version__",
+    # run configs
+    "BudgetConfig", "DataConfig", "ModelConfig", "OptimConfig", "OutputConfig", "RunConfig",
+    "TrainConfig", "config_from_dict", "dumps", "format_bytes", "load_config", "override",
+    "parse_bytes",
+    "parse_toml", "validate_config",
+    # errors
+    "UserError",
+    # events
+    "CheckpointSaved", "EvalMetrics", "Log", "Progress", "RunState", "Span", "StepMetrics",
+    "Timeline", "from_json", "read_events",
+    # plans and the machine
+    "PRESETS", "REFERENCE", "Allocation", "Budgets", "Fix", "GpuMemory", "HardwareProfile",
+    "HostMemory", "Plan", "TierUse", "gpu_memory", "host_memory", "load_profile", "plan_for_config",
+    "resolve_budgets",
+    "run_device",
+    # models
+    "SUPPORTED", "ModelSpec", "TinyShape", "inspect_model", "load_spec", "load_tokenizer",
+    "make_tiny_model",
+    # GGUF files and the SmolLM2 demo model
+    "GGUF_EXPORT_TYPES", "SMOLLM2_INSTALL", "gguf_export_path", "smollm2_gguf",
+    # data
+    "FORMATS", "DataAnalysis", "DataStats", "Preview", "Sample", "analyse_data", "sample_counts",
+    "write_task",
+    # runs
+    "CONFIG_FILE", "EVENTS_FILE", "LOG_FILE", "TERMINAL_STATES", "EventReader", "RunClient",
+    "checkpoints", "engine_command", "engine_env", "run_training", "train_argv",
+]
+
+
+# ---- run configs ---------------------------------------------------------------------------------
+def validate_config(cfg: RunConfig, purpose: str = "values") -> RunConfig:
+    """Check every field of a run config (types, ranges, choices); returns it unchanged.
+
+    Args:
+        purpose: ``train`` (model and data must be set), ``plan`` (the model must be set) or
+            ``values`` (only the values that are given are checked).
+
+    Raises:
+        UserError: naming the first bad field (``section.key``) and how to fix it.
+    """
+    return validate(cfg, purpose)
+
+
+def load_config(path: Path | str) -> RunConfig:
+    """Read and check a run ``.toml`` file."""
+    return validate_config(_config.load(path))
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config",
+                     validate: bool = True) -> RunConfig:
+    """A run config from ``{"model": {"path": ...}, ...}`` (the TOML file's layout).
+
+    Unknown keys and values of the wrong type are always errors; ``validate=False`` skips the
+    checks of values against each other (for a partial config such as a preset).
+    """
+    cfg = _config.from_dict(data, source)
+    return validate_config(cfg) if validate else cfg
+
+
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """The tables of a TOML text (a run config or a preset), without checking them.
+
+    Raises:
+        UserError: the text is not TOML.
+    """
+    try:
+        return _config.tomllib.loads(text)
+    except _config.tomllib.TOMLDecodeError as e:
+        raise UserError(source, f"is not valid TOML ({e})", "fix the file's syntax") from None
+
+
+# ---- plans ---------------------------------------------------------------------------------------
+def plan_for_config(cfg: RunConfig, hardware: HardwareProfile | str = "this") -> Plan:
+    """Where every byte of ``cfg``'s run goes, whether it fits and how fast it runs.
+
+    Reads only the model's ``config.json``. ``hardware``: a profile, or the machine to plan for
+    (slideformer.engine.plan.targets.load_profile): ``this`` machine, a GPU preset key of :data:`PRESETS`
+    (``rtx4090``) or a profile JSON file.
+    """
+    if not cfg.model.path:
+        raise UserError("model.path", "is missing", "choose a model folder (with config.json)")
+    return plan_run(cfg, load_spec(cfg.model.path), hardware=hardware)

@@ -1,0 +1,390 @@
+"""Run configuration: frozen dataclasses that map 1:1 onto the sections of a run TOML file.
+
+```toml
+[model]
+path = "models/tiny-llama"
+[data]
+train = "data/train.jsonl"
+[optim]
+lr = 1e-4
+[train]
+micro_batch = 2
+```
+Unknown sections or keys are errors; every field has a default except ``model.path`` and
+``data.train``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from slideformer.engine.errors import UserError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+METHODS = ("full", "lora", "qlora")
+"""train.method values."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    """Hugging Face model folder (config.json, *.safetensors, tokenizer.json)."""
+
+
+@dataclass(frozen=True)
+class ColumnMap:
+    """Field and role names of a custom dataset (LLaMA-Factory's dataset_info idea).
+
+    An empty string keeps the format's own name, given in brackets.
+    """
+
+    prompt: str = ""
+    """Field of the instruction (Alpaca "instruction")."""
+    query: str = ""
+    """Field of extra input appended to the instruction (Alpaca "input")."""
+    response: str = ""
+    """Field of the reply (Alpaca "output")."""
+    system: str = ""
+    """Field of the system prompt ("system")."""
+    history: str = ""
+    """Field of earlier turns as [[user, assistant], ...] (Alpaca "history")."""
+    messages: str = ""
+    """Field of the conversation ("messages"; ShareGPT "conversations")."""
+    tools: str = ""
+    """Field of the tool schemas offered to the model ("tools")."""
+    text: str = ""
+    """Field of plain text ("text")."""
+    role_tag: str = ""
+    """Key of a message's role ("role"; ShareGPT "from")."""
+    content_tag: str = ""
+    """Key of a message's text ("content"; ShareGPT "value")."""
+    user_tag: str = ""
+    """A further role name that means user (e.g. "customer")."""
+    assistant_tag: str = ""
+    """A further role name that means assistant (e.g. "bot")."""
+    system_tag: str = ""
+    """A further role name that means system."""
+    function_tag: str = ""
+    """A further role name for an assistant's tool call (ShareGPT "function_call")."""
+    observation_tag: str = ""
+    """A further role name for a tool's result (ShareGPT "observation")."""
+
+
+@dataclass(frozen=True)
+class MixSource:
+    """One more training source mixed into ``data.train`` (a ``[[data.mix]]`` table)."""
+
+    path: str = ""
+    """A data file, or a folder of .txt files."""
+    weight: float = 1.0
+    """Records drawn per record of the source: 2 repeats each twice, 0.5 keeps a seeded half."""
+    samples: int = 0
+    """Exactly this many records drawn (seeded, repeating when larger); 0: use weight."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train: str = ""
+    """Training data: a .txt/.jsonl/.json/.csv/.parquet/.arrow file or a folder of .txt files."""
+    format: str = "auto"
+    """auto, text, alpaca, messages, sharegpt (auto detects from the records)."""
+    validation: str = ""
+    """Optional separate validation file."""
+    val_fraction: float = 0.0
+    """Fraction of records held out for validation when no validation file is given."""
+    max_seq_len: int = 1024
+    """Tokens per sequence (plain text is cut into blocks of this many)."""
+    packing: bool = True
+    """Pack several records per sequence (no cross-document attention); else pad."""
+    train_on: str = "assistant"
+    """assistant: loss on assistant/output tokens only; all: loss on every token."""
+    mask_history: bool = False
+    """Train only the last assistant reply of each conversation (earlier ones are context)."""
+    truncation: str = "truncate"
+    """Conversations longer than max_seq_len: truncate, drop, or error."""
+    max_samples: int = 0
+    """Read at most this many records from each source (its first ones); 0: all."""
+    chat_template: str = ""
+    """Chat template: "" the model's own, "chatml", or the path of a .jinja file."""
+    enable_thinking: bool = True
+    """Passed to the chat template (Qwen3: false renders an empty reasoning block as prompt)."""
+    ignore_fields: tuple[str, ...] = ()
+    """Record fields that hold no training content (besides id-like ones) and may be ignored."""
+    seed: int = 0
+    """Shuffling seed."""
+    columns: ColumnMap = field(default_factory=ColumnMap)
+    """Field and role names of custom datasets (the ``[data.columns]`` table)."""
+    mix: tuple[MixSource, ...] = ()
+    """Further training sources mixed in (``[[data.mix]]`` tables)."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    schedule: str = "cosine"
+    """constant, linear or cosine decay after warmup."""
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    """Final lr as a fraction of the peak (linear, cosine)."""
+    max_grad_norm: float = 1.0
+    """Exact global-norm clipping; 0 disables it (updates then overlap the backward)."""
+    moments_dtype: str = "float32"
+    """float32 (exact) or bfloat16 (half the moment memory; slightly different numerics)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    micro_batch: int = 1
+    """Sequences per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step (all processed layer-wise in one sweep)."""
+    max_steps: int = 0
+    """Optimizer steps; 0 means run ``epochs`` over the data."""
+    epochs: float = 1.0
+    seed: int = 0
+    """Seed for dropout-free numerics that still need randomness (init, sampling)."""
+    compute_dtype: str = "auto"
+    """auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32."""
+    device: str = "auto"
+    """auto, cuda or cpu."""
+    method: str = "full"
+    """full (every weight trained), lora (frozen base, trained low-rank adapters; see [lora]) or
+    qlora (lora over a base quantised to 4-bit NF4 with double-quantised scales)."""
+    save_every: int = 0
+    """Checkpoint every N steps; 0: only at the end."""
+    keep_checkpoints: int = 2
+    eval_every: int = 0
+    """Validation loss every N steps; 0: never (only at the end if a split exists)."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """Adapter settings of train.method = lora / qlora; names and defaults as in PEFT's
+    LoraConfig (r=8, lora_alpha=8, lora_dropout=0), except that every linear projection of the
+    decoder is a target by default."""
+    rank: int = 8
+    """r: inner dimension of each adapter (A is r x in, B is out x r)."""
+    alpha: float = 8.0
+    """lora_alpha: the adapter's output is scaled by alpha / rank (alpha / sqrt(rank) with
+    use_rslora)."""
+    dropout: float = 0.0
+    """lora_dropout: dropout probability on each adapter's input."""
+    target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    """Comma-separated projections of every decoder layer that get an adapter."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski 2023)."""
+    export_merged: bool = False
+    """Also write final/merged: the base with the adapters folded in, a plain Hugging Face
+    folder (written one layer at a time)."""
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    vram: str = "auto"
+    """GPU memory budget, e.g. "24GiB"; auto = the GPU's free memory less a margin."""
+    ram: str = "auto"
+    """Host memory budget; auto = available RAM less a margin."""
+    slots: int = 0
+    """Parameter slots on the GPU (K); 0 lets the planner choose."""
+    checkpoints: str = "auto"
+    """Activation checkpoints: auto, gpu or host."""
+    gpu_layers: int = -1
+    """Decoder layers kept on the GPU with their master weights and moments, updated there (the
+    embedding and head too); -1 lets the planner use spare VRAM, 0 keeps all optimizer work on
+    the CPU."""
+    nvme_dir: str = ""
+    """Folder for the NVMe tier (optimizer state on disk); empty: none."""
+    nvme_size: str = "0"
+    """Disk budget for the NVMe tier."""
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    run_dir: str = "runs/run"
+    """Run folder: config.toml, events.jsonl, checkpoints/, final/."""
+    shard_size: str = "5GiB"
+    """Largest safetensors shard of the exported model."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+def _coerce(value: Any, typ, where: str):
+    """Check a TOML value against a field type (ints accepted for floats)."""
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise UserError(where, f"must be a table, got {value!r}", "write it as a [table]")
+        return _build(typ, value, where)
+    if getattr(typ, "__origin__", None) is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise UserError(where, f"expects a list, got {value!r}",
+                            "write it as a TOML array, e.g. [\"a\", \"b\"]")
+        item = typ.__args__[0]
+        return tuple(_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value))
+    ok = {str: str, int: int, float: (int, float), bool: bool}.get(typ)
+    if ok is None or (isinstance(value, bool) and typ is not bool) or not isinstance(value, ok):
+        raise UserError(where, f"expects a {getattr(typ, '__name__', typ)}, got {value!r}",
+                        "fix the value's type in the config file")
+    return float(value) if typ is float else value
+
+
+def _build(cls, given: dict, where: str):
+    """An instance of the dataclass ``cls`` from a dict; unknown keys are errors.
+
+    ``where`` is "<source>: <table>", e.g. "run.toml: data.columns".
+    """
+    hints = get_type_hints(cls)
+    known = {x.name for x in fields(cls)}
+    source, _, table = where.rpartition(": ")
+    for k in given:
+        if k not in known:
+            raise UserError(source, f"unknown key '{table}.{k}'",
+                            f"valid keys of [{table}]: {', '.join(sorted(known))}")
+    return cls(**{k: _coerce(v, hints[k], f"{where}.{k}") for k, v in given.items()})
+
+
+def from_dict(data: dict, source: str = "config") -> RunConfig:
+    """Build a RunConfig from nested dicts; unknown sections/keys are errors."""
+    sections = {}
+    for f in fields(RunConfig):
+        cls = f.default_factory  # type: ignore[misc]
+        given = data.get(f.name, {})
+        if not isinstance(given, dict):
+            raise UserError(source, f"[{f.name}] must be a table", "write it as a [section]")
+        sections[f.name] = _build(cls, given, f"{source}: {f.name}")
+    for k in data:
+        if k not in sections:
+            raise UserError(source, f"unknown section [{k}]",
+                            f"valid sections: {', '.join(sections)}")
+    return RunConfig(**sections)
+
+
+def to_dict(cfg: RunConfig) -> dict:
+    """Nested dicts and lists (the shape TOML and JSON give back)."""
+    return _plain(dataclasses.asdict(cfg))
+
+
+def _plain(v):
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def load(path: Path | str) -> RunConfig:
+    """Read a run TOML file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(path, "does not exist", "pass the path of a run .toml file")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(path, f"is not valid TOML ({e})", "fix the syntax at that line") from None
+    return from_dict(data, str(path))
+
+
+def override(cfg: RunConfig, dotted: dict[str, Any]) -> RunConfig:
+    """Return cfg with ``{"train.micro_batch": 4, ...}`` applied (same checks as the file)."""
+    data = to_dict(cfg)
+    for key, value in dotted.items():
+        section, _, name = key.partition(".")
+        if section not in data or not name:
+            raise UserError(key, "is not a config key", "use section.key, e.g. train.micro_batch")
+        data[section][name] = value
+    return from_dict(data, "command line")
+
+
+def dumps(cfg: RunConfig) -> str:
+    """TOML text of a RunConfig (the exact format :func:`load` reads)."""
+    out = []
+    for section, values in to_dict(cfg).items():
+        _table(out, f"[{section}]", section, values)
+    return "\n".join(out)
+
+
+def _table(out: list, header: str, name: str, values: dict) -> None:
+    """Append a table: its plain keys first, then its sub-tables and arrays of tables."""
+    out.append(header)
+    nested = []
+    for k, v in values.items():
+        if isinstance(v, dict):
+            nested.append((f"[{name}.{k}]", v))
+        elif isinstance(v, list) and v and isinstance(v[0], dict):
+            nested.extend((f"[[{name}.{k}]]", item) for item in v)
+        else:
+            out.append(f"{k} = {_toml_value(v)}")
+    out.append("")
+    for head, v in nested:
+        _table(out, head, head.strip("[]"), v)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+MAX_BYTES = 1 << 60
+"""The largest size :func:`parse_bytes` reads (1 EiB)."""
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def format_bytes(n: float) -> str:
+    """A size for people, in binary units like the budgets: 1536 -> "1.5 KiB", 3e13 -> "27.3 TiB".
+
+    The one way sizes are written in the product (CLI, plans, the desktop app).
+    """
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_bytes(text: str, where: str = "size") -> int:
+    """Parse "24GiB", "1.5 TB", "512MiB" or a plain byte count."""
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = None
+    if value is None or unit not in _UNITS:
+        raise UserError(where, f"cannot read {text!r} as a size",
+                        "write a number with a unit, e.g. 24GiB, 128GB or 2TB")
+    if value < 0:
+        raise UserError(where, f"{text!r} is negative", "give a positive size")
+    # float("1e400") is inf and int(inf) raises: anything past 1 EiB is a typo, not a budget
+    if not value * _UNITS[unit] <= MAX_BYTES:
+        raise UserError(where, f"{text!r} is larger than any machine's memory or disk",
+                        "write a size such as 24GiB, 128GB or 2TB")
+    return int(value * _UNITS[unit])

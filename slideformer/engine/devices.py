@@ -1,0 +1,61 @@
+"""The devices and number formats a run config may name, checked in one place.
+
+``train.device`` is ``auto`` (a CUDA GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N``;
+``train.compute_dtype`` is ``auto`` (bfloat16 on a GPU, float32 on the CPU), ``bfloat16`` or
+``float32``; ``optim.moments_dtype`` is ``float32`` or ``bfloat16``. The trainer, the planner and
+the backends all ask here, so a name one accepts is accepted by all.
+"""
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING
+
+from slideformer.engine.errors import UserError
+
+if TYPE_CHECKING:  # the checks need no torch (the planner runs without it)
+    import torch
+
+TRAIN_DTYPES = ("float32", "bfloat16")
+"""Formats of compute and of AdamW moments."""
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def device_kind(device: str, gpu: bool) -> str:
+    """``cuda`` or ``cpu``: what ``train.device`` runs on, ``auto`` meaning a GPU if ``gpu``.
+
+    Raises:
+        UserError: ``device`` names no device.
+    """
+    if not _DEVICE.fullmatch(device):
+        raise UserError("train.device", f"{device!r} is not a device",
+                        "use auto, cuda, cuda:N or cpu")
+    if device == "auto":
+        return "cuda" if gpu else "cpu"
+    return "cpu" if device == "cpu" else "cuda"
+
+
+def compute_dtype_name(name: str, kind: str) -> str:
+    """The compute format of ``train.compute_dtype`` on a ``kind`` (cuda or cpu) device."""
+    if name == "auto":
+        return "bfloat16" if kind == "cuda" else "float32"
+    if name not in TRAIN_DTYPES:
+        raise UserError("train.compute_dtype", f"{name!r} is not supported",
+                        "use auto, bfloat16 or float32")
+    return name
+
+
+def moments_dtype_name(name: str) -> str:
+    """``optim.moments_dtype``, checked."""
+    if name not in TRAIN_DTYPES:
+        raise UserError("optim.moments_dtype", f"{name!r} is not supported",
+                        "use \"float32\" (exact) or \"bfloat16\"")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """The torch dtype of a format name (``float32``, ``bfloat16``, ``float16``, as in a model's
+    ``config.json``), or None for another name."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}.get(name)

@@ -1,0 +1,208 @@
+"""Hugging Face folder -> GGUF file (``gguf.GGUFWriter``), streamed one layer at a time.
+
+The tensor table (names, shapes, types, byte sizes) is known from config.json alone, so the
+writer's header goes out first and each tensor is read, converted and written in turn (peak
+memory: one decoder layer in fp32 and one converted tensor). The file is written under a
+temporary name and renamed when complete.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import gguf
+import numpy as np
+import torch
+
+from slideformer.engine.errors import UserError
+from slideformer.engine.gguf.kinds import EXPORT_KINDS
+from slideformer.engine.gguf.names import arch_name, qk_heads, tensor_names, to_gguf_order
+from slideformer.engine.gguf.tokenizer import gguf_vocab
+from slideformer.engine.models.layers import rope_inv_freq
+from slideformer.engine.models.spec import ModelSpec, load_spec
+from slideformer.engine.models.tokenizer import load_tokenizer
+from slideformer.engine.models.weights import Checkpoint, hf_name, item_layout, item_names
+
+Q = gguf.GGMLQuantizationType
+TYPES = dict(zip(EXPORT_KINDS, (Q.F32, Q.BF16, Q.F16, Q.Q8_0, Q.Q4_0)))
+"""--type -> the GGUF type of the matrices (1-D tensors, norms and biases, stay F32)."""
+FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
+              "f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor of the output file."""
+
+    hf: str
+    """Checkpoint name in the folder."""
+    gguf: str
+    """Tensor name in the GGUF file."""
+    shape: tuple[int, ...]
+    qtype: gguf.GGMLQuantizationType
+
+
+def tensor_type(hf: str, shape: tuple[int, ...], kind: str) -> gguf.GGMLQuantizationType:
+    """The GGUF type of one tensor under ``--type kind``."""
+    if len(shape) == 1:
+        return Q.F32
+    qtype = TYPES[kind]
+    # 4-bit embeddings and LM head cost the most quality per byte saved (llama.cpp keeps them
+    # at 6 bits or more in its 4-bit files): they get Q8_0.
+    if qtype == Q.Q4_0 and hf in ("model.embed_tokens.weight", "lm_head.weight"):
+        qtype = Q.Q8_0
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    return qtype if shape[-1] % block == 0 else Q.F16  # rows not a whole number of blocks
+
+
+def convert(w: np.ndarray, qtype) -> np.ndarray:
+    """fp32 -> the bytes (or float16/float32 array) the writer stores for ``qtype``."""
+    return gguf.quants.quantize(np.ascontiguousarray(w, np.float32), qtype)
+
+
+def _byte_shape(shape, qtype) -> tuple[tuple[int, ...], np.dtype, int]:
+    if qtype == Q.F32:
+        return shape, np.float32, 4 * math.prod(shape)
+    if qtype == Q.F16:
+        return shape, np.float16, 2 * math.prod(shape)
+    bshape = gguf.quants.quant_shape_to_byte_shape(shape, qtype)
+    return bshape, np.uint8, math.prod(bshape)
+
+
+def plan(spec: ModelSpec, kind: str) -> list[Planned]:
+    names = tensor_names(spec)
+    out = []
+    for item in item_names(spec):
+        for local, _, shape in item_layout(spec, item).entries:
+            hf = hf_name(item, local)
+            out.append(Planned(hf, names[hf], shape, tensor_type(hf, shape, kind)))
+    return out
+
+
+def _tensors(model_dir: Path, spec: ModelSpec, planned: list[Planned]) -> Iterator[np.ndarray]:
+    """The converted tensors in ``planned`` order, read one item (layer) at a time."""
+    ckpt = Checkpoint(model_dir)
+    by_name = {p.hf: p for p in planned}
+    for item in item_names(spec):
+        layout = item_layout(spec, item)
+        flat = ckpt.read_item(spec, item, torch.empty(layout.numel, dtype=torch.float32))
+        for local, view in layout.views(flat).items():
+            hf = hf_name(item, local)
+            w = view.numpy()
+            if (heads := qk_heads(spec, hf)) is not None:
+                w = to_gguf_order(w, heads)
+            yield convert(w, by_name[hf].qtype)
+    ckpt.close()
+
+
+def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: str,
+                    kind: str) -> None:
+    w.add_name(name)
+    w.add_block_count(spec.num_layers)
+    w.add_context_length(spec.max_position_embeddings)
+    w.add_embedding_length(spec.hidden_size)
+    w.add_feed_forward_length(spec.intermediate_size)
+    w.add_head_count(spec.num_heads)
+    w.add_head_count_kv(spec.num_kv_heads)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    w.add_rope_dimension_count(spec.head_dim)
+    w.add_key_length(spec.head_dim)
+    w.add_value_length(spec.head_dim)
+    w.add_vocab_size(spec.vocab_size)
+    w.add_file_type(FILE_TYPES[kind])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    rs = dict(spec.rope_scaling or ())
+    if rs.get("rope_type", rs.get("type")) == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(rs["factor"]))
+    _write_tokenizer(w, spec, model_dir)
+
+
+def _write_tokenizer(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path) -> None:
+    meta = gguf_vocab(model_dir, spec.vocab_size)
+    tok = load_tokenizer(model_dir)
+    w.add_tokenizer_model(meta["model"])
+    w.add_tokenizer_pre(meta["pre"])
+    w.add_token_list(meta["tokens"])
+    w.add_token_types(meta["token_type"])
+    w.add_token_merges(meta["merges"])
+    ids = {t: i for i, t in enumerate(meta["tokens"])}
+    for token, add in ((tok.bos_token, w.add_bos_token_id), (tok.eos_token, w.add_eos_token_id),
+                       (tok.pad_token, w.add_pad_token_id)):
+        if token in ids:
+            add(ids[token])
+    w.add_add_bos_token(_adds_bos(model_dir))
+    if tok.chat_template:
+        w.add_chat_template(tok.chat_template)
+
+
+def _adds_bos(model_dir: Path) -> bool:
+    cfg = model_dir / "tokenizer_config.json"
+    return bool(cfg.is_file() and json.loads(cfg.read_text(encoding="utf-8")).get("add_bos_token"))
+
+
+def model_name(model_dir: Path, spec: ModelSpec) -> str:
+    """``general.name``: the folder's name (a run's ``final/`` is named after the run).
+
+    llama.cpp stores Mistral as the llama architecture, and transformers and our importer
+    tell it apart by "mistral" in the name.
+    """
+    d = model_dir.resolve()
+    name = d.parent.name if d.name == "final" else d.name
+    if spec.model_type == "mistral" and "mistral" not in name.lower():
+        name = f"mistral-{name}"
+    return name
+
+
+def export_gguf(model_dir: Path | str, out: Path | str, kind: str = "bf16",
+                progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write the model folder ``model_dir`` as the GGUF file ``out`` (which must not exist)."""
+    model_dir, out = Path(model_dir), Path(out)
+    if kind not in TYPES:
+        raise UserError("--type", f"{kind!r} is not a GGUF export type", f"choose one of {', '.join(TYPES)}")
+    if out.exists():
+        raise UserError(out, "exists", "choose another --out, or move the old file away first")
+    spec = load_spec(model_dir)
+    Checkpoint(model_dir).check(spec)
+    planned = plan(spec, kind)
+    tmp = out.with_name(out.name + ".partial")
+    w = gguf.GGUFWriter(tmp, arch_name(spec.model_type))
+    _write_metadata(w, spec, model_dir, model_name(model_dir, spec), kind)
+    extra = _rope_freqs(spec)
+    for p in planned:
+        bshape, dtype, nbytes = _byte_shape(p.shape, p.qtype)
+        w.add_tensor_info(p.gguf, bshape, np.dtype(dtype), nbytes,
+                          raw_dtype=None if p.qtype in (Q.F32, Q.F16) else p.qtype)
+    if extra is not None:
+        w.add_tensor_info("rope_freqs.weight", extra.shape, np.dtype(np.float32), extra.nbytes)
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for i, data in enumerate(_tensors(model_dir, spec, planned)):
+            w.write_tensor_data(data)
+            if progress is not None:
+                progress(i + 1, len(planned))
+        if extra is not None:
+            w.write_tensor_data(extra)
+        w.close()
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def _rope_freqs(spec: ModelSpec) -> np.ndarray | None:
+    """llama.cpp's per-frequency RoPE divisors for Llama 3 scaling (None for other RoPE)."""
+    rs = dict(spec.rope_scaling or ())
+    if rs.get("rope_type", rs.get("type")) != "llama3":
+        return None
+    plain = rope_inv_freq(dataclasses.replace(spec, rope_scaling=None))
+    return (plain / rope_inv_freq(spec)).numpy().astype(np.float32)

@@ -1,0 +1,156 @@
+"""GGUF file -> Hugging Face folder (bf16 safetensors, config.json, tokenizer, chat template).
+
+The weights are dequantised and written one tensor at a time (peak memory: one tensor in fp32
+and its bf16 copy), with llama.cpp's Q/K row order undone (:mod:`slideformer.engine.gguf.names`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from slideformer.engine.errors import UserError
+from slideformer.engine.gguf.names import GGUF_ARCHS, from_gguf_order, qk_heads, tensor_names
+from slideformer.engine.gguf.reader import GGUFFile
+from slideformer.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
+from slideformer.engine.models.spec import SUPPORTED, spec_from_config
+from slideformer.engine.models.tiny import TinyShape, tiny_config
+from slideformer.engine.models.weights import (hf_name, item_layout, item_names, publish_dir, staging_dir,
+                                   write_streamed_shards)
+
+
+def _family(g: GGUFFile) -> tuple[str, str]:
+    """(GGUF architecture, Hugging Face model_type) of the file."""
+    arch = g.get("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise UserError(g.path, f"is a GGUF of architecture {arch!r}, which is not supported",
+                        f"use a GGUF of a supported family: {', '.join(SUPPORTED)} "
+                        f"(architectures {', '.join(GGUF_ARCHS)})")
+    # llama.cpp writes Mistral as "llama"; the name tells them apart (as transformers reads it)
+    if arch == "llama" and "mistral" in str(g.get("general.name", "")).lower():
+        return arch, "mistral"
+    return arch, arch
+
+
+def _float(v) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99e-06)."""
+    return float(f"{float(v):.7g}")
+
+
+def _rope_scaling(g: GGUFFile, arch: str) -> dict | None:
+    kind = g.get(f"{arch}.rope.scaling.type")
+    if "rope_freqs.weight" in g.tensors:
+        raise UserError(g.path, "uses per-frequency RoPE factors (rope_freqs, e.g. Llama 3.1 "
+                                "scaling), which import cannot turn back into rope_scaling",
+                        "import the model from its Hugging Face folder instead")
+    if kind in (None, "none"):
+        return None
+    if kind != "linear":
+        raise UserError(g.path, f"uses RoPE scaling {kind!r}", "supported: none, linear")
+    return {"rope_type": "linear", "factor": _float(g.get(f"{arch}.rope.scaling.factor"))}
+
+
+def gguf_config(g: GGUFFile) -> dict:
+    """The config.json of the model in a GGUF file."""
+    arch, family = _family(g)
+    need = lambda key: _required(g, f"{arch}.{key}")  # noqa: E731
+    hidden, heads = need("embedding_length"), need("attention.head_count")
+    if "token_embd.weight" not in g.tensors:
+        raise UserError(g.path, "has no token_embd.weight tensor", "use a complete GGUF file")
+    head_dim = g.get(f"{arch}.attention.key_length") or g.get(f"{arch}.rope.dimension_count")
+    shape = TinyShape(layers=need("block_count"), hidden=hidden, heads=heads,
+                      kv_heads=g.get(f"{arch}.attention.head_count_kv", heads),
+                      intermediate=need("feed_forward_length"),
+                      vocab=g.shape("token_embd.weight")[0],
+                      head_dim=head_dim if head_dim and head_dim != hidden // heads else None,
+                      tie="output.weight" not in g.tensors,
+                      max_positions=g.get(f"{arch}.context_length", 4096))
+    cfg = tiny_config(family, shape)  # the config.json keys of a model of this shape
+    cfg.update(rms_norm_eps=_float(g.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+               rope_theta=_float(g.get(f"{arch}.rope.freq_base", 10000.0)), torch_dtype="bfloat16")
+    if family in ("llama", "mistral") and "blk.0.attn_q.bias" in g.tensors:
+        cfg["attention_bias"] = True
+    if "blk.0.ffn_up.bias" in g.tensors:
+        cfg["mlp_bias"] = True
+    if (rs := _rope_scaling(g, arch)) is not None:
+        cfg["rope_scaling"] = rs
+    for key, gkey in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("pad_token_id", "padding_token_id")):
+        if g.get(f"tokenizer.ggml.{gkey}") is not None:
+            cfg[key] = int(g.get(f"tokenizer.ggml.{gkey}"))
+    return cfg
+
+
+def _required(g: GGUFFile, key: str) -> int:
+    v = g.get(key)
+    if not isinstance(v, int) or v <= 0:
+        raise UserError(g.path, f"has no valid '{key}' in its metadata", "use a complete GGUF file")
+    return v
+
+
+def _tokenizer_meta(g: GGUFFile) -> dict:
+    meta = {k.removeprefix("tokenizer.ggml."): v for k, v in g.meta.items()
+            if k.startswith("tokenizer.ggml.")}
+    if "tokens" not in meta:
+        raise UserError(g.path, "has no tokenizer (tokenizer.ggml.tokens)",
+                        "use a GGUF file that carries its tokenizer")
+    return meta
+
+
+def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 30,
+                progress: Callable[[int, int], None] | None = None) -> Path:
+    """Turn the GGUF file ``path`` into the Hugging Face folder ``out`` (which must not exist).
+
+    Args:
+        max_shard_bytes: safetensors shard size limit (several shards get an index).
+        progress: called with (tensors written, total) after each tensor.
+    """
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(out, "exists and is not empty", "choose a new folder for --out")
+    g = GGUFFile(path)
+    cfg = gguf_config(g)
+    spec = spec_from_config(cfg, g.path)
+    names = tensor_names(spec)
+    _check_tensors(g, spec, names)
+    g.check_types()
+    tok_meta = _tokenizer_meta(g)
+    tok = build_tokenizer(tok_meta, g.path)  # before the weights: a bad tokenizer fails fast
+    shapes = [(hf, g.shape(gg)) for hf, gg in names.items()]
+
+    def tensors():
+        for i, (hf, gg) in enumerate(names.items()):
+            w = np.require(g.tensor(gg), requirements="W")  # mapped F32 data is read-only
+            if (heads := qk_heads(spec, hf)) is not None:
+                w = from_gguf_order(w, heads)
+            yield torch.from_numpy(w)
+            if progress is not None:
+                progress(i + 1, len(names))
+
+    tmp = staging_dir(out)
+    write_streamed_shards(tmp, shapes, tensors(), max_shard_bytes)
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save(str(tmp / "tokenizer.json"))
+    tc = tokenizer_config(tok_meta, g.get("tokenizer.chat_template"), spec.max_position_embeddings)
+    (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False))
+    return publish_dir(tmp, out)
+
+
+def _check_tensors(g: GGUFFile, spec, names: dict[str, str]) -> None:
+    """Every tensor the model needs is in the file with its shape, and nothing else is."""
+    want = {hf_name(item, n): shape for item in item_names(spec)
+            for n, _, shape in item_layout(spec, item).entries}
+    for hf, gg in names.items():
+        if gg not in g.tensors:
+            raise UserError(g.path, f"has no tensor '{gg}' (the model's {hf})",
+                            "use a complete GGUF file of a supported family")
+        if g.shape(gg) != tuple(want[hf]):
+            raise UserError(g.path, f"tensor '{gg}' has shape {list(g.shape(gg))}, its "
+                                    f"metadata implies {list(want[hf])}", "use a consistent GGUF file")
+    extra = sorted(set(g.tensors) - set(names.values()))
+    if extra:
+        raise UserError(g.path, f"has tensors a {spec.model_type} model does not use: "
+                                f"{', '.join(extra[:5])}", "use a GGUF of a supported family")

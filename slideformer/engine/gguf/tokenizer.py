@@ -1,0 +1,149 @@
+"""Tokenizer: GGUF metadata (``tokenizer.ggml.*``) <-> ``tokenizer.json`` + tokenizer_config.
+
+A GGUF file has no tokenizer.json; llama.cpp stores the vocabulary, merges, token types, the
+special token ids and the name of the pre-tokenizer (``tokenizer.ggml.pre``, how text is split
+before BPE). Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``: GPT-2, SmolLM, Llama 3,
+Qwen) is supported: the families the engine trains use it.
+
+The pre-tokenizers below are the ones llama.cpp names; each is written the way the original
+model's tokenizer.json writes it, so that export can recognise it again (:func:`pre_name`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from slideformer.engine.errors import UserError
+
+# Split patterns of the original tokenizers (Llama 3 uses tiktoken's cl100k pattern; Qwen2
+# the same with single digits).
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+def _split_then_bytes(pattern: str):
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(pattern), "isolated"),
+                                    pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                             use_regex=False)])
+
+
+PRE_TOKENIZERS = {
+    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
+    "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                               pre_tokenizers.ByteLevel(add_prefix_space=False)]),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3),
+    "qwen2": lambda: _split_then_bytes(_QWEN2),
+}
+"""llama.cpp pre-tokenizer name -> the tokenizers pre-tokenizer it stands for."""
+PRE_ALIASES = {"default": "gpt2", "llama3": "llama-bpe", "llama-v3": "llama-bpe",
+               "smaug-bpe": "llama-bpe", "deepseek-r1-qwen": "qwen2"}
+
+# llama.cpp token types (gguf.TokenType)
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+
+def _pre_json(pre) -> dict:
+    """A pre-tokenizer as JSON, without ``trim_offsets`` (it moves offsets, not ids)."""
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre
+    return _drop_trim(json.loads(t.to_str())["pre_tokenizer"])
+
+
+def _drop_trim(node):
+    if isinstance(node, dict):
+        return {k: _drop_trim(v) for k, v in node.items() if k != "trim_offsets"}
+    if isinstance(node, list):
+        return [_drop_trim(v) for v in node]
+    return node
+
+
+def build_tokenizer(meta: dict, where: Path) -> Tokenizer:
+    """The ``tokenizers`` Tokenizer described by a GGUF file's tokenizer metadata.
+
+    Args:
+        meta: ``tokenizer.ggml.*`` keys without the prefix (tokens, merges, token_type, pre,
+            model, bos_token_id, add_bos_token).
+        where: the GGUF file (for messages).
+    """
+    kind = meta.get("model")
+    if kind != "gpt2":
+        raise UserError(where, f"has a {kind!r} tokenizer; only byte-level BPE ('gpt2': "
+                               f"Llama 3, SmolLM, Qwen) can be imported",
+                        "use a GGUF of a model with a byte-level BPE tokenizer")
+    pre = PRE_ALIASES.get(meta.get("pre", "default"), meta.get("pre", "default"))
+    if pre not in PRE_TOKENIZERS:
+        raise UserError(where, f"uses the pre-tokenizer {meta.get('pre')!r}, which is not "
+                               f"supported", f"supported: {', '.join(PRE_TOKENIZERS)}")
+    tokens, types = meta["tokens"], meta.get("token_type") or [NORMAL] * len(meta["tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("merges", [])]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    tok.decoder = decoders.ByteLevel()
+    # control tokens stay whole and are special; user-defined ones stay whole (llama.cpp
+    # matches both before BPE)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == USER_DEFINED])
+    bos = meta.get("bos_token_id")
+    if meta.get("add_bos_token") and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], bos)])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def tokenizer_config(meta: dict, chat_template: str | None, max_len: int) -> dict:
+    """tokenizer_config.json for the tokenizer of :func:`build_tokenizer`."""
+    tokens = meta["tokens"]
+    name = lambda key: tokens[meta[key]] if meta.get(key) is not None else None  # noqa: E731
+    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": name("bos_token_id"),
+           "eos_token": name("eos_token_id"), "pad_token": name("padding_token_id"),
+           "unk_token": name("unknown_token_id"), "model_max_length": max_len,
+           "add_bos_token": bool(meta.get("add_bos_token", False))}
+    if chat_template:
+        cfg["chat_template"] = chat_template
+    return cfg
+
+
+def pre_name(tokenizer_json: dict, where: Path) -> str:
+    """The llama.cpp pre-tokenizer name of a tokenizer.json (for export)."""
+    got = _drop_trim(tokenizer_json.get("pre_tokenizer"))
+    for name, make in PRE_TOKENIZERS.items():
+        if got == _pre_json(make()):
+            return name
+    raise UserError(where, "has a pre-tokenizer llama.cpp would not reproduce",
+                    f"GGUF export supports the pre-tokenizers of {', '.join(PRE_TOKENIZERS)}")
+
+
+def gguf_vocab(model_dir: Path, vocab_size: int) -> dict:
+    """The ``tokenizer.ggml.*`` metadata (without the prefix) of a model folder's tokenizer.
+
+    The token list is padded to ``vocab_size`` (the embedding's rows) with unused tokens,
+    as llama.cpp's converter does.
+    """
+    path = model_dir / "tokenizer.json"
+    tj = json.loads(path.read_text(encoding="utf-8"))
+    model = tj.get("model", {})
+    if model.get("type") != "BPE" or (tj.get("decoder") or {}).get("type") != "ByteLevel":
+        raise UserError(path, "is not a byte-level BPE tokenizer",
+                        "GGUF export supports byte-level BPE tokenizers (Llama 3, SmolLM, Qwen)")
+    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+    vocab = dict(model["vocab"]) | {a["content"]: i for i, a in added.items()}
+    if max(vocab.values()) >= vocab_size:
+        raise UserError(path, f"has token ids up to {max(vocab.values())}, beyond the "
+                              f"model's vocab_size {vocab_size}", "use the model's own tokenizer")
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [UNUSED] * vocab_size
+    for t, i in vocab.items():
+        tokens[i] = t
+        a = added.get(i)
+        types[i] = NORMAL if a is None else CONTROL if a.get("special") else USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return {"model": "gpt2", "pre": pre_name(tj, path), "tokens": tokens, "token_type": types,
+            "merges": merges}

@@ -1,0 +1,80 @@
+"""CLI: ``make-tiny-model`` and ``info`` (model summary and validation)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from slideformer.engine.models.spec import SUPPORTED, load_spec
+
+_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "intermediate", "vocab")
+"""make-tiny-model flags that set a TinyShape field of the same name (default: TinyShape's)."""
+
+
+def register(sub) -> None:
+    p = sub.add_parser("make-tiny-model", help="create a tiny random model folder (demo/tests)")
+    p.add_argument("--arch", choices=SUPPORTED, default="llama")
+    p.add_argument("--out", required=True, help="folder to create")
+    for name in _SHAPE_FLAGS:  # the defaults live in TinyShape, imported when the command runs
+        p.add_argument("--" + name.replace("_", "-"), type=int, help="default: the demo model's")
+    p.add_argument("--head-dim", type=int, default=None)
+    p.add_argument("--tie", action="store_true", help="tie the LM head to the embedding")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_make_tiny)
+
+    p = sub.add_parser("info", help="validate a model folder and print its architecture")
+    p.add_argument("model", help="Hugging Face model folder")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_info)
+
+
+def _make_tiny(a) -> int:
+    from slideformer.engine.errors import UserError
+    from slideformer.engine.models.tiny import TinyShape, make_tiny_model
+    out = Path(a.out)
+    if out.exists() and any(out.iterdir()):
+        raise UserError(out, "exists and is not empty", "choose a new folder for --out")
+    sizes = {name: getattr(a, name) for name in _SHAPE_FLAGS if getattr(a, name) is not None}
+    shape = TinyShape(**sizes, head_dim=a.head_dim, tie=a.tie)
+    make_tiny_model(out, a.arch, shape, a.seed)
+    spec = load_spec(out)
+    print(f"created {out} ({a.arch}, {spec.num_layers} layers, {spec.num_params:,} parameters)")
+    return 0
+
+
+CONFIG_ONLY = ("this folder has a config.json but no weights (*.safetensors) yet: it can be "
+               "planned, not trained; download the weights into it to train")
+
+
+def model_report(model_dir: Path | str, config_only: bool = False) -> dict:
+    """Validate a model folder (config, weights headers, tokenizer) and summarise it.
+
+    Args:
+        config_only: accept a folder with only config.json (the weights not downloaded yet):
+            the report then says so in ``config_only``, and has no weights, size or template.
+    """
+    from slideformer.engine.models.tokenizer import load_tokenizer
+    from slideformer.engine.models.weights import Checkpoint
+
+    spec = load_spec(model_dir)
+    if config_only and not any(Path(model_dir).glob("*.safetensors")):
+        return dict(spec.summary(), weights_dtype=None, size_on_disk=None, chat_template=None,
+                    config_only=CONFIG_ONLY)
+    ckpt = Checkpoint(model_dir)
+    ckpt.check(spec)
+    tok = load_tokenizer(model_dir)
+    out = spec.summary()
+    out.update(weights_dtype=ckpt.dtype(), size_on_disk=ckpt.size_on_disk(),
+               chat_template=tok.chat_template is not None, config_only="")
+    return out
+
+
+def _info(a) -> int:
+    report = model_report(a.model)
+    if a.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for k, v in report.items():
+            if v is None or k == "config_only" and not v:
+                continue
+            print(f"{k:>16}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:>16}: {v}")
+    return 0

@@ -1,0 +1,134 @@
+"""Decoder maths on flat parameter views: RMSNorm, RoPE, attention, SwiGLU, one decoder layer.
+
+Every function takes the parameter views of :meth:`Layout.views` (a dict keyed by Hugging Face
+names without the ``model.layers.{i}.`` prefix), so the same code runs on a GPU slot, a host
+buffer or an ``nn.Parameter``. The numerics follow Hugging Face's implementations (norms in
+fp32, RoPE tables in fp32 cast to the activation dtype) so logits agree to rounding.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from slideformer.engine.models.spec import ModelSpec
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = w * x / sqrt(mean(x^2) + eps), the statistics in fp32."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) in fp32, with linear or llama3 scaling applied."""
+    hd = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if not spec.rope_scaling:
+        return inv
+    rs = dict(spec.rope_scaling)
+    kind, factor = rs.get("rope_type", rs.get("type")), float(rs["factor"])
+    if kind == "linear":
+        return inv / factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between
+    # interpolated smoothly (Llama 3.1 model card / reference implementation).
+    lo, hi = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
+    old = float(rs["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    return torch.where(medium, blended, scaled)
+
+
+def rope_tables(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin tables (B, 1, T, head_dim) for integer ``positions`` (B, T)."""
+    inv = rope_inv_freq(spec).to(positions.device)
+    freqs = positions.float()[..., None] * inv  # (B, T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, heads, T, hd) by the tables (B, 1, T, hd)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+def linear(p: dict, name: str, x: torch.Tensor, lora=None) -> torch.Tensor:
+    """Projection ``name`` (e.g. "mlp.up_proj") of x, plus its adapter's update if ``lora``
+    (an slideformer.engine.models.lora.LoraForward) has one."""
+    y = F.linear(x, p[name + ".weight"], p.get(name + ".bias"))
+    return y if lora is None else lora.add(name, x, y)
+
+
+def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
+              lora=None) -> torch.Tensor:
+    """Self-attention of normed input h (B, T, H) -> (B, T, H).
+
+    ``cache``: a layer's KV cache (:class:`slideformer.engine.generate.cache.LayerCache`) for generation;
+    the new keys and values are appended to it and the queries attend to all of them.
+    ``lora``: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
+    """
+    B, T, _ = h.shape
+    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    q = linear(p, "self_attn.q_proj", h, lora)
+    k = linear(p, "self_attn.k_proj", h, lora)
+    v = linear(p, "self_attn.v_proj", h, lora)
+    q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+    k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+    v = v.view(B, T, nkv, hd).transpose(1, 2)
+    if spec.qk_norm:
+        q = rms_norm(q, p["self_attn.q_norm.weight"], spec.rms_norm_eps)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], spec.rms_norm_eps)
+    cos, sin = rope
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if cache is not None:
+        k, v = cache.extend(k, v)  # (B, nkv, past + T, hd)
+    # is_causal aligns the mask top-left; with cached keys the caller passes the mask
+    # (one new token attends to everything: no mask at all).
+    causal = mask is None and k.shape[2] == T and T > 1
+    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                       enable_gqa=nh != nkv)  # (B, nh, T, hd)
+    a = a.transpose(1, 2).reshape(B, T, nh * hd)
+    return linear(p, "self_attn.o_proj", a, lora)
+
+
+def mlp(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
+    """SwiGLU: down(silu(gate(h)) * up(h))."""
+    g = linear(p, "mlp.gate_proj", h, lora)
+    u = linear(p, "mlp.up_proj", h, lora)
+    return linear(p, "mlp.down_proj", F.silu(g) * u, lora)
+
+
+def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
+                  cache=None, lora=None) -> torch.Tensor:
+    """One pre-norm decoder layer: x (B, T, H) -> (B, T, H).
+
+    Args:
+        p: parameter views of :attr:`ModelSpec.layer_layout`.
+        rope: (cos, sin) from :func:`rope_tables`.
+        mask: None for plain causal attention, else a boolean (B, 1, T, T) mask
+            (True = may attend), e.g. block-diagonal causal for packed documents; with a
+            ``cache``, (T, past + T).
+        cache: the layer's KV cache when generating (see :func:`attention`).
+        lora: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
+    """
+    eps = spec.rms_norm_eps
+    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask, cache, lora)
+    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps), lora)
+
+
+def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask (B, 1, T, T) from per-token document ids (B, T)."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same & causal)[:, None]

@@ -1,0 +1,190 @@
+"""Tiny random models of every supported family, generated locally (no network needed).
+
+A tiny model is a complete Hugging Face folder: config.json, model.safetensors (seeded random
+init), a byte-level BPE tokenizer trained on text generated here with the special tokens of the
+family's real tokenizer (:data:`FAMILY_TOKENS`), and tokenizer_config.json with a chat template.
+It is the demo's default model and the tests' fixture.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from slideformer.engine.models.spec import SUPPORTED, spec_from_config
+from slideformer.engine.models.weights import hf_name, item_layout, item_names, write_hf_folder
+
+BOS, EOS, PAD, IM_START = "<|begin_of_text|>", "<|im_end|>", "<|pad|>", "<|im_start|>"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+"""The llama tiny model's ChatML template, after its bos token."""
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{{ m['content'] }}{{ eos_token }}{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}"
+    "{% endfor %}")
+
+
+@dataclass(frozen=True)
+class FamilyTokens:
+    """The special tokens of a family's real tokenizer, which its tiny tokenizer copies (so
+    transformers' tokenizer class for the family finds every token it expects in the vocab)."""
+
+    specials: tuple[str, ...]
+    """Every special token, in id order (ids 0 .. n-1)."""
+    bos: str | None
+    """Prepended to every text; None: the family adds none (Qwen)."""
+    eos: str
+    """Ends an assistant turn."""
+    pad: str
+    chat_template: str
+    split: str | None = None
+    """The regex the family's tokenizer splits text with before byte-level BPE (None: the
+    byte-level default)."""
+
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+              r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+"""Qwen2's pre-tokenizer pattern (its tokenizer.json and transformers' Qwen2Tokenizer split
+with it: digits one by one)."""
+
+FAMILY_TOKENS = {
+    "llama": FamilyTokens((BOS, EOS, PAD, IM_START), BOS, EOS, PAD, CHAT_TEMPLATE),
+    "mistral": FamilyTokens(("<unk>", "<s>", "</s>"), "<s>", "</s>", "<unk>", MISTRAL_TEMPLATE),
+    "qwen2": FamilyTokens(("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>",
+                          "<|endoftext|>", CHAT_TEMPLATE.removeprefix("{{ bos_token }}"),
+                          QWEN_SPLIT),
+}
+FAMILY_TOKENS["qwen3"] = FAMILY_TOKENS["qwen2"]
+
+_WORDS = ("the a model layer train token data learn small large fast slow reverse number sum "
+          "answer question user assistant system write read one two three four five six seven "
+          "eight nine ten word text string letter digit add plus minus equal result please what "
+          "is of to and in for with on by from this that it be are was".split())
+
+
+def synthetic_corpus(n_lines: int, seed: int = 0) -> list[str]:
+    """Deterministic English-like lines with words, digits and arithmetic, for tokenizer training."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_lines):
+        words = " ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14)))
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        lines.append(f"{words.capitalize()}. {a} + {b} = {a + b}. {words[::-1]}")
+    return lines
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0,
+                    tokens: FamilyTokens = FAMILY_TOKENS["llama"]) -> Tokenizer:
+    """A byte-level BPE tokenizer with a family's special tokens; its bos (if any) is added to
+    every text, like Llama 3's."""
+    tok = Tokenizer(models.BPE())
+    if tokens.split is None:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(tokens.split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(tokens.specials),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(synthetic_corpus(4000, seed), trainer=trainer)
+    bos = tokens.bos
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))])
+    return tok
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """Sizes of a tiny model; the defaults are odd on purpose (catch shape bugs)."""
+
+    layers: int = 4
+    hidden: int = 96
+    heads: int = 6
+    kv_heads: int = 2
+    intermediate: int = 160
+    vocab: int = 384
+    head_dim: int | None = None
+    tie: bool = False
+    max_positions: int = 2048
+
+
+def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> dict:
+    """A config.json dict for a tiny model of family ``arch``."""
+    if arch not in SUPPORTED:
+        raise ValueError(f"arch must be one of {SUPPORTED}")
+    cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
+    cfg = {"architectures": [cls], "model_type": arch, "vocab_size": shape.vocab,
+           "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
+           "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
+           "num_key_value_heads": shape.kv_heads, "hidden_act": "silu",
+           "max_position_embeddings": shape.max_positions, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "tie_word_embeddings": shape.tie, "torch_dtype": "float32",
+           "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
+    if shape.head_dim:
+        cfg["head_dim"] = shape.head_dim
+    if arch == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+    if arch == "mistral":
+        cfg["sliding_window"] = None
+    if arch in ("qwen2", "qwen3"):
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.layers)
+    if arch == "qwen3":
+        cfg.update(attention_bias=False, head_dim=shape.head_dim or shape.hidden // shape.heads)
+    if tok is not None:
+        t = FAMILY_TOKENS[arch]
+        cfg.update(bos_token_id=tok.token_to_id(t.bos) if t.bos else None,
+                   eos_token_id=tok.token_to_id(t.eos), pad_token_id=tok.token_to_id(t.pad))
+    return cfg
+
+
+def random_tensors(spec, seed: int):
+    """Seeded random weights: N(0, 0.02) matrices, norms near 1, small biases."""
+    g = torch.Generator().manual_seed(seed)
+    for item in item_names(spec):
+        for local, _, shape in item_layout(spec, item).entries:
+            if local.endswith("norm.weight"):
+                t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            elif local.endswith("bias"):
+                t = 0.02 * torch.randn(shape, generator=g)
+            else:
+                t = 0.02 * torch.randn(shape, generator=g)
+            yield hf_name(item, local), t
+
+
+def make_tiny_model(out: Path | str, arch: str = "llama", shape: TinyShape = TinyShape(),
+                    seed: int = 0, extra_config: dict | None = None) -> Path:
+    """Create a complete tiny Hugging Face model folder at ``out`` and return its path.
+
+    Args:
+        extra_config: config.json keys set over the tiny config before the weights are drawn
+            (e.g. ``rope_scaling``, ``attention_bias``), for variants TinyShape does not cover.
+    """
+    out = Path(out)
+    tokens = FAMILY_TOKENS[arch]
+    tok = train_tokenizer(shape.vocab, seed, tokens)
+    cfg = tiny_config(arch, shape, tok) | (extra_config or {})
+    spec = spec_from_config(cfg)
+    staging = out.with_name(out.name + ".tok")
+    staging.mkdir(parents=True, exist_ok=True)
+    tok.save(str(staging / "tokenizer.json"))
+    (staging / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokens.bos,
+        "eos_token": tokens.eos, "pad_token": tokens.pad, "chat_template": tokens.chat_template,
+        "model_max_length": shape.max_positions, "add_bos_token": tokens.bos is not None},
+        indent=2))
+    write_hf_folder(out, spec, random_tensors(spec, seed), dtype=torch.float32,
+                    tokenizer_dir=staging)
+    for f in staging.iterdir():
+        f.unlink()
+    staging.rmdir()
+    return out

@@ -1,0 +1,351 @@
+"""Safetensors weights: lazy per-item reading into flat buffers, and Hugging Face folder export.
+
+Only safetensors are read (never pickle: a model folder is untrusted input). Reading goes one
+tensor at a time through ``safe_open`` (memory-mapped), so loading a layer costs that layer's
+bytes, not the checkpoint's.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import math
+import os
+import re
+import shutil
+import struct
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+from safetensors import SafetensorError, safe_open
+
+if TYPE_CHECKING:  # reading headers needs no torch (``info``); writing imports it
+    import torch
+
+from slideformer.engine.errors import UserError
+from slideformer.engine.jsonfile import parse_json, read_json
+from slideformer.engine.models.spec import Layout, ModelSpec
+
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+"""Safetensors dtypes a master weight can be read from (quantized ints are not cast)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja")
+
+
+def hf_name(item: str, local: str) -> str:
+    """Checkpoint name of an item's tensor: item is 'embed', 'head' or 'layer{i}'."""
+    if item.startswith("layer"):
+        return f"model.layers.{item[5:]}.{local}"
+    return local if local == "lm_head.weight" else f"model.{local}"
+
+
+def item_names(spec: ModelSpec) -> list[str]:
+    return ["embed"] + [f"layer{i}" for i in range(spec.num_layers)] + ["head"]
+
+
+def item_layout(spec: ModelSpec, item: str) -> Layout:
+    if item == "embed":
+        return spec.embed_layout
+    return spec.head_layout if item == "head" else spec.layer_layout
+
+
+def _read_header(path: Path) -> dict:
+    """Parse a safetensors header with a clear error for truncated or corrupt files."""
+    fix = "re-download or re-copy this file"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise UserError(path, "is truncated (no safetensors header)", fix)
+            (n,) = struct.unpack("<Q", raw)
+            size = path.stat().st_size
+            if n > size - 8 or n > 100_000_000:
+                raise UserError(path, "has a corrupt safetensors header (bad length)", fix)
+            header = parse_json(f.read(n), path, fix)
+    except UserError as e:
+        raise UserError(path, f"has a corrupt safetensors header ({e.problem})", fix) from None
+    if not isinstance(header, dict):
+        raise UserError(path, "has a corrupt safetensors header", fix)
+    header.pop("__metadata__", None)
+    if not all(_entry_ok(v) for v in header.values()):
+        raise UserError(path, "has a corrupt safetensors header (bad tensor entries)", fix)
+    end = max((v["data_offsets"][1] for v in header.values()), default=0)
+    if 8 + n + end > size:
+        raise UserError(path, f"is truncated ({size} bytes, header needs {8 + n + end})", fix)
+    return header
+
+
+def _index_files(index: Path) -> list[str]:
+    """The shard names of a safetensors index: plain names inside the model folder.
+
+    An index is untrusted input like the rest of the folder: a name that is absolute or climbs
+    out with ``..`` would make the loader read any file the user can read.
+    """
+    fix = "restore the index file from the model's source"
+    data = read_json(index, fix)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise UserError(index, "is not a valid safetensors index (no weight_map of file names)", fix)
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        parts = PurePosixPath(f.replace("\\", "/")).parts
+        if not parts or parts[0] == "/" or ".." in parts or PureWindowsPath(f).drive:
+            raise UserError(index, f"names the shard {f!r}, outside the model folder", fix)
+    return files
+
+
+def _entry_ok(v) -> bool:
+    """A header entry: {"dtype": str, "shape": [int, ...], "data_offsets": [begin, end]}."""
+    return (isinstance(v, dict) and isinstance(v.get("dtype"), str) and _ints(v.get("shape"))
+            and _ints(v.get("data_offsets")) and len(v["data_offsets"]) == 2)
+
+
+def _ints(xs) -> bool:
+    return isinstance(xs, list) and all(isinstance(x, int) for x in xs)
+
+
+class Checkpoint:
+    """The safetensors files of a model folder: name -> file, header shapes and dtypes."""
+
+    def __init__(self, model_dir: Path | str):
+        self.dir = Path(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            files = _index_files(index)
+        else:
+            files = sorted(p.name for p in self.dir.glob("*.safetensors"))
+            if not files:
+                raise UserError(self.dir, "has no *.safetensors weights",
+                                "pick a folder with model.safetensors (pickle .bin files are "
+                                "not loaded for safety; convert them to safetensors first)")
+        self.where: dict[str, Path] = {}
+        self.meta: dict[str, dict] = {}
+        for f in files:
+            path = self.dir / f
+            if not path.is_file():
+                raise UserError(path, f"is named in {index.name} but missing",
+                                "download the missing shard into the model folder")
+            for name, info in _read_header(path).items():
+                self.where[name], self.meta[name] = path, info
+        self._open: dict[Path, object] = {}
+
+    def size_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in set(self.where.values()))
+
+    def dtype(self) -> str:
+        return next(iter(self.meta.values()))["dtype"] if self.meta else "?"
+
+    def _handle(self, path: Path):
+        if path not in self._open:
+            try:
+                self._open[path] = safe_open(str(path), framework="pt")
+            except SafetensorError as e:
+                raise UserError(path, f"cannot be read as safetensors ({e})",
+                                "re-download or re-copy this file") from None
+        return self._open[path]
+
+    def check(self, spec: ModelSpec) -> None:
+        """Every tensor the spec needs is present with the right shape (headers only)."""
+        for item in item_names(spec):
+            for local, _, shape in item_layout(spec, item).entries:
+                self._meta_for(hf_name(item, local), shape)
+
+    def _meta_for(self, name: str, shape: tuple) -> dict:
+        if name not in self.meta:
+            raise UserError(self.dir, f"tensor '{name}' is missing from the safetensors files",
+                            "the weights do not match config.json; use the matching files")
+        if self.meta[name]["dtype"] not in FLOAT_DTYPES:
+            raise UserError(self.where[name], f"tensor '{name}' is stored as "
+                            f"{self.meta[name]['dtype']}; only floating-point weights "
+                            f"({', '.join(FLOAT_DTYPES)}) can be fine-tuned",
+                            "use the unquantized release of the model (bf16, fp16 or fp32 "
+                            "safetensors)")
+        got = tuple(self.meta[name]["shape"])
+        if got != tuple(shape):
+            raise UserError(self.where[name], f"tensor '{name}' has shape {list(got)}, "
+                            f"config.json implies {list(shape)}",
+                            "the weights do not match config.json; use the matching files")
+        return self.meta[name]
+
+    def read_item(self, spec: ModelSpec, item: str, out: torch.Tensor) -> torch.Tensor:
+        """Fill the flat buffer ``out`` with an item's tensors, converting dtype."""
+        for local, view in item_layout(spec, item).views(out).items():
+            name = hf_name(item, local)
+            self._meta_for(name, view.shape)
+            view.copy_(self._handle(self.where[name]).get_tensor(name))
+        return out
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tuple[str, torch.Tensor]],
+                    dtype: torch.dtype | None = None, max_shard_bytes: int = 5 << 30,
+                    tokenizer_dir: Path | str | None = None) -> Path:
+    """Write a Hugging Face model folder atomically (temp folder, then rename).
+
+    Args:
+        tensors: (checkpoint name, tensor) pairs in any order; each is converted to ``dtype``
+            (default bfloat16).
+        max_shard_bytes: shard size limit; one shard is written as ``model.safetensors``.
+        tokenizer_dir: a folder whose tokenizer files are copied alongside.
+    """
+    import torch
+
+    dtype = torch.bfloat16 if dtype is None else dtype
+    out_dir = Path(out_dir)
+    tmp = staging_dir(out_dir)
+    # Each shard is written as soon as it is full (peak memory: one shard), under a temporary
+    # name, and renamed once the shard count is known.
+    parts: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush():
+        if shard:
+            _save_shard(shard, tmp / f"part-{len(parts)}.safetensors")
+            parts.append(list(shard))
+            shard.clear()
+
+    for name, t in _sharded(tensors, dtype, max_shard_bytes):
+        if name is None:
+            flush()
+            continue
+        shard[name] = t
+        size += t.numel() * t.element_size()
+    flush()
+    n = len(parts)
+    weight_map = {}
+    for k, keys in enumerate(parts):
+        fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        os.replace(tmp / f"part-{k}.safetensors", tmp / fname)
+        weight_map.update({key: fname for key in keys})
+    _write_index(tmp, weight_map, size, n)
+    cfg = dict(spec.raw_config)
+    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    if tokenizer_dir is not None:
+        for f in TOKENIZER_FILES:
+            src = Path(tokenizer_dir) / f
+            if src.is_file():
+                shutil.copy2(src, tmp / f)
+    return publish_dir(tmp, out_dir)
+
+
+def staging_dir(out_dir: Path) -> Path:
+    """An empty temporary folder next to ``out_dir``, to fill and then :func:`publish_dir`."""
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    old = out_dir.with_name(out_dir.name + ".old")
+    if old.is_dir() and not out_dir.exists():  # a crash between the two renames of publish_dir
+        os.replace(old, out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish_dir(tmp: Path, out_dir: Path) -> Path:
+    """Flush the staged folder ``tmp`` and rename it to ``out_dir`` (replacing it whole)."""
+    old = out_dir.with_name(out_dir.name + ".old")
+    _fsync_dir(tmp)
+    if out_dir.exists():  # the previous export stays whole until the new one is in place
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+    fsync_path(out_dir.parent)
+    return out_dir
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """``save_file``, with its write failures raised as the OSError they are.
+
+    safetensors reports a full disk or a read-only folder as ``SafetensorError: ... IoError(Os
+    { code: 28, ... })``; callers handle OSError (slideformer.engine.train.checkpoint.write_error words it).
+    """
+    from safetensors.torch import save_file  # torch: only when writing
+
+    try:
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        code = re.search(r"code: (\d+)", str(e))
+        err = int(code.group(1)) if code else errno.EIO
+        raise OSError(err, os.strerror(err), str(path)) from None
+
+
+def _write_index(folder: Path, weight_map: dict[str, str], size: int, n_shards: int) -> None:
+    if n_shards > 1:
+        (folder / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": size}, "weight_map": dict(sorted(weight_map.items()))},
+            indent=2))
+
+
+def write_streamed_shards(folder: Path, shapes: list[tuple[str, tuple[int, ...]]],
+                          tensors: Iterable[torch.Tensor], max_shard_bytes: int = 5 << 30) -> None:
+    """Write bf16 safetensors shards whose tensors arrive one at a time (peak: one tensor).
+
+    The shapes are known before the data (a GGUF file's tensor table), so each shard's header
+    is written first and every tensor goes to disk as soon as it arrives.
+
+    Args:
+        shapes: (checkpoint name, shape) in the order ``tensors`` yields them.
+        tensors: the tensors, any float dtype (converted to bf16).
+    """
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    used = 0
+    for name, shape in shapes:
+        nbytes = 2 * math.prod(shape)
+        if used and used + nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append((name, shape))
+        used += nbytes
+    import torch
+    n, it, weight_map = len(shards), iter(tensors), {}
+    for k, entries in enumerate(shards):
+        fname = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape in entries:
+            header[name] = {"dtype": "BF16", "shape": list(shape),
+                            "data_offsets": [off, off + 2 * math.prod(shape)]}
+            off += 2 * math.prod(shape)
+            weight_map[name] = fname
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+        with open(folder / fname, "wb") as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for name, shape in entries:
+                t = next(it).to(torch.bfloat16).contiguous()
+                if tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{name}: got shape {tuple(t.shape)}, planned {shape}")
+                f.write(t.view(torch.uint8).numpy().data)
+    _write_index(folder, weight_map, sum(2 * math.prod(s) for _, s in shapes), n)
+
+
+def _sharded(tensors, dtype, limit) -> Iterator[tuple[str | None, torch.Tensor | None]]:
+    """Yield tensors (as contiguous ``dtype`` copies), with (None, None) between shards."""
+    used = 0
+    for name, t in tensors:
+        t = t.detach().to("cpu", dtype).contiguous()
+        nbytes = t.numel() * t.element_size()
+        if used and used + nbytes > limit:
+            yield None, None
+            used = 0
+        used += nbytes
+        yield name, t
+
+
+def _fsync_dir(path: Path) -> None:
+    """Flush every file of a folder, then the folder itself."""
+    for p in path.iterdir():
+        fsync_path(p)
+    fsync_path(path)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush one file or folder (a folder: its entries, so renames inside it are durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,236 @@
+"""Memory evaluation of one set of settings, and the executor shape the planner picks for it.
+
+- checkpoints: on the GPU or in pinned host memory; ``auto`` takes whichever fits with the
+  higher predicted throughput (GPU when both are equal: no extra PCIe traffic);
+- K parameter slots: as many as fit the budgets with 10% to spare, at least 2, at most the
+  layer count;
+- head_chunk: tokens per LM-head chunk, the largest power of two up to 4096 whose fp32 logits
+  stay within 512 MiB (a 1024 x 128k-vocab chunk already runs the GEMM at full speed);
+- NVMe tier (with a disk budget): when the host state exceeds the RAM budget, the moments of the
+  fewest decoder layers that bring it within go to disk (every disk layer costs a read and a
+  write per step; a "tight" host is left alone). The first layers moved save nothing while
+  each still gets its own staging buffer (slideformer.engine.runtime.nvme.BUFFERS of them).
+- device optimizer (CUDA, no NVMe tier): with VRAM to spare, the embedding and head, and then
+  as many first decoder layers as keep the budgets' last 10% free, hold their master weights and
+  moments on the GPU and are updated there (at most DEVICE_SLOTS slots then: spare VRAM buys
+  more as device layers than as slots); taken when the speed model predicts a faster step.
+- speculative layers (exact clipping): the last SPEC_LAYERS decoder layers update in the
+  backward and keep a pre-update snapshot (slideformer.engine.runtime.grad_ring); dropped first when host
+  RAM is short, before any layer goes to the NVMe tier.
+Slots, checkpoints and gpu_layers set in the config override the choice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.plan.budget import Budgets
+from slideformer.engine.plan.frozen import frozen_allocations, frozen_estimate
+from slideformer.engine.plan.hardware import HardwareProfile
+from slideformer.engine.plan.memory import Allocation, Precision, allocations, peak, peak_phase
+from slideformer.engine.plan.speed import SpeedEstimate, estimate
+from slideformer.engine.runtime.shapes import ExecShape
+
+TIGHT = 0.9
+"""A budget used above this share is "tight"."""
+HEAD_LOGITS_CAP = 512 << 20
+DEVICE_SLOTS = 4
+SPEC_LAYERS = 4
+"""Speculative layers with clipping: their snapshots hold 12 B/param more than the barrier's
+gradient buffers (4 Llama-3.2-3B layers: 4.8 GB) and move 4 layers' CPU updates from the next
+forward into the backward."""
+MAX_SEARCH = 1 << 16
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The settings the planner varies when it searches for batches and fixes."""
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    precision: Precision
+    slots: int = 0
+    """0: as many as fit."""
+    checkpoints: str = "auto"
+    """auto, gpu or host."""
+    clip: bool = True
+    """Exact global-norm clipping (updates overlap the next forward instead of the backward)."""
+    packed: bool = True
+    """Packed sequences (attention masks exist)."""
+    disk_layers: int | None = None
+    """Layers whose moments the NVMe tier holds; None: as many as host RAM needs (0 without a
+    disk budget)."""
+    gpu_layers: int = -1
+    """Decoder layers updated on the device (with the embedding and head); -1: the planner's
+    choice, 0: none."""
+    method: str = "full"
+    """full, lora or qlora (train.method): with lora / qlora the base is frozen."""
+    lora: object = None
+    """The adapters' slideformer.engine.models.lora.LoraSpec (lora, qlora)."""
+
+
+@dataclass(frozen=True)
+class TierUse:
+    """Predicted peak of one tier against its budget."""
+    tier: str
+    peak: int
+    budget: int | None
+    phase: str
+    """When the peak happens: setup, forward, head or backward."""
+
+    @property
+    def share(self) -> float | None:
+        return None if not self.budget else self.peak / self.budget
+
+
+def head_chunk(vocab: int) -> int:
+    """Tokens per LM-head chunk (see the module docstring)."""
+    chunk = 4096
+    while chunk > 128 and chunk * vocab * 4 > HEAD_LOGITS_CAP:
+        chunk //= 2
+    return chunk
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """One executor shape and what it holds."""
+    shape: ExecShape
+    allocs: tuple[Allocation, ...]
+    tiers: tuple[TierUse, ...]
+    fits: bool
+    disk_layers: int = 0
+    """Decoder layers whose moments the NVMe tier holds."""
+
+
+class Evaluator:
+    """Memory evaluations of one spec under fixed budgets and device."""
+
+    def __init__(self, spec: ModelSpec, device: str, budgets: Budgets, hw: HardwareProfile):
+        self.spec, self.device, self.budgets, self.hw = spec, device, budgets, hw
+
+    def evaluate(self, k: Knobs, shape: ExecShape) -> Evaluation:
+        """The evaluation of ``shape``, without speculative layers if their snapshots would not
+        fit in host RAM."""
+        if shape.spec_layers and self.budgets.ram:
+            e = self._evaluate(k, shape, 0 if k.disk_layers is None else k.disk_layers)
+            if e.tiers[1].peak > e.tiers[1].budget:
+                shape = replace(shape, spec_layers=0)
+        return self._placed(k, shape)
+
+    def _placed(self, k: Knobs, shape: ExecShape) -> Evaluation:
+        """``shape`` with the NVMe tier the host budget needs."""
+        if k.disk_layers is not None:
+            return self._evaluate(k, shape, k.disk_layers)
+        e = self._evaluate(k, shape, 0)
+        if not self.budgets.disk or e.tiers[1].peak <= e.tiers[1].budget or k.method != "full":
+            return e
+        def host_fits(n: int) -> bool:
+            return self._evaluate(k, shape, n).tiers[1].peak <= e.tiers[1].budget
+
+        lo, hi = 1, self.spec.num_layers  # RAM falls with more layers on disk: the fewest that fit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if host_fits(mid) else (mid + 1, hi)
+        return self._evaluate(k, shape, lo)  # all layers when even that does not fit
+
+    def _evaluate(self, k: Knobs, shape: ExecShape, disk_layers: int) -> Evaluation:
+        if k.method == "full":
+            allocs = allocations(self.spec, shape, k.precision, self.device, k.packed, disk_layers,
+                                 k.clip)
+        else:
+            allocs = frozen_allocations(self.spec, shape, k.precision, self.device, k.packed,
+                                        k.method, k.lora)
+        gpu_t = ("gpu",)
+        host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
+        tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),
+                 TierUse("host", peak(allocs, host_t), self.budgets.ram, peak_phase(allocs, host_t)),
+                 TierUse("disk", peak(allocs, ("disk",)), self.budgets.disk, "run"))
+        return Evaluation(shape, allocs, tiers, _within(tiers, 1.0), disk_layers)
+
+    def _shape(self, k: Knobs, slots: int, ckpt: str) -> ExecShape:
+        return ExecShape(micro_batch=k.micro_batch, seq_len=k.seq_len, n_micro=k.grad_accum,
+                         slots=slots, checkpoints=ckpt, head_chunk=head_chunk(self.spec.vocab_size),
+                         spec_layers=SPEC_LAYERS if k.clip else 0)
+
+    def _most_slots(self, k: Knobs, ckpt: str) -> Evaluation:
+        """As many slots as fit (at least 2, at most L) keeping the budgets' last 10% free, or
+        the config's own number. More slots only spare backward re-fetches: they never take
+        the headroom that would make a run "tight"."""
+        L = self.spec.num_layers
+        if k.slots:
+            return self.evaluate(k, self._shape(k, min(k.slots, L), ckpt))
+        lo, hi = min(2, L), L
+        best = self.evaluate(k, self._shape(k, lo, ckpt))
+        if not _within(best.tiers, TIGHT):
+            return best
+        while lo < hi:  # memory grows with K: binary search the largest that fits
+            mid = (lo + hi + 1) // 2
+            e = self.evaluate(k, self._shape(k, mid, ckpt))
+            if _within(e.tiers, TIGHT):
+                lo, best = mid, e
+            else:
+                hi = mid - 1
+        return best
+
+    def choose(self, k: Knobs) -> Evaluation:
+        """The executor shape for these knobs (see the module docstring)."""
+        options = ["gpu", "host"] if k.checkpoints == "auto" else [k.checkpoints]
+        evals = [self._most_slots(k, ck) for ck in options]
+        fitting = [self._device_items(k, e) for e in evals if e.fits]
+        if not fitting:
+            return min(evals, key=lambda e: _overshoot(e.tiers))
+        return max(fitting, key=lambda e: self.speed(k, e).tokens_per_s)
+
+    def _device_items(self, k: Knobs, e: Evaluation) -> Evaluation:
+        """``e`` with spare VRAM given to the device optimizer (module docstring)."""
+        if k.method != "full" or k.gpu_layers == 0 or (
+                k.gpu_layers < 0 and (self.device != "cuda" or e.disk_layers)):
+            return e  # a frozen base has no optimizer state to place
+        L = self.spec.num_layers
+        slots = e.shape.slots if k.slots else min(e.shape.slots, DEVICE_SLOTS)
+
+        def at(g: int) -> Evaluation:
+            return self.evaluate(k, replace(e.shape, slots=slots, device_update=True, device_layers=g))
+        if k.gpu_layers > 0:
+            return at(min(k.gpu_layers, L))
+        best = at(0)
+        if not _within(best.tiers, TIGHT):
+            return e
+        lo, hi = 0, L
+        while lo < hi:  # VRAM grows with the device layers: the most that leave 10% free
+            mid = (lo + hi + 1) // 2
+            cand = at(mid)
+            if _within(cand.tiers, TIGHT):
+                lo, best = mid, cand
+            else:
+                hi = mid - 1
+        return best if self.speed(k, best).tokens_per_s > self.speed(k, e).tokens_per_s else e
+
+    def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
+        if k.method != "full":
+            return frozen_estimate(self.spec, e.shape, k.precision, self.device, self.hw,
+                                   k.method, k.lora)
+        return estimate(self.spec, e.shape, k.precision, self.device, k.clip, self.hw, e.disk_layers)
+
+    @staticmethod
+    def largest(fits_at) -> int:
+        """Largest n in [1, MAX_SEARCH] with fits_at(n), for a predicate true up to some n; 0 if none."""
+        if not fits_at(1):
+            return 0
+        lo, hi = 1, 2
+        while hi <= MAX_SEARCH and fits_at(hi):
+            lo, hi = hi, 2 * hi
+        if hi > MAX_SEARCH:
+            return lo
+        while hi - lo > 1:  # lo fits, hi does not
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if fits_at(mid) else (lo, mid)
+        return lo
+
+
+def _within(tiers, share: float) -> bool:
+    return all(t.budget is None or t.peak <= share * t.budget for t in tiers)
+
+
+def _overshoot(tiers) -> float:
+    return max((t.peak / t.budget for t in tiers if t.budget), default=0.0)

@@ -1,0 +1,132 @@
+"""Memory and speed of frozen-base runs (train.method = lora / qlora).
+
+Memory mirrors slideformer.engine.runtime.lora and the executor's frozen path:
+  host   the base: every item in the compute dtype (lora), or the decoder layers in NF4
+         (slideformer.engine.runtime.nf4.Nf4Layout bytes) and the embedding and head unquantised (qlora);
+         the adapters' host copy (weights, remainder, m, v: what checkpoints read)
+  gpu    K slots of one layer's base bytes; with NF4 one dequantised layer (the scratch) and
+         the dequantisation's temporaries; the resident embedding and head weights (no
+         gradients); every adapter with its master, moments and fp32 gradient (DeviceItem);
+         the activation checkpoints and the step's transients as for full training, except that
+         the recompute's parameter grads are the adapters' only
+Speed: each layer crosses PCIe as its base bytes, in the forward for the layers not resident
+from the previous step and again in the backward; the backward computes input gradients only
+(2 P N in the recompute, 2 P N for dL/dx: no weight-gradient GEMM), the head 4 N V H (no dL/dW);
+NF4 layers are dequantised twice per step at the device's memory bandwidth; the adapters are
+updated on the device after the backward. No CPU optimizer, no gradient traffic.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slideformer.engine.models.lora import LoraSpec, adapter_layout
+from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.plan.hardware import HardwareProfile
+from slideformer.engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Allocation, Precision,
+                                allocator_reserve, checkpoint_store, cuda_fixed,
+                                device_optimizer_scratch, loading, step_transients)
+from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
+                               LAYER_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result)
+from slideformer.engine.kernels.linear_ce import fused_ce_available
+from slideformer.engine.runtime.shapes import ExecShape
+from slideformer.engine.runtime.nf4 import CHUNK as NF4_CHUNK, Nf4Layout
+
+
+def layer_bytes(spec: ModelSpec, prec: Precision, method: str) -> int:
+    """One decoder layer's base as stored on the host and in a slot."""
+    if method == "qlora":
+        return Nf4Layout.build(spec.layer_layout, prec.compute).nbytes
+    return spec.params_per_layer * prec.c
+
+
+def adapter_params(spec: ModelSpec, lora: LoraSpec) -> int:
+    return spec.num_layers * adapter_layout(spec, lora).numel
+
+
+def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
+                       packed: bool, method: str, lora: LoraSpec) -> tuple[Allocation, ...]:
+    """Every allocation of a frozen-base run (module docstring)."""
+    c, L, P = prec.c, spec.num_layers, spec.params_per_layer
+    E, Hd = spec.embed_layout.numel, spec.head_layout.numel
+    lb, A = layer_bytes(spec, prec, method), adapter_params(spec, lora)
+    rem = 2 if prec.compute == torch.bfloat16 else 0
+    pinned = " (pinned)" if device == "cuda" else ""
+    kind = "NF4 + double-quantised scales" if method == "qlora" else f"{c} B/param"
+    out = [Allocation("host", "frozen base weights", L * lb + (E + Hd) * c,  # FrozenItem.w
+                      f"{L} layers x {lb:,} B ({kind}) + embedding and head x {c} B{pinned}", "state"),
+           Allocation("host", "adapters (checkpoint copy)", A * (c + rem + 2 * prec.mo),
+                      f"{A:,} adapter params x {c + rem + 2 * prec.mo} B (weights, remainder, m, v)",
+                      "state"),
+           Allocation("host", "runtime baseline", HOST_RUNTIME[device], "Python, torch", "state"),
+           Allocation("host", "runtime working memory", RUNTIME_WORKING,
+                      "heap and library buffers kept across steps", "run")]
+    out += loading(spec, prec)
+    if method == "qlora":  # Nf4Layout.quantize: fp32 blocks, int64 indices per chunk
+        out.append(Allocation("host", "quantisation scratch", NF4_CHUNK * 24,
+                              f"chunks of {NF4_CHUNK:,} weights", "setup"))
+    k = max(1, min(shape.slots, L))
+    out += [Allocation("gpu", "parameter slots", k * lb, f"{k} slots x {lb:,} B"),  # SlotPool
+            Allocation("gpu", "embedding weights", E * c, f"{E:,} params x {c} B"),
+            Allocation("gpu", "head weights", Hd * c, f"{Hd:,} params x {c} B"),
+            Allocation("gpu", "adapters and their optimizer state", A * (c + rem + 2 * prec.mo + 4),
+                       f"{A:,} params x {c + rem + 2 * prec.mo + 4} B (weights, remainder, m, v, "
+                       "fp32 grad)"),
+            device_optimizer_scratch(prec)]
+    if method == "qlora":
+        out.append(Allocation("gpu", "dequantised layer", P * c, f"{P:,} params x {c} B"))
+        out.append(dequant_scratch(spec))
+    out += checkpoint_store(spec, shape, prec) + cuda_fixed(device)
+    steps = step_transients(spec, shape, prec, packed, device == "cuda" and fused_ce_available())
+    a_layer = adapter_layout(spec, lora).numel
+    out += [a if a.purpose != "layer grads in compute dtype" else
+            Allocation("gpu", "adapter grads", a_layer * (c + 4), "one layer's adapter grads as "
+                       "autograd returns them, and their fp32 copy", "backward") for a in steps]
+    if device == "cuda":
+        out.append(allocator_reserve(out, shape, spec, prec))
+    return tuple(out)
+
+
+def dequant_scratch(spec: ModelSpec) -> Allocation:
+    """Nf4Layout.dequantize: per chunk the int64 codes, the fp32 pairs and their product; per
+    matrix its absmax codes as int64 and three fp32 vectors."""
+    biggest = max(math.prod(s) for _, _, s in spec.layer_layout.entries)
+    b = NF4_CHUNK * (4 + 4 + 4) + biggest // 64 * (8 + 12)
+    return Allocation("gpu", "dequantisation temporaries", b,
+                      f"chunks of {NF4_CHUNK:,} weights; {biggest // 64:,} block scales", "forward")
+
+
+def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
+                    hw: HardwareProfile, method: str, lora: LoraSpec) -> SpeedEstimate:
+    """Step time of a frozen-base run (module docstring)."""
+    L, P, k = spec.num_layers, spec.params_per_layer, max(1, min(shape.slots, spec.num_layers))
+    B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
+    tokens = B * T * n
+    lin = 2.0 * P * B * T * n
+    att = 2.0 * B * T * T * spec.num_heads * spec.head_dim * n
+    head_f = 4.0 * tokens * spec.vocab_size * spec.hidden_size
+    flops = L * (lin + att + 2 * lin + 3 * att) + head_f
+    lb = layer_bytes(spec, prec, method)
+    A = adapter_params(spec, lora)
+    if device != "cuda":
+        busy = {"gpu compute": flops / (hw.cpu_tflops * 1e12),
+                "pcie h2d": 2 * L * lb / (CPU_COPY_GBS * 1e9), "pcie d2h": 0.0,
+                "cpu optimizer": A * DEVICE_ADAM_BYTES / (CPU_COPY_GBS * 1e9), "disk": 0.0}
+        return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")
+    rate = hw.matmul_tflops * 1e12 * LAYER_EFFICIENCY
+    mem = DEVICE_MEMORY_GBS * 1e9
+    dq = (lb + P * prec.c) / mem if method == "qlora" else 0.0  # read NF4, write the layer
+    f, b = (lin + att) / rate + dq, (2 * lin + 3 * att) / rate + dq
+    load = lb / (hw.h2d_gbs * 1e9)
+    upd = A * DEVICE_ADAM_BYTES / mem
+    streamed = L - k  # the first K layers stay resident across steps
+    fwd = (_pipeline(streamed, [load, f]) if streamed else 0.0) + k * f
+    bwd = (_pipeline(streamed, [load, b]) if streamed else 0.0) + k * b
+    step = fwd + head_f / rate + bwd + upd
+    busy = {"gpu compute": L * (f + b) + head_f / rate + upd, "pcie h2d": 2 * (L - k) * load,
+            "pcie d2h": 0.0, "cpu optimizer": 0.0, "disk": 0.0}
+    note = ""
+    if step > SERIAL * max(busy.values()):
+        note = "layer loads and compute take turns: the pipeline fills and drains"
+    return _result(step, tokens, busy, flops, note)

@@ -1,0 +1,390 @@
+"""Every byte a run allocates, by tier, purpose and phase: the planner's single source of truth.
+
+:func:`allocations` mirrors, term by term, what the engine allocates for a model spec, an
+executor shape and the precisions: the host state (slideformer.engine.runtime.host_state.HostItem), weight
+loading (slideformer.engine.train.state.load_weights), the executor's device buffers (all allocated in
+``SlidingExecutor.__init__``) and the transient tensors of a training step. Each term's comment
+names the allocation it mirrors; when the engine changes, this file changes with it.
+
+Phases say when memory is held, so peaks are not the plain sum of everything:
+  state     allocated before the weights load, held for the run (host state, runtime)
+  setup     only while the weights load
+  run       allocated when the executor starts, held for the run
+  step      allocated at the start of each step, freed at its end
+  forward, head, backward   live only within that part of a step
+peak = max(state + setup, state + run + step + max(forward, head, backward)).
+
+The transient terms were checked against allocator traces of the real functions (CPU: profiler
+memory events, tests/engine/plan/test_plan_memory.py; CUDA: max_memory_allocated on the reference machine,
+within 2.5% for a Llama-3.2-3B layer and LM head at 8 x 1024 tokens).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from slideformer.engine.kernels.linear_ce import GW_ROWS, fused_ce_available
+from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.runtime.shapes import (BUFFERS, CHUNK, DEVICE_CHUNK, ExecShape, file_bytes,
+                                  speculative_layers)
+from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
+
+MiB = 1 << 20
+TIERS = ("gpu", "host", "disk")
+PHASES = ("state", "setup", "run", "step", "forward", "head", "backward")
+STEP_PARTS = ("forward", "head", "backward")
+
+# Measured on the reference GPU machine (torch 2.11, CUDA 13, H200), 2026-11-29:
+# - host RSS of the process before the run allocates: 0.83 GiB once torch is imported and a CUDA
+#   context ran its first matmul and attention (0.48 GiB after `import torch` alone, the figure
+#   kept for the CPU backend: CUDA builds of torch load their libraries either way);
+# - GPU memory outside PyTorch's allocator (NVML's per-process use less torch's reserved):
+#   0.74 GiB after start-up, 0.81 GiB during training (more kernels loaded);
+# - inside the allocator beyond our tensors: cuBLAS workspaces and small buffers, ~0.1 GiB
+#   (allocated-peak minus predicted tensors over five Llama-3.2-3B runs, -0.5% .. -0.8%);
+# - the caching allocator's reserved-but-free memory at the peak (reserved - allocated):
+#   2.7-3.1 GiB with GPU checkpoints, 3.85 GiB with host checkpoints, for step transients of
+#   0.6 / 2.7 / 1.4 GiB (forward / head / backward). Freed blocks of one part of the step do
+#   not fit the next part's requests, and host checkpoints keep each layer's inputs alive until
+#   their copy finishes. Modelled as 65% of the three parts' transients plus the inputs held
+#   for host checkpoint copies, which over-predicts those five runs by 0.6-1.9%.
+HOST_RUNTIME = {"cuda": 896 * MiB, "cpu": 512 * MiB}
+# Host memory a training process keeps beyond its tensors once steps run: glibc's heap holding
+# freed transients, library buffers, Python objects. 20-55 MB measured on the CPU backend over
+# the first steps of the models in tests/engine/plan/test_plan_rss.py.
+RUNTIME_WORKING = 32 * MiB
+CUDA_CONTEXT = 832 * MiB
+CUDA_WORKSPACES = 112 * MiB
+ALLOCATOR_SLACK = 0.65
+ALLOCATOR_FLOOR = 128 * MiB
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One block of memory the run holds."""
+    tier: str
+    """gpu, host or disk (on the CPU backend "gpu" buffers live in host memory)."""
+    purpose: str
+    bytes: int
+    detail: str
+    """How the size follows from the model and the settings."""
+    phase: str = "run"
+    """When it is held (see the module docstring)."""
+    reclaimable: bool = False
+    """Clean page cache (mapped model files): counted in RSS, not against the budget."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Data types of the run."""
+    compute: torch.dtype
+    """Weights on the device and activations: bfloat16 (CUDA) or float32."""
+    moments: torch.dtype
+    """AdamW m and v on the host: float32 or bfloat16."""
+    file_bytes: int = 2
+    """Bytes per parameter in the model's safetensors files."""
+
+    @property
+    def c(self) -> int:
+        return torch.empty((), dtype=self.compute).element_size()
+
+    @property
+    def mo(self) -> int:
+        return torch.empty((), dtype=self.moments).element_size()
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---- host state and loading -----------------------------------------------------------------
+def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
+               disk_layers: int = 0, clip: bool = True) -> list[Allocation]:
+    """HostItem.w / rem / m / v / g of every item (embed, L layers, head), and the runtime.
+
+    The moments of ``disk_layers`` decoder layers live in the NVMe tier (slideformer.engine.runtime.nvme)
+    instead, and pass through its staging buffers (one layer's m and v each). Without
+    clipping the decoder layers own no gradient buffer and share the executor's ring; the
+    speculative layers (slideformer.engine.runtime.grad_ring) keep their gradient in their snapshot.
+    """
+    n, c, L, P = spec.num_params, prec.c, spec.num_layers, spec.params_per_layer
+    spec_n = len(speculative_layers(L, shape.device_layers, shape.spec_layers,
+                                    nvme_layers(L, disk_layers)))
+    if clip:  # HostItem.g of every item but the speculative layers, whose snapshots hold theirs
+        grads, grad_note = n * 4, f"{n:,} params x 4 B (fp32)"
+    else:  # HostItem.g of embed and head + the ring (+ the speculative layers' snapshots)
+        ring = min(shape.grad_ring, L) if spec_n < L else 0
+        grads = (spec.embed_layout.numel + spec.head_layout.numel + (ring + spec_n) * P) * 4
+        grad_note = f"embedding, head and a ring of {ring} layers x 4 B (fp32; no clipping)"
+    in_ram = n - disk_layers * spec.params_per_layer
+    pinned = " (pinned)" if device == "cuda" else ""
+    out = [Allocation("host", f"{_dt(prec.compute)} weights", n * c,  # HostItem.w
+                      f"{n:,} params x {c} B{pinned}", "state")]
+    if prec.compute == torch.bfloat16:  # HostItem.rem: the low 16 bits of the fp32 master
+        out.append(Allocation("host", "weight remainders", n * 2, f"{n:,} params x 2 B (int16)", "state"))
+    out += [Allocation("host", "AdamW moments m, v", 2 * in_ram * prec.mo,  # HostItem.m, HostItem.v
+                       f"2 x {in_ram:,} params x {prec.mo} B ({_dt(prec.moments)})"
+                       + (f"; {disk_layers} layers' moments on disk" if disk_layers else ""), "state"),
+            Allocation("host", "gradient buffers", grads,  # HostItem.g, fp32
+                       grad_note + pinned, "state"),
+            Allocation("host", "runtime baseline", HOST_RUNTIME[device],
+                       "Python, torch" + (" and the CUDA runtime" if device == "cuda" else ""), "state"),
+            Allocation("host", "runtime working memory", RUNTIME_WORKING,
+                       "heap and library buffers kept across steps", "run")]
+    if spec_n:  # Speculation's snapshots: w, rem, m, v of each speculative layer
+        b = P * (c + (2 if prec.compute == torch.bfloat16 else 0) + 2 * prec.mo)
+        out.append(Allocation("host", "speculative update snapshots", spec_n * b,
+                              f"{spec_n} layers' pre-update state ({_gib(b)} each)", "state"))
+    if disk_layers:  # NvmeTier._take_buffer: at most BUFFERS, one per disk layer at most
+        k, b = min(disk_layers, BUFFERS), file_bytes(spec.params_per_layer, prec.compute, prec.moments)
+        out.append(Allocation("host", "NVMe staging buffers", k * b,
+                              f"{k} x one layer's m, v ({_gib(b)})", "run"))
+    return out
+
+
+def _largest_tensor(spec: ModelSpec) -> int:
+    layouts = (spec.embed_layout, spec.layer_layout, spec.head_layout)
+    return max(math.prod(s) for lay in layouts for _, _, s in lay.entries)
+
+
+def loading(spec: ModelSpec, prec: Precision) -> list[Allocation]:
+    """load_weights: an fp32 buffer per item (the next is allocated while the last is held),
+    one tensor as read from the file, and HostItem.set_master's split temporaries."""
+    sizes = [spec.embed_layout.numel] + [spec.params_per_layer] * spec.num_layers + [spec.head_layout.numel]
+    pair = max(a + b for a, b in zip(sizes, sizes[1:]))
+    split = CHUNK * 4 if prec.compute == torch.bfloat16 else 0  # set_master's fp32 copy to split
+    buf = pair * 4 + _largest_tensor(spec) * prec.file_bytes + split
+    files = spec.num_params * prec.file_bytes
+    return [Allocation("host", "load buffer", buf, "two items in fp32 + one tensor as stored", "setup"),
+            Allocation("host", "model files (page cache)", files,
+                       "safetensors pages mapped while loading; the OS can drop them", "setup", True)]
+
+
+# ---- executor buffers -----------------------------------------------------------------------
+def device_buffers(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str) -> list[Allocation]:
+    """SlidingExecutor.__init__: slots, resident embed/head, fp32 grads, checkpoint store.
+
+    Left out: the executor's scalars (grad-norm accumulator, per-layer health flags: L + 2
+    floats) and the host copies of the latter."""
+    c, P, L = prec.c, spec.params_per_layer, spec.num_layers
+    E, Hd = spec.embed_layout.numel, spec.head_layout.numel
+    k = max(1, min(shape.slots, L))
+    out = [Allocation("gpu", "parameter slots", k * P * c, f"{k} slots x {P:,} params x {c} B"),  # SlotPool
+           Allocation("gpu", "embedding weights", E * c, f"{E:,} params x {c} B"),  # embed_w
+           Allocation("gpu", "head weights", Hd * c, f"{Hd:,} params x {c} B"),  # head_w
+           Allocation("gpu", "embedding grads", E * 4, f"{E:,} params x 4 B (fp32)"),  # embed_g
+           Allocation("gpu", "head grads", Hd * 4, f"{Hd:,} params x 4 B (fp32)"),  # head_g
+           Allocation("gpu", "gradient slots", shape.grad_slots * P * 4,  # gslots
+                      f"{shape.grad_slots} slots x {P:,} params x 4 B (fp32)")]
+    out += checkpoint_store(spec, shape, prec)
+    out.append(optimizer_scratch(prec))
+    out += device_optimizer(spec, shape, prec)
+    return out + cuda_fixed(device)
+
+
+def checkpoint_store(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list[Allocation]:
+    """The activation checkpoints: one layer input per layer and micro-batch."""
+    c, L = prec.c, spec.num_layers
+    act = shape.micro_batch * shape.seq_len * spec.hidden_size * c  # one checkpoint (B, T, H)
+    ck = f"{shape.n_micro} micro-batches x {shape.micro_batch}x{shape.seq_len}x{spec.hidden_size} x {c} B"
+    if shape.checkpoints == "host":  # HostStore: pinned host copy + two device staging layers
+        return [Allocation("gpu", "checkpoint staging", 2 * shape.n_micro * act, f"2 layers x {ck}"),
+                Allocation("host", "pinned activation checkpoints", L * shape.n_micro * act,
+                           f"{L} layers x {ck}")]
+    return [Allocation("gpu", "activation checkpoints", L * shape.n_micro * act, f"{L} layers x {ck}")]  # DeviceStore
+
+
+def cuda_fixed(device: str) -> list[Allocation]:
+    """The CUDA context and library workspaces (none on the CPU backend)."""
+    if device != "cuda":
+        return []
+    return [Allocation("gpu", "CUDA context", CUDA_CONTEXT, "driver context and kernels", "state"),
+            Allocation("gpu", "cuBLAS workspaces", CUDA_WORKSPACES,
+                       "library workspaces and small buffers in the allocator", "state")]
+
+
+def device_optimizer(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list[Allocation]:
+    """DeviceItem state of the items updated on the device, and the update's scratch
+    (AdamWorkspace of DEVICE_CHUNK: the joined master, and upcast moments if bf16)."""
+    G = min(shape.device_layers, spec.num_layers)
+    if not (shape.device_update or G):
+        return []
+    rem = 2 if prec.compute == torch.bfloat16 else 0
+    E, Hd, P = spec.embed_layout.numel, spec.head_layout.numel, spec.params_per_layer
+    out = []
+    if shape.device_update:  # weights and grads are the resident buffers already counted
+        out.append(Allocation("gpu", "embedding and head optimizer state", (E + Hd) * (rem + 2 * prec.mo),
+                              f"{E + Hd:,} params x {rem + 2 * prec.mo} B (remainder, m, v)"))
+    if G:
+        b = prec.c + rem + 2 * prec.mo + 4
+        out.append(Allocation("gpu", "device layers", G * P * b,
+                              f"{G} layers x {P:,} params x {b} B (weights, remainder, m, v, fp32 grad)"))
+    return out + [device_optimizer_scratch(prec)]
+
+
+def device_optimizer_scratch(prec: Precision) -> Allocation:
+    """The device update's AdamWorkspace (DEVICE_CHUNK fp32; upcast moments if bf16)."""
+    scratch = DEVICE_CHUNK * 4 * (1 if prec.moments == torch.float32 else 3)
+    return Allocation("gpu", "device optimizer scratch", scratch, f"chunks of {DEVICE_CHUNK:,} params in fp32")
+
+
+def optimizer_scratch(prec: Precision) -> Allocation:
+    """AdamWorkspace: 3 x CHUNK fp32 allocated empty, so only the parts the update writes become
+    resident: the joined master (bf16 compute, PyTorch-op path; the compiled kernel needs none)
+    and the upcast moments (bf16 moments)."""
+    b = CHUNK * 4 if prec.compute == torch.bfloat16 else 0  # ws.p
+    if prec.moments != torch.float32:
+        b += 2 * CHUNK * 4  # ws.m, ws.v
+    return Allocation("host", "optimizer scratch", b, f"chunks of {CHUNK:,} params in fp32")
+
+
+# ---- transients of one step -----------------------------------------------------------------
+def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, packed: bool,
+                    fused_ce: bool = False) -> list[Allocation]:
+    """Tensors of one train_step: inputs, hidden states, and the peak of each part of the step.
+    ``fused_ce``: the LM-head loss runs the Triton kernel (CUDA with triton)."""
+    c, H, n = prec.c, spec.hidden_size, shape.n_micro
+    B, T = shape.micro_batch, shape.seq_len
+    N = B * T  # tokens of one micro-batch
+    mb = f"{n} micro-batches x {B}x{T}"
+    ints = 3 if packed else 2  # input_ids, labels (+ doc_ids) as int64, per micro-batch on device
+    rope = 2 * spec.head_dim * c  # rope_tables: cos, sin (B, 1, T, head_dim)
+    out = [Allocation("gpu", "inputs and RoPE tables", n * N * (8 * ints + rope), mb, "step")]
+    if packed:  # packed_causal_mask: bool (B, 1, T, T) per micro-batch
+        out.append(Allocation("gpu", "attention masks", n * B * T * T, f"{mb}x{T} (bool)", "step"))
+    # train_step holds the forward's outputs (xs) until it returns, and the backward's gradients
+    # (gys) replace them layer by layer: 2 per micro-batch (the gradients counted from the start:
+    # a small overestimate of the forward).
+    out.append(Allocation("gpu", "hidden states and their grads", 2 * n * N * H * c,
+                          f"2 x {mb}x{H} x {c} B", "step"))
+    out += [forward_scratch(spec, N, B, T, prec, packed), head_scratch(spec, shape, prec, fused_ce)]
+    out += recompute_scratch(spec, N, B, T, prec, packed)
+    return out
+
+
+def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, packed: bool) -> Allocation:
+    """decoder_layer without autograd, one micro-batch: SwiGLU's gate, up, silu and product
+    (N x I each) next to the residual and its norm; or RMSNorm's fp32 temporaries."""
+    c, H, I = prec.c, spec.hidden_size, spec.intermediate_size
+    mlp = N * (4 * I + 2 * H) * c
+    norm = N * H * (c + 12)  # x, and x.float(), its square, the normalised fp32 copy
+    mask = B * T * T * c if packed else 0  # SDPA turns the bool mask into an additive one
+    return Allocation("gpu", "layer forward scratch", max(mlp, norm) + mask,
+                      f"one micro-batch of {N:,} tokens, one layer, no autograd", "forward")
+
+
+def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: bool = False) -> Allocation:
+    """head_step for one micro-batch: RMSNorm with autograd, dL/dh, and one chunk of
+    linear_ce_fwd_bwd: logits in the compute dtype and fp32, their softmax-gradient in fp32 and
+    in the compute dtype (the Triton kernel: only the logits, overwritten by dz), or later dz
+    next to one row block of the head-gradient product and its upcast."""
+    c, H, V = prec.c, spec.hidden_size, spec.vocab_size
+    N = shape.micro_batch * shape.seq_len
+    nc = min(shape.head_chunk, N)
+    up = 4 if c < 4 else 0  # .float() copies only when the compute dtype is narrower
+    softmax = nc * V * (c if fused_ce else 8 + (c if c < 4 else 0))
+    if N > nc:  # the previous chunk's dz is still bound while the next one is computed
+        softmax += nc * V * c
+    rows = min(V, GW_ROWS)  # linear_ce._add_outer: one block of vocabulary rows at a time
+    wgrad = nc * V * c + rows * H * (c + up)
+    norm = N * H * (8 + c)  # saved x.float()/normalised/output (8 B per element) + gh
+    return Allocation("gpu", "LM-head chunk and loss", norm + max(softmax, wgrad),
+                      f"{nc:,} tokens x {V:,} vocab per chunk, fp32 softmax", "head")
+
+
+def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
+                      packed: bool) -> list[Allocation]:
+    """_layer_backward for one micro-batch: the recompute's saved activations and the grads.
+
+    The peak is at the MLP's backward (all activations saved, the down-projection's weight grad
+    and three N x I grads alive) for long micro-batches; for short ones at the input norm's
+    backward or at the end (every parameter grad of the layer in the compute dtype, returned at
+    once by autograd.grad, plus dL/dx and the output).
+    Saved per token: the two RMSNorms (their fp32 input copy when the compute dtype is narrower,
+    normalised value and output), the output; rotated q, attention output (2 per q element),
+    rotated k and v (2 per kv element); gate, up, silu (3 per I) and their three grads; the
+    attention log-sum-exp (fp32 per head) and the norms' rsqrt (fp32).
+    """
+    c, H, I, P = prec.c, spec.hidden_size, spec.intermediate_size, spec.params_per_layer
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    norms = (4 if c < 4 else 0) + 4 + 5 * c  # per H element: norm1, norm2, output
+    qk = (q + kv) * ((4 if c < 4 else c) + c) if spec.qk_norm else 0
+    per_token = H * norms + 2 * q * c + 2 * kv * c + 6 * I * c + qk + 4 * spec.num_heads + 8
+    mask = B * T * T * c if packed else 0
+    mlp_acts, mlp_grads = N * per_token + mask, H * I * c
+    # adding a narrower grad into the fp32 slot goes through an fp32 copy of that tensor
+    end_acts, end_grads = 2 * N * H * c, P * c + (_largest_layer_tensor(spec) * 4 if c < 4 else 0)
+    # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
+    # fp32 temporaries of the norm's backward, the output, the residual grad and dL/dh
+    norm1_acts, norm1_grads = N * H * (20 + 3 * c), P * c
+    embed_grad = N * H * 4 if c < 4 else 0  # _embed_backward: gy.float() per micro-batch
+    acts, grads = max((mlp_acts, mlp_grads), (end_acts, end_grads), (norm1_acts, norm1_grads),
+                      (embed_grad, 0), key=lambda ag: ag[0] + ag[1])
+    return [Allocation("gpu", "recompute activations", acts,
+                       f"one layer, one micro-batch of {N:,} tokens, with autograd", "backward"),
+            Allocation("gpu", "layer grads in compute dtype", grads,
+                       "per-micro-batch parameter grads before they join the fp32 slot", "backward")]
+
+
+def _largest_layer_tensor(spec: ModelSpec) -> int:
+    return max(math.prod(s) for _, _, s in spec.layer_layout.entries)
+
+
+def allocator_reserve(allocs: list[Allocation], shape: ExecShape, spec: ModelSpec,
+                      prec: Precision) -> Allocation:
+    """CUDA caching-allocator memory reserved but free at the peak (calibration above)."""
+    parts = sum(a.bytes for a in allocs if a.tier == "gpu" and a.phase in STEP_PARTS)
+    held = 0
+    if shape.checkpoints == "host":  # HostStore.save keeps each input alive until its copy ends
+        held = 2 * shape.n_micro * shape.micro_batch * shape.seq_len * spec.hidden_size * prec.c
+    return Allocation("gpu", "allocator reserve", ALLOCATOR_FLOOR + int(ALLOCATOR_SLACK * parts) + held,
+                      f"{ALLOCATOR_SLACK:.0%} of the forward/head/backward transients"
+                      + (" + inputs awaiting their checkpoint copies" if held else ""))
+
+
+def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
+                packed: bool, disk_layers: int = 0, clip: bool = True) -> tuple[Allocation, ...]:
+    """Every allocation of a run with this model, executor shape and precision.
+
+    Args:
+        device: ``cuda`` or ``cpu`` (the CPU backend has no CUDA context or allocator reserve,
+            and its "gpu" buffers are host memory).
+        packed: sequences are packed (attention masks exist).
+        disk_layers: decoder layers whose moments the NVMe tier holds.
+        clip: exact global-norm clipping (every layer keeps its gradient until the norm is known).
+    """
+    out = host_state(spec, shape, prec, device, disk_layers, clip) + loading(spec, prec)
+    out += device_buffers(spec, shape, prec, device)
+    out += step_transients(spec, shape, prec, packed, device == "cuda" and fused_ce_available())
+    if device == "cuda":
+        out.append(allocator_reserve(out, shape, spec, prec))
+    b = file_bytes(spec.params_per_layer, prec.compute, prec.moments)  # NvmeTier.place
+    out.append(Allocation("disk", "NVMe tier", disk_layers * b,
+                          f"AdamW moments of {disk_layers} of {spec.num_layers} layers ({_gib(b)} each)",
+                          "state"))
+    return tuple(out)
+
+
+def peak(allocs, tiers: tuple[str, ...], with_reclaimable: bool = False) -> int:
+    """Peak bytes held in ``tiers`` together (phases as in the module docstring)."""
+    def s(phase: str) -> int:
+        return sum(a.bytes for a in allocs if a.tier in tiers and a.phase == phase
+                   and (with_reclaimable or not a.reclaimable))
+    loading_ = s("state") + s("setup")
+    training = s("state") + s("run") + s("step") + max(s(p) for p in STEP_PARTS)
+    return max(loading_, training)
+
+
+def peak_phase(allocs, tiers: tuple[str, ...]) -> str:
+    """The phase at which ``tiers`` peak: setup, forward, head or backward."""
+    def s(phase: str) -> int:
+        return sum(a.bytes for a in allocs if a.tier in tiers and a.phase == phase and not a.reclaimable)
+    if s("setup") > s("run") + s("step") + max(s(p) for p in STEP_PARTS):
+        return "setup"
+    return max(STEP_PARTS, key=s)

@@ -1,0 +1,177 @@
+"""The planner: will a run fit, where does each byte go, how fast will it be, and how to fix it.
+
+:func:`make_plan` takes a model spec, the run's settings, budgets and a hardware profile, and
+returns a frozen :class:`Plan`. The plan also fixes the executor's shape (slideformer.engine.plan.evaluate
+says how it is chosen); the Trainer runs with ``Plan.exec_shape`` as is, so the prediction and
+the run cannot drift apart. :func:`plan_run` does the whole job from a RunConfig.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, replace
+
+from slideformer.engine.config import RunConfig, format_bytes
+from slideformer.engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
+from slideformer.engine.errors import UserError
+from slideformer.engine.kernels import cpu_adam
+from slideformer.engine.models.lora import lora_spec
+from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.plan.budget import Budgets, resolve_budgets
+from slideformer.engine.plan.evaluate import TIGHT, Evaluation, Evaluator, Knobs, TierUse
+from slideformer.engine.plan.fixes import Fix, find_fixes, floor_notes
+from slideformer.engine.plan.hardware import HardwareProfile
+from slideformer.engine.plan.machine import gpu_memory, host_memory
+from slideformer.engine.plan.memory import Allocation, Precision, peak
+from slideformer.engine.plan.speed import SpeedEstimate
+from slideformer.engine.plan.targets import load_profile
+from slideformer.engine.runtime.shapes import ExecShape
+from slideformer.engine.validate import validate
+
+_TIER_NAMES = {"gpu": "GPU memory", "host": "host RAM", "disk": "NVMe disk"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything the planner predicts for a run (what the GUI's plan page draws)."""
+    model_type: str
+    total_params: int
+    device: str
+    """cuda, or cpu (then the "gpu" tier is host memory too)."""
+    compute_dtype: str
+    moments_dtype: str
+    exec_shape: ExecShape
+    """The executor shape the run uses (Trainer.exec_shape returns it)."""
+    allocations: tuple[Allocation, ...]
+    tiers: tuple[TierUse, ...]
+    """Peaks of gpu, host and disk; on the CPU backend host includes the device buffers."""
+    peak_rss: int
+    """Predicted high-water resident memory of the process, mapped model files included."""
+    budgets: Budgets
+    verdict: str
+    """fits, tight or does not fit."""
+    reason: str
+    fixes: tuple[Fix, ...]
+    """Cheapest first; empty when the run fits with room to spare."""
+    max_micro_batch: int
+    """Largest micro-batch that fits (with this grad_accum); 0 when none does."""
+    max_global_batch: int
+    """Largest sequences per step: the micro-batch (or, if it does not fit, the largest that
+    does) times the largest grad_accum that fits with it; 0 when nothing fits."""
+    speed: SpeedEstimate
+    hardware: HardwareProfile
+    tokens_per_step: int
+    notes: tuple[str, ...] = ()
+    """What no single fix can change (the least each short tier needs)."""
+    disk_layers: int = 0
+    """Decoder layers whose AdamW moments live in the NVMe tier (slideformer.engine.runtime.nvme.disk_layers
+    says which)."""
+    method: str = "full"
+    """full, lora or qlora (train.method)."""
+
+    def tier(self, name: str) -> TierUse:
+        return next(t for t in self.tiers if t.tier == name)
+
+    def to_dict(self) -> dict:
+        """JSON-ready figures (``slideformer plan --json``)."""
+        d = dataclasses.asdict(self)
+        d["speed"]["busy"] = self.speed.busy_dict()
+        d["fixes"] = [dict(dataclasses.asdict(f), settings=dict(f.settings)) for f in self.fixes]
+        return d
+
+
+def _verdict(tiers: tuple[TierUse, ...]) -> tuple[str, str]:
+    over = [t for t in tiers if t.budget is not None and t.peak > t.budget]
+    if over:
+        return "does not fit", "; ".join(
+            f"{_TIER_NAMES[t.tier]} needs {format_bytes(t.peak)} of the {format_bytes(t.budget)} "
+            f"budget (peak in the {t.phase})" for t in over)
+    tight = [t for t in tiers if t.budget and t.peak > TIGHT * t.budget]
+    if tight:
+        return "tight", "; ".join(f"{_TIER_NAMES[t.tier]} at {t.share:.0%} of its budget "
+                                  f"({format_bytes(t.peak)} of {format_bytes(t.budget)})" for t in tight)
+    room = ", ".join(f"{format_bytes(t.budget - t.peak)} of {_TIER_NAMES[t.tier]}"
+                     for t in tiers if t.budget and t.tier != "disk")
+    return "fits", f"fits with {room} to spare"
+
+
+def _max_batches(ev: Evaluator, k: Knobs) -> tuple[int, int]:
+    m_max = ev.largest(lambda m: ev.choose(replace(k, micro_batch=m)).fits)
+    m = k.micro_batch if k.micro_batch <= m_max else m_max
+    if not m:
+        return 0, 0
+    n_max = ev.largest(lambda n: ev.choose(replace(k, micro_batch=m, grad_accum=n)).fits)
+    return m_max, m * n_max
+
+
+def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
+              hardware: HardwareProfile) -> Plan:
+    """The plan of one run.
+
+    Args:
+        knobs: the run's batch, precision and placement settings.
+        device: ``cuda`` or ``cpu``: the backend the run uses.
+    """
+    ev = Evaluator(spec, device, budgets, hardware)
+    base: Evaluation = ev.choose(knobs)
+    verdict, reason = _verdict(base.tiers)
+    reason = f"{reason} on {hardware.name}"
+    share = 1.0 if verdict == "does not fit" else TIGHT
+    short = tuple(t.tier for t in base.tiers if t.budget is not None and t.peak > share * t.budget)
+    fixes = find_fixes(ev, base, knobs, short, share) if short else ()
+    notes = floor_notes(ev, knobs, short) if verdict == "does not fit" else ()
+    m_max, g_max = _max_batches(ev, knobs)
+    rss_tiers = ("host",) if device == "cuda" else ("gpu", "host")
+    p = knobs.precision
+    return Plan(model_type=spec.model_type, total_params=spec.num_params, device=device,
+                compute_dtype=str(p.compute).removeprefix("torch."),
+                moments_dtype=str(p.moments).removeprefix("torch."), exec_shape=base.shape,
+                allocations=base.allocs, tiers=base.tiers,
+                peak_rss=peak(base.allocs, rss_tiers, with_reclaimable=True), budgets=budgets,
+                verdict=verdict, reason=reason, fixes=fixes, max_micro_batch=m_max,
+                max_global_batch=g_max, speed=ev.speed(knobs, base), hardware=hardware,
+                tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
+                disk_layers=base.disk_layers, method=knobs.method)
+
+
+# ---- from a run config --------------------------------------------------------------------------
+_FILE_BYTES = {"float32": 4, "float64": 8}
+
+
+def run_device(cfg: RunConfig, hardware: HardwareProfile) -> str:
+    """cuda or cpu: ``train.device``, where ``auto`` means a GPU if the profile's machine has one."""
+    return device_kind(cfg.train.device, bool(hardware.gpu))
+
+
+def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
+    """The planner's settings of a run config (one that slideformer.engine.validate accepts)."""
+    t, o, b = cfg.train, cfg.optim, cfg.budget
+    compute = torch_dtype(compute_dtype_name(t.compute_dtype, device))
+    moments = torch_dtype(moments_dtype_name(o.moments_dtype))
+    prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2))
+    return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
+                 precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
+                 clip=o.max_grad_norm > 0, packed=cfg.data.packing, method=t.method,
+                 lora=None if t.method == "full" else lora_spec(cfg.lora))
+
+
+def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
+             hardware: HardwareProfile | str = "auto") -> Plan:
+    """The plan of a run config on a machine (budgets ``auto`` read NVML and psutil here).
+
+    Args:
+        device: the backend the run uses; None derives it from ``train.device`` and the profile.
+        hardware: a profile, or the target to plan for (slideformer.engine.plan.targets.load_profile: this
+            machine, a GPU preset such as ``rtx4090``, or a profile file).
+    """
+    validate(cfg, "values")
+    hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    if hardware == "auto" and cpu_adam.unavailable_reason():  # a plan of this machine
+        hw = hw.without_native_adam(cpu_adam.unavailable_reason())
+    device = device or run_device(cfg, hw)
+    if device == "cuda" and hw.matmul_tflops <= 0:
+        raise UserError("train.device", f"is cuda but {hw.name} has no GPU to plan for",
+                        "plan for a GPU (slideformer plan --gpu rtx4090, or the Plan page's "
+                        "target), or use the CPU backend")
+    gpu = None if hw.preset else gpu_memory()  # a preset's VRAM is the preset's, not this GPU's
+    budgets = resolve_budgets(cfg.budget, device, hw, gpu, host_memory())
+    return make_plan(spec, knobs_from_config(cfg, spec, device), device, budgets, hw)

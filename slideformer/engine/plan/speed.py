@@ -1,0 +1,231 @@
+"""Predicted step time of the sliding-window executor, from a model of its schedule.
+
+Resources: GPU compute, PCIe host->device, PCIe device->host, the CPU optimizer and the disk.
+
+forward   simulated layer by layer as the executor issues it: before computing layer i the
+          host waits for layer i's update and loads it, and prefetches layers up to i+K-1
+          whose updates already finished, each into the slot layer j-K freed; the H2D stream
+          copies in order; compute runs a layer once its copy landed. With exact clipping the
+          updates run embed, 0 .. L-1, head on the CPU from the step's start (DESIGN §3.4).
+head      waits for the head's update (last in that order), then runs
+backward  a pipeline over L layers: H2D of the L-K layers no longer resident (and host
+          checkpoints), recompute+backward, D2H of the fp32 gradients, and without clipping
+          the CPU update of the layer; a pipeline phase takes L * max(stages) plus the other
+          stages once (filling and draining).
+Without clipping the next forward waits for the embedding's update, queued after the layers'.
+speculation with exact clipping the S speculative layers (ExecShape.spec_layers, the first S of
+          the backward) update during the backward, each after its gradient landed and after
+          copying its pre-update state (snapshot_share of an update's time); the
+          other layers keep the barrier chain. Predicted for steps that do not clip; a step
+          that clips stops speculating once the layers' partial norm exceeds the limit and
+          redoes the speculative updates made before (at most S more updates).
+device    items updated on the device (ExecShape.device_update, device_layers: the first G layers)
+          skip the CPU, the H2D loads and the gradient D2H; their update runs on the compute
+          stream after the backward, moving DEVICE_ADAM_BYTES per parameter at
+          DEVICE_MEMORY_GBS (a consumer card's memory bandwidth; an H200 is about 4x faster).
+disk      the NVMe tier reads and writes the moments of its layers once per step; an update
+          waits for its layer's read, and the disk layers are spread evenly over the depth, so
+          the update chain advances at the slower of the CPU update and the disk's share per
+          layer (its reads and writes spread over all L layers).
+
+FLOPs: each layer does 2 P N in the forward, again in the recompute and 4 P N in the backward
+(8 P N in all), plus attention (2 B T^2 q per pass, causal; backward twice the forward); the LM
+head 6 N V H. GPU compute runs at the profile's matmul rate times LAYER_EFFICIENCY.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.plan.hardware import HardwareProfile
+from slideformer.engine.plan.memory import Precision
+from slideformer.engine.runtime.shapes import ExecShape, file_bytes, speculative_layers
+from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
+
+# Share of the 8192^3 bf16 matmul rate a decoder layer's forward / recompute / backward reaches
+# (norms, RoPE, attention, elementwise ops included): 0.54-0.57 of 730 TFLOP/s, measured from
+# the executor's compute spans on the reference machine (Llama-3.2-3B shape, 8 x 1024 tokens per
+# micro-batch, 1-8 micro-batches; 0.57 without packing masks).
+LAYER_EFFICIENCY = 0.55
+DEVICE_ADAM_BYTES = 32  # bf16 w + remainder + fp32 grad + fp32 m, v: read all, write all but grad
+DEVICE_MEMORY_GBS = 1000.0
+# The CPU backend copies with memcpy and runs everything in one thread of control.
+CPU_COPY_GBS = 10.0
+
+def snapshot_share(c: int, mo: int) -> float:
+    """A speculative layer's snapshot copy (w, rem, m, v read and written) in units of its AdamW
+    update, for (compute, moments) element sizes: both stream memory, the update reading and
+    writing the same fields and reading the fp32 gradient too."""
+    state = c + (2 if c == 2 else 0) + 2 * mo
+    return 2 * state / (2 * state + 4)
+
+SERIAL = 1.15
+"""A step this much longer than its busiest resource means resources wait for each other."""
+RESOURCES = ("gpu compute", "pcie h2d", "pcie d2h", "cpu optimizer", "disk")
+
+
+@dataclass(frozen=True)
+class SpeedEstimate:
+    """Predicted time of one optimizer step and what bounds it."""
+    step_time: float
+    """Seconds per optimizer step."""
+    tokens_per_s: float
+    bound: str
+    """The resource with the most work per step (one of RESOURCES)."""
+    busy: tuple[tuple[str, float], ...]
+    """Seconds of work per step on each resource."""
+    flops: float
+    """FLOPs per step, recompute included."""
+    note: str = ""
+    """Why the step is longer than its busiest resource, when it is."""
+
+    def busy_dict(self) -> dict[str, float]:
+        return dict(self.busy)
+
+
+def _pipeline(n: int, stages: list[float]) -> float:
+    return n * max(stages) + sum(stages) - max(stages)
+
+
+def layer_flops(spec: ModelSpec, shape: ExecShape) -> tuple[float, float]:
+    """(forward, recompute + backward) FLOPs of one decoder layer over all micro-batches."""
+    B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
+    lin = 2.0 * spec.params_per_layer * B * T
+    att = 2.0 * B * T * T * spec.num_heads * spec.head_dim  # QK^T and PV, half masked
+    return n * (lin + att), n * (3 * lin + 3 * att)
+
+
+@dataclass(frozen=True)
+class _Times:
+    """Seconds of each kind of work: per layer (forward / recompute+backward compute, CPU update,
+    H2D load in the forward / on average in the backward, D2H of its fp32 grads and of its host
+    checkpoints) and once per step (LM head, embedding and head updates, their H2D refreshes and
+    the D2H of their grads)."""
+    f: float
+    b: float
+    head: float
+    upd: float
+    load_f: float
+    load_b: float
+    grad: float
+    ck_d2h: float
+    embed_upd: float
+    head_upd: float
+    refresh_e: float
+    refresh_h: float
+    grads_eh: float
+
+
+def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfile,
+           disk: float) -> _Times:
+    L, P, c, k = spec.num_layers, spec.params_per_layer, prec.c, max(1, min(shape.slots, spec.num_layers))
+    E, Hd = spec.embed_layout.numel, spec.head_layout.numel
+    f_fwd, f_bwd = layer_flops(spec, shape)
+    rate = hw.matmul_tflops * 1e12 * LAYER_EFFICIENCY
+    tokens = shape.micro_batch * shape.seq_len * shape.n_micro
+    one, both = hw.h2d_gbs * 1e9, hw.duplex_gbs * 1e9
+    host_ck = shape.checkpoints == "host"
+    ck = tokens * spec.hidden_size * c if host_ck else 0  # one layer's checkpoints
+    u = 1.0 / hw.adam_params_per_s
+    head = 6.0 * tokens * spec.vocab_size * spec.hidden_size / rate
+    return _Times(f=f_fwd / rate, b=f_bwd / rate, head=head,
+                  upd=max(P * u, disk / L), load_f=P * c / (both if host_ck else one),  # D2H busy only for host checkpoints
+                  load_b=((L - k) / L) * P * c / both + ck / both, grad=P * 4 / both, ck_d2h=ck / both,
+                  embed_upd=E * u, head_upd=Hd * u, refresh_e=E * c / one, refresh_h=Hd * c / one,
+                  grads_eh=(E + Hd) * 4 / both)
+
+
+def _speculation(S: int, t: _Times, snap: float) -> float:
+    """End (from the backward's start) of the S speculative updates: the i-th of them follows
+    its layer's gradient copy and the update before it."""
+    stage, end = max(t.load_b, t.b, t.grad), 0.0
+    for i in range(S):
+        end = max(end, (i + 1) * stage + t.grad) + t.upd + snap
+    return end
+
+
+def _forward(L: int, k: int, ready: list[float], t0: float, t: _Times, G: int = 0) -> float:
+    """End of the forward, as SlidingExecutor.forward_window issues it (module docstring);
+    layers below G are on the device (no load)."""
+    host = h2d = d2h = prev = t0
+    done, load_done = [0.0] * L, [t0] * G + [None] * (L - G)
+
+    def load(j: int) -> None:
+        nonlocal h2d
+        slot_free = done[j - k] if j - k >= G else t0
+        h2d = max(h2d, host, slot_free) + t.load_f
+        load_done[j] = h2d
+
+    for i in range(L):
+        if load_done[i] is None:
+            host = max(host, ready[i])  # _load waits for the layer's own pending update
+            load(i)
+        ahead = max(i + 1, G)
+        for j in range(ahead, min(ahead + k - 1, L)):
+            if load_done[j] is None and ready[j] <= host:  # _prefetch: finished updates only
+                load(j)
+        start = max(prev, load_done[i])
+        d2h = max(d2h, start) + t.ck_d2h  # host checkpoints: the layer's inputs leave at its start
+        prev = done[i] = start + t.f
+    return max(prev, d2h)
+
+
+def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, clip: bool,
+             hw: HardwareProfile, disk_layers: int = 0) -> SpeedEstimate:
+    """Step time, tokens/s and the bounding resource of one optimizer step."""
+    L, k = spec.num_layers, max(1, min(shape.slots, spec.num_layers))
+    tokens = shape.micro_batch * shape.seq_len * shape.n_micro
+    f_fwd, f_bwd = layer_flops(spec, shape)
+    flops = L * (f_fwd + f_bwd) + 6.0 * tokens * spec.vocab_size * spec.hidden_size
+    moved = disk_layers * file_bytes(spec.params_per_layer, prec.compute, prec.moments)
+    disk = moved / (hw.disk_read_gbs * 1e9) + moved / (hw.disk_write_gbs * 1e9)
+    if device != "cuda":
+        return _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk)
+    t = _times(spec, shape, prec, hw, disk)
+    G, E, Hd = min(shape.device_layers, L), spec.embed_layout.numel, spec.head_layout.numel
+    on_device = G * spec.params_per_layer + (E + Hd if shape.device_update else 0)
+    dev_upd = on_device * DEVICE_ADAM_BYTES / (DEVICE_MEMORY_GBS * 1e9)
+    if shape.device_update:  # no CPU update, refresh or gradient copy for embed and head
+        t = replace(t, embed_upd=0.0, head_upd=0.0, refresh_e=0.0, refresh_h=0.0, grads_eh=0.0)
+    S = len(speculative_layers(L, G, shape.spec_layers, nvme_layers(L, disk_layers))) if clip else 0
+    snap = t.upd * snapshot_share(prec.c, prec.mo)
+    if clip:  # updates embed, G .. L-1, head from the step's start, overlapping the forward
+        ready, chain = [0.0] * L, t.embed_upd
+        for j in range(G, L - S):  # the speculative layers (the last S) updated in the backward
+            chain += t.upd
+            ready[j] = chain
+        fwd_end = _forward(L, k, ready, dev_upd + t.embed_upd + t.refresh_e, t, G)
+        head_ready = max(ready + [t.embed_upd]) + t.head_upd + t.refresh_h
+        bwd = max(_pipeline(L - G, [t.load_b, t.b, t.grad]), _speculation(S, t, snap)) + G * t.b
+    else:  # each layer's update follows its grads in the backward; the embedding's comes last
+        fwd_end = _forward(L, k, [0.0] * L, dev_upd + t.embed_upd + t.refresh_e, t, G)
+        head_ready = t.embed_upd + t.head_upd + t.refresh_h
+        bwd = _pipeline(L - G, [t.load_b, t.b, t.grad, t.upd]) + G * t.b
+    step = max(fwd_end, head_ready) + t.head + bwd + t.grads_eh
+    busy = {"gpu compute": L * (t.f + t.b) + t.head + dev_upd,
+            "pcie h2d": (L - G) * (t.load_f + t.load_b) + t.refresh_e + t.refresh_h,
+            "pcie d2h": (L - G) * t.grad + L * t.ck_d2h + t.grads_eh,
+            "cpu optimizer": (spec.num_params - on_device) / hw.adam_params_per_s + S * snap,
+            "disk": disk}
+    note = ""
+    if step > SERIAL * max(busy.values()):
+        note = ("the forward waits for the CPU updates (exact clipping), so the optimizer and "
+                "the GPU take turns" if clip else
+                "the pipeline fills and drains: resources wait for each other")
+    return _result(step, tokens, busy, flops, note)
+
+
+def _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk) -> SpeedEstimate:
+    """The CPU backend is synchronous: compute, copies and updates add up."""
+    L, P, c = spec.num_layers, spec.params_per_layer, prec.c
+    E, Hd = spec.embed_layout.numel, spec.head_layout.numel
+    copies = (2 * L * P * c + L * P * 4 + (E + Hd) * (c + 4)) / (CPU_COPY_GBS * 1e9)
+    busy = {"gpu compute": flops / (hw.cpu_tflops * 1e12), "pcie h2d": copies, "pcie d2h": 0.0,
+            "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": disk}
+    return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")
+
+
+def _result(step: float, tokens: int, busy: dict[str, float], flops: float, note: str) -> SpeedEstimate:
+    step = max(step, max(busy.values()))
+    bound = max(RESOURCES, key=lambda r: busy[r])
+    return SpeedEstimate(step, tokens / step, bound, tuple((r, busy[r]) for r in RESOURCES), flops, note)

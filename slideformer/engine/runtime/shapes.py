@@ -1,0 +1,84 @@
+"""The executor's buffer shapes and fixed sizes, shared with the planner.
+
+The planner predicts the memory of the buffers the executor allocates; both read the shapes and
+sizes from here, so the plan does not import the runtime it plans for. A leaf: it imports no
+other engine module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+GRAD_RING = 4
+"""Host gradient buffers shared by the decoder layers that own none: the backward may run this
+many layers ahead of the CPU updates."""
+DEVICE_CHUNK = 1 << 24
+"""Parameters per chunk of the device-side update (64 MB of fp32 scratch; few kernel launches)."""
+
+
+@dataclass(frozen=True)
+class ExecShape:
+    """Buffer shapes of the executor (from the plan)."""
+    micro_batch: int
+    seq_len: int
+    n_micro: int
+    """Micro-batches per step (gradient accumulation), all processed layer-wise."""
+    slots: int
+    """K parameter slots (clamped to the layer count)."""
+    checkpoints: str = "gpu"
+    """Where activation checkpoints live: gpu or host."""
+    head_chunk: int = 4096
+    """Tokens per chunk of the LM-head cross-entropy."""
+    grad_slots: int = 2
+    device_update: bool = False
+    """The embedding and head are updated on the device (remainders and moments in VRAM)."""
+    device_layers: int = 0
+    """Decoder layers 0 .. device_layers-1 live in VRAM with their optimizer state: no slot,
+    no PCIe, updated on the device."""
+    grad_ring: int = GRAD_RING
+    """Host gradient buffers shared by the layers that own none, without clipping."""
+    spec_layers: int = 0
+    """With exact clipping, the last host layers (in RAM) updated speculatively during the
+    backward (:func:`speculative_layers`); each keeps a pre-update snapshot."""
+
+
+def speculative_layers(num_layers: int, device_layers: int, depth: int,
+                       disk: Iterable[int] = ()) -> list[int]:
+    """The decoder layers that update speculatively with clipping, last layer first: the last
+    ``depth`` layers updated on the host whose state is in RAM."""
+    skip = set(disk)
+    host = [i for i in reversed(range(min(device_layers, num_layers), num_layers)) if i not in skip]
+    return host[:max(depth, 0)]
+
+
+def disk_layers(num_layers: int, count: int) -> list[int]:
+    """The ``count`` decoder layers whose state goes to disk, spread evenly over the depth."""
+    count = min(max(count, 0), num_layers)
+    return [i for i in range(num_layers) if (i + 1) * count // num_layers > i * count // num_layers]
+
+
+# 4M elements: 16 MB of fp32 scratch, about 1 MB per thread on a 16-core CPU (L2-resident),
+# and long enough that per-op launch overhead stays small.
+CHUNK = 1 << 22
+"""Parameters per chunk of the CPU AdamW update (slideformer.engine.runtime.host_state)."""
+
+ALIGN = 4096
+"""O_DIRECT alignment of buffers, offsets and lengths (the logical block size of NVMe disks)."""
+BUFFERS = 3
+"""NVMe staging buffers: one item updating, one read ahead, one written behind."""
+
+
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to :data:`ALIGN`."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def file_bytes(numel: int, compute_dtype: torch.dtype, moments_dtype: torch.dtype,
+               remainders: bool = False) -> int:
+    """Bytes of one item's file in the NVMe tier, and of one staging buffer (fields padded)."""
+    sizes = {"m": moments_dtype.itemsize, "v": moments_dtype.itemsize}
+    if remainders and compute_dtype == torch.bfloat16:
+        sizes["rem"] = 2
+    return sum(padded(numel * b) for b in sizes.values())

@@ -1,0 +1,111 @@
+"""Building the host state of a model, and moving it to and from files.
+
+``build_host_state`` allocates every item's :class:`HostItem` and fills the masters from the
+model's safetensors, one item at a time. Training checkpoints store the exact state (weights,
+remainders, moments) of every item (:func:`state_tensors`; the files are slideformer.engine.train.checkpoint's
+business); the final export writes a Hugging Face folder of the master weights.
+"""
+from __future__ import annotations
+
+import shutil
+from collections.abc import Collection
+from pathlib import Path
+
+import torch
+
+from slideformer.engine.errors import UserError
+from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.models.weights import Checkpoint, hf_name, item_layout, item_names, write_hf_folder
+from slideformer.engine.runtime.host_state import HostItem
+from slideformer.engine.runtime.lora import FrozenItem, build_adapters
+
+
+def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
+                     tier=None, layer_grads: bool = True,
+                     borrowed: Collection[int] = ()) -> dict[str, HostItem]:
+    """Allocate the host state of every item (zero moments, uninitialised weights).
+
+    ``tier``: an slideformer.engine.runtime.nvme.NvmeTier; the items it chose keep their moments on disk.
+    ``layer_grads``: decoder layers own gradient buffers (needed with clipping); False: they
+    borrow the executor's gradient ring (training without clipping only). ``borrowed``: layers
+    that own none in any case (with clipping, the executor's speculative layers:
+    slideformer.engine.runtime.grad_ring.speculative_layers).
+    """
+    def owns_grad(name: str) -> bool:
+        return not name.startswith("layer") or (layer_grads and int(name[5:]) not in borrowed)
+    return {name: HostItem(name, item_layout(spec, name), compute_dtype, moments_dtype,
+                           backend.host_alloc, _alloc, tier, grad=owns_grad(name))
+            for name in item_names(spec)}
+
+
+def build_frozen_state(spec: ModelSpec, backend, compute_dtype, moments_dtype, lora,
+                       nf4: bool = False) -> dict[str, HostItem | FrozenItem]:
+    """The host state of adapter training (slideformer.engine.runtime.lora): the base items frozen in the
+    compute dtype (``nf4``: the decoder layers in NF4, as QLoRA; the embedding and head stay
+    unquantised), and one trained adapter item ``lora{i}`` per decoder layer."""
+    host: dict = {name: FrozenItem(name, item_layout(spec, name), compute_dtype, backend.host_alloc,
+                                   nf4=nf4 and name.startswith("layer"))
+                  for name in item_names(spec)}
+    host.update(build_adapters(spec, lora, backend, compute_dtype, moments_dtype))
+    return host
+
+
+def _alloc(numel: int, dtype) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype)
+
+
+def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | str, emit=None) -> None:
+    """Fill every model item's master from the model folder (one item in memory at a time)."""
+    ckpt = Checkpoint(model_dir)
+    ckpt.check(spec)
+    names = item_names(spec)
+    for k, name in enumerate(names):
+        item = host[name]
+        buf = torch.empty(item.numel, dtype=torch.float32)
+        _check_finite(ckpt, spec, name, ckpt.read_item(spec, name, buf))
+        item.set_master(buf)
+        if emit is not None:
+            from slideformer.engine.events import Progress
+            emit(Progress("loading weights", k + 1, len(names)))
+    ckpt.close()
+
+
+def _check_finite(ckpt: Checkpoint, spec: ModelSpec, item: str, flat: torch.Tensor) -> None:
+    """Refuse weights holding NaN or infinity (training from them only yields NaN losses)."""
+    if bool(torch.isfinite(flat).all()):
+        return
+    for local, view in item_layout(spec, item).views(flat).items():
+        bad = int((~torch.isfinite(view)).sum())
+        if bad:
+            name = hf_name(item, local)
+            raise UserError(ckpt.where[name], f"tensor '{name}' holds {bad:,} NaN or infinite "
+                            "values", "the weights are damaged: download or copy them again, or "
+                            "use another checkpoint of the model")
+
+
+def master_tensors(host: dict[str, HostItem], spec: ModelSpec):
+    """(checkpoint name, fp32 master) of every tensor, one item materialised at a time."""
+    for name in item_names(spec):
+        master = host[name].master()
+        for local, view in item_layout(spec, name).views(master).items():
+            yield hf_name(name, local), view
+
+
+def export_model(host, spec: ModelSpec, out_dir: Path | str, tokenizer_dir: Path | str,
+                 dtype: torch.dtype, shard_bytes: int) -> Path:
+    """Write the master weights as a Hugging Face folder (atomic; a failed write leaves no
+    partial folder behind, and an existing ``out_dir`` as it was)."""
+    out_dir = Path(out_dir)
+    try:
+        return write_hf_folder(out_dir, spec, master_tensors(host, spec), dtype=dtype,
+                               max_shard_bytes=shard_bytes, tokenizer_dir=tokenizer_dir)
+    except BaseException:
+        shutil.rmtree(out_dir.with_name(out_dir.name + ".partial"), ignore_errors=True)
+        raise
+
+
+def state_tensors(host: dict[str, HostItem]) -> dict[str, dict[str, torch.Tensor]]:
+    """What a training checkpoint stores, per trained item (slideformer.engine.train.checkpoint writes and
+    reads it); a frozen base is not rewritten."""
+    return {name: item.state_tensors() for name, item in host.items()
+            if not isinstance(item, FrozenItem)}

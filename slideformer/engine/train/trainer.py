@@ -1,0 +1,494 @@
+"""The Trainer: ``setup / train / save_checkpoint / cleanup``, driven by a RunConfig.
+
+Front ends call :meth:`Trainer.pause`, :meth:`Trainer.resume` and :meth:`Trainer.stop` from
+another thread; they take effect between steps. Everything the run reports goes through events
+(``slideformer.engine.events``) to the callbacks and to ``<run dir>/events.jsonl``.
+
+A run ends in one of three states: ``finished``; ``stopped`` (asked to; saved unless told not
+to); ``failed``: the engine stopped it because it could not go on -- a checkpoint or the export
+could not be written (disk full), the GPU ran out of memory, or three steps in a row had a
+non-finite loss or gradients. A failed run says why and what to change, keeps every complete
+checkpoint, saves its state when that state is sound, exports nothing, and continues with
+``--resume``.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from slideformer.engine import config as config_mod
+from slideformer.engine.config import RunConfig, parse_bytes
+from slideformer.engine.devices import compute_dtype_name, moments_dtype_name, torch_dtype
+from slideformer.engine.errors import UserError
+from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
+                           Timeline, read_events)
+from slideformer.engine.kernels import cpu_adam
+from slideformer.engine.models.spec import check_window, load_spec
+from slideformer.engine.models.tokenizer import check_vocab, load_tokenizer
+from slideformer.engine.models.weights import Checkpoint
+from slideformer.engine.plan.planner import Plan, plan_run
+from slideformer.engine.runtime.backend import make_backend
+from slideformer.engine.runtime.executor import SlidingExecutor
+from slideformer.engine.runtime.host_state import AdamHyper
+from slideformer.engine.runtime.nvme import NvmeTier
+from slideformer.engine.runtime.shapes import ExecShape, disk_layers, speculative_layers
+from slideformer.engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
+                                     set_rng_state, write_checkpoint, write_error)
+from slideformer.engine.train.lock import LOCK_FILE, RunLock, run_owner
+from slideformer.engine.train.schedule import lr_at
+from slideformer.engine.train.state import (build_frozen_state, build_host_state, export_model,
+                                load_weights, state_tensors)
+from slideformer.engine.validate import validate
+from slideformer.engine.models.lora import lora_spec
+from slideformer.engine.runtime.lora import init_adapters, is_adapter
+from slideformer.engine.train.lora_export import write_adapter, write_merged
+
+GiB = 1 << 30
+RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints", LOCK_FILE}
+"""What a run leaves in its folder before its first complete checkpoint: with nothing else
+there (and no complete checkpoint), the folder may start a new run."""
+NONFINITE_LIMIT = 3
+"""Steps in a row with a non-finite loss or gradients before the run stops."""
+MEMORY_FIX = ("set budget.checkpoints = \"host\" or a smaller budget.slots (the run stays "
+              "resumable), or a smaller train.micro_batch (a new run); close other programs "
+              "that use the GPU")
+RESUME = "then continue with --resume"
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process in bytes.
+
+    Linux's ``VmHWM`` where there is one: ``ru_maxrss`` of a process started by another
+    (fork + exec) can report the parent's larger peak, e.g. the desktop app's.
+    """
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Trainer:
+    """Fine-tunes a model with the sliding-window executor."""
+
+    def __init__(self, cfg: RunConfig, callbacks=()):
+        self.cfg = cfg
+        self.callbacks = list(callbacks)
+        self.run_dir = Path(cfg.output.run_dir)
+        self.step = 0
+        self._pause = threading.Event()
+        self._stop = threading.Event()
+        self._stop_save = True
+        self._failure: tuple[str, bool] | None = None
+        """Why the run cannot go on (message with its fix), and whether to save first."""
+        self._saved_step = -1
+        self.executor = None
+        self.tier = None
+        self.sink = None
+        self.lock = RunLock(self.run_dir)
+
+    # ---- control from other threads ---------------------------------------------------------
+    def pause(self) -> None:
+        self._pause.set()
+
+    def resume(self) -> None:
+        self._pause.clear()
+
+    def stop(self, save: bool = True) -> None:
+        """Stop after the current step; save a checkpoint and the final model if ``save``."""
+        self._stop_save = save
+        self._stop.set()
+        self._pause.clear()
+
+    def emit(self, ev) -> None:
+        self.sink.emit(ev)
+
+    # ---- setup ------------------------------------------------------------------------------
+    def setup(self, resume: bool = False, data=None) -> None:
+        """Load the model, data and state; ``data`` (prepared, stream) overrides slideformer.engine.data.
+
+        Everything that can be checked without loading comes first: the run folder, the
+        settings, the plan (a run whose host state cannot fit host RAM is refused here).
+        """
+        cfg = self.cfg
+        validate(cfg, "train" if data is None else "plan")
+        self.lora = None if cfg.train.method == "full" else lora_spec(cfg.lora)
+        self._check_run_dir(resume)
+        self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
+        self.emit(RunState("setup", "loading model and data"))
+        self.spec = load_spec(cfg.model.path)
+        check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
+        self.backend = make_backend(cfg.train.device)
+        self.dtype = torch_dtype(compute_dtype_name(cfg.train.compute_dtype,
+                                                    "cuda" if self.backend.is_cuda else "cpu"))
+        moments = torch_dtype(moments_dtype_name(cfg.optim.moments_dtype))
+        shape = self.make_plan().exec_shape
+        self._check_host_memory()
+        self.tok = load_tokenizer(cfg.model.path)
+        check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
+        self.prepared, self.stream = data if data is not None else self._prepare_data()
+        self.total_steps = cfg.train.max_steps or max(1, math.ceil(
+            cfg.train.epochs * self.stream.steps_per_epoch))
+        self.tier = self._open_tier()
+        self._build_state(shape, moments, resume)
+        self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
+                                        self.lora, cfg.train.seed)
+        if cpu_adam.unavailable_reason() and self.lora is None:
+            self.emit(Log("warning", f"compiled CPU AdamW unavailable "
+                                     f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "
+                                     "does the CPU updates, about 3x slower"))
+        if resume:
+            self._restore()
+            if self.step >= self.total_steps and self._exported_at(self.step):
+                raise UserError(self.run_dir, f"has finished: its newest checkpoint is step "
+                                f"{self.step} of {self.total_steps}",
+                                f"to train on, resume with more steps, e.g. --max-steps "
+                                f"{2 * self.step}; the fine-tuned model is in {self.run_dir / 'final'}")
+        _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
+        self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
+                              f"{self.spec.num_layers} layers, {self.executor.k} slots, "
+                              f"{self.dtype}, {self.total_steps} steps"))
+
+    def _build_state(self, shape: ExecShape, moments: torch.dtype, resume: bool) -> None:
+        """The host state: every item trained (full), or a frozen base (always read from the
+        model folder: checkpoints do not hold it) with adapters, initialised unless resumed."""
+        cfg = self.cfg
+        if self.lora is None:
+            L = self.spec.num_layers
+            speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
+                                             disk_layers(L, self.plan.disk_layers))
+            self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
+                                         layer_grads=cfg.optim.max_grad_norm > 0,
+                                         borrowed=speculative)
+        else:
+            self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
+                                           nf4=cfg.train.method == "qlora")
+        if resume and self.lora is None:  # the checkpoint holds the whole state
+            Checkpoint(cfg.model.path).check(self.spec)
+        else:
+            load_weights(self.host, self.spec, cfg.model.path, self.emit)
+        if self.lora is not None and not resume:
+            init_adapters({k: v for k, v in self.host.items() if is_adapter(k)}, cfg.train.seed)
+
+    def make_plan(self) -> Plan:
+        """Run the planner for this run and keep its answer as ``self.plan``; a plan that does
+        not fit is a warning here (the host-memory check refuses what cannot run).
+
+        The plan's executor shape (slots, checkpoint placement, LM-head chunk) is what the
+        executor runs, so prediction and run cannot drift apart; budget.slots and
+        budget.checkpoints, when set, override the plan's choice.
+        """
+        self.plan = plan_run(self.cfg, self.spec, device="cuda" if self.backend.is_cuda else "cpu")
+        if self.plan.verdict == "does not fit":
+            fix = f"; try: {self.plan.fixes[0].change}" if self.plan.fixes else ""
+            self.emit(Log("warning", f"the planner predicts this run does not fit: "
+                                     f"{self.plan.reason}{fix}"))
+        return self.plan
+
+    def _open_tier(self) -> NvmeTier | None:
+        """The NVMe tier for the layers whose moments the plan put on disk (None: none)."""
+        n, L = self.plan.disk_layers, self.spec.num_layers
+        if not n:
+            return None
+        self.emit(Log("info", f"NVMe tier: AdamW moments of {n} of {L} layers in "
+                              f"{self.cfg.budget.nvme_dir}"))
+        return NvmeTier(self.cfg.budget.nvme_dir, [f"layer{i}" for i in disk_layers(L, n)],
+                        size_limit=self.plan.budgets.disk)
+
+    def _check_run_dir(self, resume: bool) -> None:
+        d = self.run_dir
+        if d.exists() and not d.is_dir():
+            raise UserError(d, "is a file, not a run folder", "choose another output.run_dir")
+        if d.is_dir() and run_owner(d) is not None:
+            self.lock.acquire()  # raises, naming the process that trains this folder
+        has_checkpoint = bool(checkpoints(d / "checkpoints"))
+        if resume and not has_checkpoint:
+            raise UserError(d, "has no checkpoint to resume from",
+                            "start a new run without --resume (into an unused output.run_dir)")
+        foreign = {p.name for p in d.iterdir()} - RUN_FILES if d.is_dir() else set()
+        if not resume and (has_checkpoint or foreign):
+            raise UserError(d, "already holds a run", "resume it (--resume) or choose another "
+                            "output.run_dir" if has_checkpoint else "choose another output.run_dir")
+        if (d / "checkpoints").exists() and not (d / "checkpoints").is_dir():
+            raise UserError(d / "checkpoints", "is a file, not the run's checkpoint folder",
+                            "move the file away, or choose another output.run_dir")
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(d, f"cannot be created ({e.strerror})",
+                            "choose an output.run_dir in a folder you can write to") from None
+        self.lock.acquire()  # held until cleanup(); the OS drops it if this process dies
+
+    def _check_host_memory(self) -> None:
+        """Refuse a run the plan says cannot fit host RAM, before anything is loaded."""
+        host = self.plan.tier("host")
+        if host.budget is not None and host.peak > host.budget:
+            fixes = [f.change for f in self.plan.fixes if f.tier == "host" and f.fits]
+            raise UserError("budget.ram", f"the run needs {host.peak / GiB:.2f} GiB of host RAM "
+                            f"and {host.budget / GiB:.2f} GiB is available (budget.ram: "
+                            f"{self.plan.budgets.ram_source})",
+                            (fixes[0] if fixes else "use optim.moments_dtype = \"bfloat16\" or a "
+                             "smaller model") + ", free host memory, or raise budget.ram")
+
+    def _prepare_data(self):
+        from slideformer.engine.data import BatchStream, prepare_data
+        cache = self.run_dir.parent / ".token-cache"
+        prepared = prepare_data(self.cfg.data, self.tok, cache, self.emit)
+        t = self.cfg.train
+        return prepared, BatchStream(prepared.train, micro_batch=t.micro_batch,
+                                     grad_accum=t.grad_accum, seed=self.cfg.data.seed)
+
+    # ---- training ---------------------------------------------------------------------------
+    def hyper(self, coef: float) -> AdamHyper:
+        o = self.cfg.optim
+        return AdamHyper(lr=lr_at(self.step + 1, self.total_steps, o), beta1=o.beta1,
+                         beta2=o.beta2, eps=o.eps, weight_decay=o.weight_decay,
+                         step=self.step + 1, grad_scale=coef)
+
+    def train(self) -> str:
+        """Run until the last step or a stop; returns the final state."""
+        self.emit(RunState("running", step=self.step))
+        cfg, skipped_in_row = self.cfg, 0
+        while self.step < self.total_steps and not self._stop.is_set():
+            if self._pause.is_set():
+                self.emit(RunState("paused", step=self.step))
+                while self._pause.is_set() and not self._stop.is_set():
+                    time.sleep(0.05)
+                if self._stop.is_set():
+                    break
+                self.emit(RunState("running", step=self.step))
+            out = self._one_step()
+            if out is None:
+                break
+            skipped_in_row = skipped_in_row + 1 if out.skipped else 0
+            if skipped_in_row >= NONFINITE_LIMIT:
+                self._fail(f"{NONFINITE_LIMIT} steps in a row had a non-finite loss or gradients; "
+                           f"the state before them is kept", "lower optim.lr, raise "
+                           "optim.warmup_steps or keep optim.max_grad_norm > 0, and check the "
+                           f"data for broken records; {RESUME}", save=True)
+                break
+            every = cfg.train.save_every
+            if every and self.step % every == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                self.evaluate()
+        return self._finish()
+
+    def _one_step(self):
+        """One optimizer step; None when the GPU ran out of memory (the run then fails)."""
+        self.backend.reset_peak()
+        t0 = time.perf_counter()
+        position = self.stream.state_dict()
+        mbs = self.stream.next_step()
+        lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
+        try:
+            out = self.executor.train_step(mbs, self.hyper, self.cfg.optim.max_grad_norm)
+        except torch.cuda.OutOfMemoryError:
+            self._out_of_memory(position)
+            return None
+        dt = time.perf_counter() - t0
+        if not out.skipped:
+            self.step += 1
+        seen = sum(mb.input_ids.numel() for mb in mbs)
+        self.emit(StepMetrics(step=self.step, total_steps=self.total_steps,
+                              loss=None if out.skipped else out.loss, lr=lr,
+                              grad_norm=out.grad_norm if math.isfinite(out.grad_norm) else None,
+                              tokens=out.tokens, tokens_per_s=seen / dt, step_time=dt,
+                              peak_vram=self.backend.peak_memory(), peak_ram=peak_rss(),
+                              skipped=out.skipped))
+        if out.skipped and out.applied:
+            self.emit(Log("warning", f"non-finite gradients: step skipped, but {out.applied} layer "
+                                     "updates had already been applied (without clipping, updates "
+                                     "overlap the backward; optim.max_grad_norm > 0 skips whole "
+                                     "steps)"))
+        elif out.skipped:
+            self.emit(Log("warning", "non-finite loss or gradients: step skipped, weights "
+                                     "unchanged"))
+        if self._last_timeline is not None:
+            self.emit(Timeline(self._last_timeline[0], self._last_timeline[1].resolve()))
+        self._last_timeline = (self.step, out.timeline)
+        return out
+
+    _last_timeline = None
+
+    def _out_of_memory(self, position: dict) -> None:
+        """Roll the failed step back: its batch is put back, the state is the previous step's.
+
+        With clipping the step's speculative updates are undone, so the host state is the
+        previous step's; without it, updates overlap the backward and some may have been applied.
+        """
+        self.executor.roll_back()  # the last step's updates finish, this one's are undone
+        self.executor.drain()
+        self.stream.load_state_dict(position)
+        plan = getattr(self, "plan", None)
+        fixes = [f.change for f in getattr(plan, "fixes", ()) if f.available][:2]
+        fix = "; or ".join(fixes + [MEMORY_FIX])
+        applied = self.executor.step_updates
+        if applied:
+            self._fail(f"out of GPU memory in step {self.step + 1} after {applied} of its updates "
+                       f"were applied (without clipping, updates overlap the backward): this state "
+                       f"is not saved, the newest checkpoint is where to continue",
+                       f"{fix}; {RESUME}", save=False)
+        else:
+            self._fail(f"out of GPU memory in step {self.step + 1}; the step was rolled back",
+                       f"{fix}; {RESUME}", save=True)
+
+    def _fail(self, message: str, fix: str, save: bool) -> None:
+        """Stop the run as failed after this step, saving its state first if ``save``.
+
+        The run's last event (RunState "failed") carries the message; an earlier failure that
+        a later one replaces (the save after it failed too) is kept as an error log line.
+        """
+        if self._failure is not None:
+            self.emit(Log("error", self._failure[0]))
+        self._failure = (f"{message}\n  fix: {fix}", save)
+        self._stop.set()
+
+    def evaluate(self) -> float | None:
+        """Mean validation loss over the validation split (None without one)."""
+        if getattr(self.prepared, "val", None) is None:
+            return None
+        from slideformer.engine.data import iterate_eval
+        total = count = 0.0
+        try:
+            for mb in iterate_eval(self.prepared.val, self.cfg.train.micro_batch):
+                loss_sum, n = self.executor.eval_loss(mb)
+                total, count = total + loss_sum, count + n
+        except torch.cuda.OutOfMemoryError:
+            self.emit(Log("warning", "validation skipped: out of GPU memory"))
+            return None
+        if not count:
+            return None
+        val = total / count
+        self.emit(EvalMetrics(self.step, val))
+        return val
+
+    def _finish(self) -> str:
+        self.executor.drain()
+        if self._last_timeline is not None:
+            self.emit(Timeline(self._last_timeline[0], self._last_timeline[1].resolve()))
+            self._last_timeline = None
+        if self._failure is None and self._stop.is_set() and not self._stop_save:
+            self.emit(RunState("stopped", "stopped without saving", self.step))
+            return "stopped"
+        if self._failure is None:
+            self.evaluate()
+        if self._failure is None or self._failure[1]:
+            self.save_checkpoint()  # first: an export that fails must not lose the trained steps
+        if self._failure is None:
+            self.emit(RunState("saving", "exporting the final model", self.step))
+            out = self.run_dir / "final"
+            try:
+                self.export(out)
+            except OSError as e:
+                self._fail(f"could not write the final model to {out}: "
+                           f"{write_error(e, self.run_dir)}; the trained state is safe in "
+                           f"checkpoints/step-{self.step}", "free disk space, then run the same "
+                           "command with --resume: it writes the final model without training "
+                           "again", save=False)
+        if self._failure is not None:
+            self.emit(RunState("failed", self._failure[0], self.step))
+            return "failed"
+        done = self.step >= self.total_steps
+        hint = "" if done else f"; {RESUME} to train on"
+        self.emit(RunState("finished" if done else "stopped", f"model saved to {out}{hint}",
+                           self.step))
+        return "finished" if done else "stopped"
+
+    def export(self, out_dir: Path) -> Path:
+        """The trained model (full), or the PEFT adapter folder (lora, qlora) and, with
+        lora.export_merged, the merged model in ``<out_dir>-merged``."""
+        self.executor.drain()
+        dtype = torch_dtype(self.spec.torch_dtype) or torch.bfloat16
+        shard = parse_bytes(self.cfg.output.shard_size, "output.shard_size")
+        base = self.cfg.model.path
+        if self.lora is None:
+            return export_model(self.host, self.spec, out_dir, base, dtype, shard)
+        if self.cfg.lora.export_merged:
+            write_merged(out_dir.with_name(out_dir.name + "-merged"), self.host, self.spec,
+                         self.lora, base, dtype, shard)
+        return write_adapter(out_dir, self.host, self.spec, self.lora, base)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path | None:
+        """Write checkpoints/step-N crash-safely (slideformer.engine.train.checkpoint) and keep the last N.
+
+        Returns None when it cannot be written (e.g. the disk is full): every earlier
+        checkpoint is left intact and the run stops as failed, saying so.
+        """
+        self.executor.drain()
+        root = self.run_dir / "checkpoints"
+        if self._saved_step == self.step:
+            return root / f"step-{self.step}"
+        items = state_tensors(self.host)
+        try:
+            path = write_checkpoint(root, self.step, items, self._trainer_state(),
+                                    self.cfg.train.keep_checkpoints)
+        except OSError as e:
+            newest = checkpoints(root)
+            kept = f"the newest complete checkpoint is {newest[0].name}" if newest else \
+                "there is no complete checkpoint yet"
+            self._fail(f"could not write checkpoint step-{self.step} in {root}: "
+                       f"{write_error(e, root, checkpoint_bytes(items))}; {kept}",
+                       "free disk space (or lower train.keep_checkpoints, or move "
+                       f"output.run_dir to a larger disk), {RESUME}", save=False)
+            return None
+        self._saved_step = self.step
+        self.emit(CheckpointSaved(self.step, str(path)))
+        return path
+
+    def _trainer_state(self) -> dict:
+        """Everything but the tensors that a resume needs to continue exactly."""
+        return {"step": self.step, "total_steps": self.total_steps,
+                "next_lr": self.hyper(1.0).lr, "data": self.stream.state_dict(),
+                "rng": rng_state(), "config": config_mod.to_dict(self.cfg)}
+
+    def _restore(self) -> None:
+        """Load the newest checkpoint that verifies (a damaged one falls back to the previous)."""
+        folder, meta = load_newest(self.run_dir / "checkpoints", state_tensors(self.host),
+                                   lambda m: self.stream.load_state_dict(m["data"]),
+                                   lambda text: self.emit(Log("warning", text)))
+        self.step = self._saved_step = int(meta["step"])
+        self.executor.host_changed()
+        set_rng_state(meta["rng"])
+        old, new = meta["config"], config_mod.to_dict(self.cfg)
+        changed = [f"{s}.{k} {old[s][k]!r} -> {v!r}" for s, values in new.items()
+                   for k, v in values.items() if k in old.get(s, {}) and old[s][k] != v]
+        if changed:
+            self.emit(Log("warning", "resuming with changed settings: " + ", ".join(changed)))
+        self.emit(Log("info", f"resumed from {folder.name}"))
+
+    def _exported_at(self, step: int) -> bool:
+        """Whether this folder's run finished at ``step`` with its final model written (a
+        run whose export failed resumes to write it again)."""
+        states = [e for e in read_events(self.run_dir / "events.jsonl") if isinstance(e, RunState)
+                  and e.state in ("finished", "stopped", "failed")]
+        return bool(states) and states[-1].state == "finished" and states[-1].step == step
+
+    def cleanup(self) -> None:
+        if self.executor is not None:
+            self.executor.close()
+            self.executor = None
+            self.backend.release_host()
+        if self.tier is not None:
+            self.tier.close()
+            self.tier = None
+        if self.sink is not None:
+            self.sink.close()
+        self.lock.release()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Replace a small text file so that a reader sees the old or the new one, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)

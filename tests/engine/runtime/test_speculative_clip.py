@@ -1,0 +1,134 @@
+"""Exact clipping with speculative updates equals the barrier mode bit for bit (CPU, fp32).
+
+The speculative layers update with coefficient 1 during the backward and are repaired at the
+barrier when the global norm exceeds the limit (slideformer.engine.runtime.grad_ring). Every case runs the
+barrier mode (no speculative layers) and the speculative one on the same batches and compares
+losses, norms, master weights and both moments with ``torch.equal``; the clipping thresholds make
+clipping trigger at every step, at none, and at some; the barrier mode itself is held to dense
+PyTorch AdamW + clip_grad_norm_ by tests/engine/runtime/test_sliding_equivalence.py, and here once more.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+import statistics
+
+import pytest
+import torch
+
+import slideformer.engine.runtime.executor as executor_mod
+from slideformer.engine.config import OptimConfig
+from slideformer.engine.models.spec import load_spec
+from slideformer.engine.models.tiny import TinyShape, make_tiny_model
+from slideformer.engine.runtime.backend import CpuBackend
+from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
+from slideformer.engine.runtime.shapes import speculative_layers
+from slideformer.engine.runtime.host_state import AdamHyper
+from slideformer.engine.train.schedule import lr_at
+from slideformer.engine.train.state import build_host_state, load_weights
+from tests.engine.runtime.test_sliding_equivalence import STEPS, DenseReference, assert_same, make_batches
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = make_tiny_model(tmp_path_factory.mktemp("spec") / "m", "qwen3", TinyShape(layers=LAYERS), seed=11)
+    return load_spec(d), d
+
+
+def run(spec, d, steps, clip, shape, threaded=False):
+    """(step outputs, host state) of sliding training with ``shape``, as the trainer builds it."""
+    optim = OptimConfig(lr=3e-3, weight_decay=0.05, schedule="cosine", warmup_steps=1, max_grad_norm=clip)
+    backend = CpuBackend()
+    spec_layers = speculative_layers(LAYERS, shape.device_layers, shape.spec_layers)
+    host = build_host_state(spec, backend, torch.float32, torch.float32, layer_grads=True,
+                            borrowed=spec_layers)
+    load_weights(host, spec, d)
+    ex = SlidingExecutor(spec, backend, host, shape, torch.float32)
+    if threaded:  # updates race the backward in a worker thread, as on CUDA
+        ex.updater = ThreadPoolExecutor(1)
+    outs = []
+    for k, mbs in enumerate(steps, start=1):
+        hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, optim), optim.beta1, optim.beta2,  # noqa: E731
+                                            optim.eps, optim.weight_decay, k, coef)
+        outs.append(ex.train_step(mbs, hyper, clip))
+    ex.close()
+    assert len(ex.snapshots.snaps) == len(spec_layers)
+    return outs, host, optim
+
+
+def assert_bitwise(a, b):
+    (outs_a, host_a, _), (outs_b, host_b, _) = a, b
+    assert [o.loss for o in outs_a] == [o.loss for o in outs_b]
+    assert [repr(o.grad_norm) for o in outs_a] == [repr(o.grad_norm) for o in outs_b]  # nan too
+    assert [o.skipped for o in outs_a] == [o.skipped for o in outs_b]
+    for name, item in host_a.items():
+        other = host_b[name]
+        for field in ("w", "m", "v"):
+            assert torch.equal(getattr(item, field), getattr(other, field)), f"{name}.{field}"
+
+
+def _threshold(spec, d, steps, kind):
+    """A max_grad_norm that clips every step, none, or some (from an unclipped run's norms)."""
+    if kind == "always":
+        return 1e-3
+    if kind == "never":
+        return 1e6
+    outs, _, _ = run(spec, d, steps, 0.0,
+                     ExecShape(micro_batch=1, seq_len=16, n_micro=len(steps[0]), slots=2))
+    return statistics.median(o.grad_norm for o in outs)
+
+
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("kind,slots,n_micro,depth,threaded", [
+    ("always", 2, 2, 2, False), pytest.param("always", 4, 1, 4, True, marks=SLOW),
+    pytest.param("never", 2, 2, 4, True, marks=SLOW), ("never", 1, 3, 1, False),
+    ("sometimes", 2, 2, 3, True), pytest.param("sometimes", 3, 1, 4, False, marks=SLOW)])
+def test_speculative_equals_barrier(model, kind, slots, n_micro, depth, threaded):
+    spec, d = model
+    steps = make_batches(spec, n_micro, B=1, T=16, seed=12)
+    clip = _threshold(spec, d, steps, kind)
+    base = ExecShape(micro_batch=1, seq_len=16, n_micro=n_micro, slots=slots)
+    barrier = run(spec, d, steps, clip, base)
+    specul = run(spec, d, steps, clip, ExecShape(**{**base.__dict__, "spec_layers": depth}), threaded)
+    clipped = [o.grad_norm > clip for o in barrier[0]]
+    assert {"always": all(clipped), "never": not any(clipped),
+            "sometimes": any(clipped) and not all(clipped)}[kind], clipped
+    assert_bitwise(barrier, specul)
+    if kind == "sometimes":  # and both are dense AdamW with clip_grad_norm_
+        ref = DenseReference(spec, d, specul[2])
+        ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
+        assert_same(spec, ref, ref_losses, [o.loss for o in specul[0]], specul[1])
+
+
+@SLOW
+def test_speculative_with_device_layers_equals_barrier(model):
+    """Device-updated layers and the embedding/head stay on the barrier beside speculation."""
+    spec, d = model
+    steps = make_batches(spec, 2, B=1, T=16, seed=13)
+    base = ExecShape(micro_batch=1, seq_len=16, n_micro=2, slots=2, device_update=True, device_layers=1)
+    assert_bitwise(run(spec, d, steps, 1e-3, base),
+                   run(spec, d, steps, 1e-3, ExecShape(**{**base.__dict__, "spec_layers": 4}), True))
+
+
+def test_skipped_step_undoes_speculative_updates(model, monkeypatch):
+    """A step whose gradients are non-finite is skipped whole: the speculative updates it ran
+    (with NaN gradients) are undone, as the barrier mode never applies them."""
+    spec, d = model
+    steps = make_batches(spec, 1, B=1, T=16, seed=14)
+    real, calls = executor_mod.linear_ce_fwd_bwd, []
+
+    def poisoned(*args):
+        loss, gh = real(*args)
+        calls.append(1)
+        return loss, gh * float("nan") if len(calls) == 3 else gh
+    monkeypatch.setattr(executor_mod, "linear_ce_fwd_bwd", poisoned)
+    shape = ExecShape(micro_batch=1, seq_len=16, n_micro=1, slots=2)
+    barrier = run(spec, d, steps, 0.5, shape)
+    calls.clear()
+    specul = run(spec, d, steps, 0.5, ExecShape(**{**shape.__dict__, "spec_layers": 3}), True)
+    assert [o.skipped for o in specul[0]] == [False, False, True, False, False]
+    assert_bitwise(barrier, specul)
+    assert all(torch.isfinite(item.w).all() for item in specul[1].values())

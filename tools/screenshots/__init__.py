@@ -1,0 +1,1 @@
+"""Developer tools (not part of the installed product)."""

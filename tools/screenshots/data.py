@@ -1,0 +1,89 @@
+"""Render the Data page with a tool-calling conversation and with a refused preference file.
+
+    python -m tools.screenshots.data --out docs/screenshots
+
+Writes data-tools.png and data-refused.png. The window fills a 1366x768 screen. It runs on
+whatever Qt platform is set (offscreen by default; QT_QPA_PLATFORM=xcb with DISPLAY for a real X
+server), on throw-away settings and data folders, with the demo model.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from slideformer.gui.pages.model import ensure_demo_model
+from slideformer.gui.capture import (out_parser, print_paths, save, studio_window,
+                                         wait_until)
+
+SCREEN = (1366, 768)
+TOOLS = [{"name": "get_weather", "description": "Current weather of a city",
+          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                         "required": ["city"]}}]
+
+
+def tool_records(n: int = 40) -> list[dict]:
+    """ShareGPT tool-calling conversations (LLaMA-Factory's layout: tools as JSON text)."""
+    cities = ["Paris", "Lima", "Oslo", "Pune", "Kyoto"]
+    out = []
+    for i in range(n):
+        city, temp = cities[i % len(cities)], 10 + i % 17
+        out.append({"conversations": [
+            {"from": "human", "value": f"What is the weather in {city}?"},
+            {"from": "function_call",
+             "value": json.dumps({"name": "get_weather", "arguments": {"city": city}})},
+            {"from": "observation", "value": json.dumps({"temp_c": temp})},
+            {"from": "gpt", "value": f"It is {temp} degrees in {city}."}],
+            "tools": json.dumps(TOOLS)})
+    return out
+
+
+def preference_records() -> list[dict]:
+    """A DPO file as preference-training tools publish them."""
+    return [{"prompt": "Name a prime.", "chosen": "7", "rejected": "8"},
+            {"prompt": "2 + 2?", "chosen": "4", "rejected": "5"}]
+
+
+def _write(path: Path, records: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return str(path)
+
+
+def render(out: Path) -> list[Path]:
+    with studio_window(out) as (window, tmp):
+        window.resize(*SCREEN)
+        window.move(0, 0)
+        window.monitor_dock.hide()
+        window.show()
+        ctx = window.ctx
+        window.model_page.load(ensure_demo_model(ctx.demo_model_dir))
+        wait_until(lambda: ctx.model_path is not None)
+        page = window.pages["Data"]
+        window.show_page("Data")
+        page.template.setCurrentIndex(page.template.findData("chatml"))
+        page.set_file(_write(tmp / "weather-tools.jsonl", tool_records()))
+        wait_until(lambda: page.report is not None and page.report.cfg == ctx.data_config,
+                   60000)
+        _scroll_to(page.preview, "It is ")  # the call, its result and the answer in view
+        written = [save(window, out / "data-tools.png")]
+        page.set_file(_write(tmp / "dpo-pairs.jsonl", preference_records()))
+        wait_until(lambda: page.status.property("state") == "error", 60000)
+        written.append(save(window, out / "data-refused.png"))
+        return written
+
+
+def _scroll_to(browser, text: str) -> None:
+    browser.find(text)
+    cursor = browser.textCursor()
+    cursor.clearSelection()
+    browser.setTextCursor(cursor)
+    browser.ensureCursorVisible()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = out_parser(__doc__).parse_args(argv)
+    return print_paths(render(args.out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Take the Model page's and the About box's pictures for the documentation.
+
+    xvfb-run -s "-screen 0 1366x768x24" python -m tools.screenshots.model --out docs/screenshots
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from slideformer.gui.capture import (WINDOW_SIZE, out_parser, print_paths, save, studio_window,
+                                     use_x_server, wait_until)
+from slideformer.gui.pages.model import ensure_demo_model
+
+
+def render(out: Path) -> list[Path]:
+    """Write one PNG per page and state into ``out``; returns their paths."""
+    with studio_window(out) as (window, tmp):
+        return _shoot(window, tmp, out)
+
+
+def _shoot(window, tmp: Path, out: Path) -> list[Path]:
+    """Take the screenshots of one main window, state by state."""
+    written = []
+    window.resize(*WINDOW_SIZE)
+    window.show()
+    page = window.model_page
+
+    # A broken folder, with the host-only Monitor a machine without NVIDIA GPU shows.
+    broken = tmp / "Downloads" / "Some-Model-7B"
+    broken.mkdir(parents=True)
+    (broken / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    page.load(str(broken))
+    wait_until(lambda: page.status.property("state") == "error")
+    wait_until(lambda: window.monitor.history.count >= 2)
+    written.append(save(window, out / "model-error-no-gpu.png"))
+
+    # The demo model chosen, in both themes.
+    page.load(ensure_demo_model(window.ctx.demo_model_dir))
+    wait_until(lambda: page.status.property("state") == "ok")
+    written.append(save(window, out / "model-light.png"))
+    window.set_theme("dark")
+    written.append(save(window, out / "model-dark.png"))
+    window.set_theme("light")
+
+    about = window.show_about()
+    wait_until(lambda: about.values["CUDA"].text() != "…")
+    written.append(save(about, out / "about.png"))
+    about.close()
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = out_parser(__doc__).parse_args(argv)
+    use_x_server()
+    return print_paths(render(args.out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
