@@ -51,17 +51,22 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
-             out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Fused ``layers.rms_norm``; ``out_dtype`` (default: promote(x, w), as the reference)
-    lets an fp32 residual stream come out in the compute dtype."""
+             out: torch.dtype | None = None) -> torch.Tensor:
+    """Fused ``layers.rms_norm``. ``out`` None or x's dtype: Hugging Face's rounding (the
+    normalised value rounded to x's dtype, y in promote(x, w)); another dtype: the scaling in
+    fp32, rounded once to ``out`` (an fp32 residual stream feeding bf16 matmuls)."""
     from slideformer.engine.kernels.triton_norm import RMSNorm
-    return RMSNorm.apply(x, w, eps, out_dtype or torch.promote_types(x.dtype, w.dtype))
+    if out is None or out == x.dtype:
+        return RMSNorm.apply(x, w, eps, torch.promote_types(x.dtype, w.dtype), True)
+    return RMSNorm.apply(x, w, eps, out, False)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Fused ``layers.apply_rope`` for tables made by ``layers.rope_tables``."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               out: torch.dtype | None = None) -> torch.Tensor:
+    """Fused ``layers.apply_rope`` for tables made by ``layers.rope_tables``, in fp32, rounded
+    once to ``out`` (default: x's dtype)."""
     from slideformer.engine.kernels.triton_rope import RoPE
-    return RoPE.apply(x, cos, sin)
+    return RoPE.apply(x, cos, sin, out or x.dtype)
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

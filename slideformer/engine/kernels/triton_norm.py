@@ -3,7 +3,8 @@
 For a row x (N,), weight w (N,) and eps, with fp32 maths:
 
     r = 1 / sqrt(mean(x^2) + eps)          (saved per row, fp32)
-    n = x r,  rounded to x's dtype          (the reference rounds here, as Hugging Face does)
+    n = x r,  rounded to x's dtype          (``round_n``: the reference rounds here, as Hugging
+                                             Face does, when y is wanted in x's dtype)
     y = w n                                  (in the output dtype)
 
 Backward, for dL/dy = dy (the rounding of n is the identity for gradients, as in autograd):
@@ -17,8 +18,9 @@ and runs ~6 kernels each way; here the forward reads x and writes y, and the bac
 and dy and writes dx, with r recomputed nowhere. dw is summed per program over its rows
 (``programs`` partial rows in fp32), then across programs by PyTorch.
 
-The input may be fp32 (an fp32 residual stream) with ``out_dtype`` bf16: n is then kept in fp32
-and only y is rounded. Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors.
+The input may be fp32 (an fp32 residual stream) with ``out_dtype`` bf16, or bf16 q/k with an fp32
+output: without ``round_n`` n stays fp32 and only y is rounded (the reference's ``out`` case).
+Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors.
 """
 from __future__ import annotations
 
@@ -31,13 +33,15 @@ from slideformer.engine.kernels.dispatch import count_launch
 
 @triton.jit
 def _rms_norm_fwd(x_ptr, x_stride, w_ptr, y_ptr, y_stride, r_ptr, N, eps,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, ROUND_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     m = cols < N
     x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, 0) / N + eps)
-    n = (x * r).to(x_ptr.dtype.element_ty).to(tl.float32)
+    n = x * r
+    if ROUND_N:
+        n = n.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * y_stride + cols, (w * n).to(y_ptr.dtype.element_ty), mask=m)
     tl.store(r_ptr + row, r)
@@ -45,7 +49,8 @@ def _rms_norm_fwd(x_ptr, x_stride, w_ptr, y_ptr, y_stride, r_ptr, N, eps,
 
 @triton.jit
 def _rms_norm_bwd(dy_ptr, dy_stride, x_ptr, x_stride, w_ptr, r_ptr, dx_ptr, dx_stride,
-                  dw_ptr, M, N, rows_per_program, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr):
+                  dw_ptr, M, N, rows_per_program, BLOCK: tl.constexpr, WEIGHT_GRAD: tl.constexpr,
+                  ROUND_N: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     m = cols < N
@@ -60,7 +65,10 @@ def _rms_norm_bwd(dy_ptr, dy_stride, x_ptr, x_stride, w_ptr, r_ptr, dx_ptr, dx_s
         r = tl.load(r_ptr + i, mask=i < M, other=0.0)
         n = x * r
         if WEIGHT_GRAD:
-            dw += dy * n.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if ROUND_N:
+                dw += dy * n.to(x_ptr.dtype.element_ty).to(tl.float32)
+            else:
+                dw += dy * n
         g = dy * w
         dx = r * (g - n * (tl.sum(g * n, 0) / N))
         tl.store(dx_ptr + i * dx_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=rm)
@@ -83,20 +91,22 @@ def _programs(M: int, device: torch.device) -> int:
     return min(M, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
 
 
-def rms_norm_fwd(x2: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype):
+def rms_norm_fwd(x2: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype,
+                 round_n: bool):
     """y (M, N) in ``out_dtype`` and r (M,) fp32 for rows x2 (M, N) with unit column stride."""
     M, N = x2.shape
     y = torch.empty(M, N, dtype=out_dtype, device=x2.device)
     r = torch.empty(M, dtype=torch.float32, device=x2.device)
     if M:
         block, warps = _settings(N)
-        _rms_norm_fwd[(M,)](x2, x2.stride(0), w, y, N, r, N, eps, BLOCK=block, num_warps=warps)
+        _rms_norm_fwd[(M,)](x2, x2.stride(0), w, y, N, r, N, eps, BLOCK=block, ROUND_N=round_n,
+                            num_warps=warps)
         count_launch("rms_norm_fwd")
     return y, r
 
 
 def rms_norm_bwd(dy: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, r: torch.Tensor,
-                 weight_grad: bool):
+                 weight_grad: bool, round_n: bool):
     """dx (M, N) in x2's dtype and dw (N,) fp32 (None without ``weight_grad``)."""
     M, N = x2.shape
     dx = torch.empty_like(x2, memory_format=torch.contiguous_format)
@@ -106,7 +116,8 @@ def rms_norm_bwd(dy: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, r: torch.T
     if M:
         block, warps = _settings(N)
         _rms_norm_bwd[(programs,)](dy, dy.stride(0), x2, x2.stride(0), w, r, dx, N, dw, M, N, rows,
-                                   BLOCK=block, WEIGHT_GRAD=weight_grad, num_warps=warps)
+                                   BLOCK=block, WEIGHT_GRAD=weight_grad, ROUND_N=round_n,
+                                   num_warps=warps)
         count_launch("rms_norm_bwd")
     if not weight_grad:
         return dx, None
@@ -123,15 +134,15 @@ class RMSNorm(torch.autograd.Function):
     """y = w * rms-normalised x over the last dimension; see the module docstring."""
 
     @staticmethod
-    def forward(ctx, x, w, eps: float, out_dtype: torch.dtype):
+    def forward(ctx, x, w, eps: float, out_dtype: torch.dtype, round_n: bool):
         x2 = _rows(x)
-        y, r = rms_norm_fwd(x2, w, eps, out_dtype)
+        y, r = rms_norm_fwd(x2, w, eps, out_dtype, round_n)
         ctx.save_for_backward(x2, w, r)
-        ctx.x_shape = x.shape
+        ctx.x_shape, ctx.round_n = x.shape, round_n
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         x2, w, r = ctx.saved_tensors
-        dx, dw = rms_norm_bwd(_rows(dy), x2, w, r, ctx.needs_input_grad[1])
-        return dx.view(ctx.x_shape), None if dw is None else dw.to(w.dtype), None, None
+        dx, dw = rms_norm_bwd(_rows(dy), x2, w, r, ctx.needs_input_grad[1], ctx.round_n)
+        return dx.view(ctx.x_shape), None if dw is None else dw.to(w.dtype), None, None, None

@@ -11,7 +11,8 @@ a rotation of each pair (x1_j, x2_j) by f_j. Its gradient is the rotation by -f_
 
 The kernel reads the first half of each table row only, which is why it serves tables from
 ``rope_tables`` and nothing else. The reference makes 4 temporaries of x's size and rounds
-three times in bf16; here x is read once and y written once, with fp32 maths rounded once.
+three times in bf16; here x is read once and y written once, with fp32 maths rounded once (to
+``out``: x's dtype, or fp32 for an fp32 attention input).
 q and k are (B, heads, T, hd) views with any strides (the projections' transposes) and the
 output keeps them, so attention sees the same layout as with the reference.
 """
@@ -48,13 +49,15 @@ def _rope(x_ptr, y_ptr, cos_ptr, sin_ptr, T, heads, sxb, sxh, sxt, syb, syh, syt
              mask=m)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
-    """Rotate x (B, heads, T, hd) by the tables (B or 1, 1, T, hd); ``inverse``: by -angle."""
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool,
+         out: torch.dtype) -> torch.Tensor:
+    """Rotate x (B, heads, T, hd) by the tables (B or 1, 1, T, hd), in fp32, into ``out``;
+    ``inverse``: by -angle."""
     B, heads, T, hd = x.shape
     assert x.stride(-1) == 1 and hd % 2 == 0, (x.shape, x.stride())
     cos, sin = cos.expand(B, 1, T, hd), sin.expand(B, 1, T, hd)  # stride 0 where broadcast
     assert cos.stride() == sin.stride() and cos.stride(-1) == 1, (cos.stride(), sin.stride())
-    y = torch.empty_like(x)  # the same strides as x (dense, non-overlapping views)
+    y = torch.empty_like(x, dtype=out)  # the same strides as x (dense, non-overlapping views)
     if x.numel():
         half = hd // 2
         _rope[(B * T,)](x, y, cos, sin, T, heads, *_bht(x), *_bht(y), cos.stride(0), cos.stride(2),
@@ -70,16 +73,17 @@ def _bht(t: torch.Tensor) -> tuple[int, int, int]:
 
 
 class RoPE(torch.autograd.Function):
-    """x * cos + rotate_half(x) * sin for tables from ``rope_tables``; see the module docstring.
-    The tables get no gradient (they come from integer positions)."""
+    """x * cos + rotate_half(x) * sin for tables from ``rope_tables``, in ``out``; see the module
+    docstring. The tables get no gradient (they come from integer positions)."""
 
     @staticmethod
-    def forward(ctx, x, cos, sin):
+    def forward(ctx, x, cos, sin, out: torch.dtype):
         ctx.save_for_backward(cos, sin)
-        return rope(x, cos, sin, inverse=False)
+        ctx.x_dtype = x.dtype
+        return rope(x, cos, sin, inverse=False, out=out)
 
     @staticmethod
     def backward(ctx, dy):
         cos, sin = ctx.saved_tensors
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        return rope(dy, cos, sin, inverse=True), None, None
+        return rope(dy, cos, sin, inverse=True, out=ctx.x_dtype), None, None, None

@@ -142,6 +142,33 @@ def test_rms_norm_fp32_residual_to_bf16_output(launches):
 
 
 @gpu
+def test_bf16_qk_to_fp32_norm_and_rope(launches):
+    """bf16 q/k normed and rotated in fp32 with fp32 tables (the precision option's attention
+    inputs): both ops scale in fp32 and round once, into fp32."""
+    if INTERPRET:
+        pytest.skip("the interpreter has no bf16 arithmetic")
+    B, T, nh, hd = 2, 77, 4, 128
+    x, w = norm_inputs((B, T, nh * hd), torch.bfloat16)
+    cos, sin = layers.rope_tables(llama_spec(hd, 1, 1, hd, rope_scaling=LLAMA3),
+                                  torch.arange(T, device=DEVICE).expand(B, T), torch.float32)
+
+    def fused(a, b):
+        q = dispatch.rms_norm(a.view(B, T, nh, hd).transpose(1, 2), b[:hd], 1e-6, torch.float32)
+        return dispatch.apply_rope(q, cos, sin, torch.float32)
+    got = grads(fused, [x, w])
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.bfloat16
+    assert launches["rms_norm_fwd"] == 1 and launches["rope_fwd"] == 1
+
+    def plain(a, b):
+        q = layers.rms_norm(a.view(B, T, nh, hd).transpose(1, 2), b[:hd], 1e-6)
+        return layers.apply_rope(q, cos.to(a.dtype), sin.to(a.dtype))
+    _, truth = reference(plain, [x, w])
+    for g, t, name in zip(got, truth, ("y", "dx", "dw")):
+        err, top = max_err(g, t), t.abs().max().item()
+        assert err <= 1e-2 * top, f"{name}: error {err:.3g} vs max |truth| {top:.3g}"
+
+
+@gpu
 def test_rms_norm_without_weight_grad(launches):
     x, w = norm_inputs((4, 64), torch.float32)
     xl = x.clone().requires_grad_()
