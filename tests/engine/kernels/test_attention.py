@@ -132,3 +132,39 @@ def test_plain_causal_rows_stay_on_sdpa(monkeypatch):
     out = attend(q, k, v, None, True, False)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, is_causal=True))
     assert not dispatch.LAUNCHES
+
+
+@pytest.mark.gpu
+@cuda
+def test_decoder_layer_on_packed_documents_matches_the_boolean_mask(monkeypatch):
+    """A Llama-3.2-3B-shaped layer as the executor runs it on a packed micro-batch: with the
+    BlockMask of document_mask and with the boolean mask (SLIDEFORMER_FLEX=0), forward and
+    input gradient within bf16 rounding."""
+    from slideformer.engine.models import layers
+    from slideformer.engine.models.model import positions_for
+    from slideformer.engine.models.spec import spec_from_config
+    spec = spec_from_config(dict(
+        model_type="llama", vocab_size=32, hidden_size=3072, intermediate_size=8192,
+        num_hidden_layers=1, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+        torch_dtype="bfloat16"))
+    g = torch.Generator().manual_seed(0)
+    flat = (torch.randn(spec.params_per_layer, generator=g) * 0.02).to("cuda", torch.bfloat16)
+    p = spec.layer_layout.views(flat)
+    doc = documents(4, 1024, seed=7).cuda()
+    ids = torch.zeros_like(doc)
+    rope = layers.rope_tables(spec, positions_for(ids, doc), torch.bfloat16)
+    x = torch.randn(4, 1024, 3072, generator=g).to("cuda", torch.bfloat16)
+    gy = torch.randn(4, 1024, 3072, generator=g).to("cuda", torch.bfloat16)
+
+    def run():
+        mask = document_mask(doc, spec.head_dim)
+        return grads(lambda xi: layers.decoder_layer(spec, p, xi, rope, mask), [x], gy), mask
+    monkeypatch.delenv(attention.ENV, raising=False)
+    (flex_y, flex_dx), flex_mask = run()
+    monkeypatch.setenv(attention.ENV, "0")
+    (ref_y, ref_dx), ref_mask = run()
+    assert not isinstance(flex_mask, torch.Tensor) and isinstance(ref_mask, torch.Tensor)
+    for a, b, name in ((flex_y, ref_y, "y"), (flex_dx, ref_dx, "dx")):
+        err, top = (a.float() - b.float()).abs().max().item(), b.float().abs().max().item()
+        assert err <= 2e-2 * top, f"{name}: flex vs boolean mask {err:.3g} (max |ref| {top:.3g})"
