@@ -160,16 +160,17 @@ def hf_model(a: dict, dev: str):
     cfg = transformers.LlamaConfig(**shape_config(a["shape"]))
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     torch.manual_seed(0)
+    with torch.device(dev):
+        model = transformers.LlamaForCausalLM(cfg).to(dtype)
     if a["contender"] == "hf-lora":
-        with torch.device(dev):
-            return transformers.LlamaForCausalLM(cfg).to(dtype)
+        return model
     import peft
-    # qlora: the bf16 model is made on the host, so no byte of it can stay behind in VRAM
-    model = transformers.LlamaForCausalLM._from_config(cfg, dtype=dtype)
     with tempfile.TemporaryDirectory(dir=a.get("tmp")) as d:
         model.save_pretrained(d)
         del model
-        gc.collect()
+        gc.collect()  # HF modules hold reference cycles: without this the bf16 model stays in VRAM
+        if dev == "cuda":
+            torch.cuda.empty_cache()
         q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                             bnb_4bit_use_double_quant=True,
                                             bnb_4bit_compute_dtype=dtype)

@@ -2,12 +2,12 @@
 # The side-by-side comparison on the reference GPU machine (GPU_MACHINE.md), from the checkout root:
 #
 #   bash benchmarks/run_side_by_side.sh [CONTENDERS]   # default dense,resident,deepspeed,slideformer,sliding
-#   CAP=8 bash benchmarks/run_side_by_side.sh deepspeed,slideformer,sliding   # the 8 GiB card
+#   CAP="24 8" bash benchmarks/run_side_by_side.sh    # one table per cap (dense, resident: first only)
 #
 # Llama-3.2-3B shape (random init), seq 1024, micro-batch 8, grad-accum 1/4/8 (8K/32K/64K tokens
 # per step; SlideFormer, which has no accumulation, runs micro-batch 8/32/64), VRAM cap $CAP GiB
-# (default 24) on deepspeed, slideformer and sliding, 2 warm-up + 5 timed steps, and the largest
-# micro-batch under the cap. Writes $OUT/side_by_side.{json,md,log} and one log per contender
+# (default 24; a list runs the capped contenders once per cap) on deepspeed, slideformer and sliding, 2 warm-up + 5 timed steps, and the largest
+# micro-batch under the cap. Writes $OUT/side_by_side_cap<CAP>.{json,md,log} and one log per contender
 # ($OUT: the device call's output folder; ./runs/side_by_side elsewhere).
 # With deepspeed among the contenders it needs .whl/ (carry it): the DeepSpeed 0.19.8 sdist and the
 # wheels of hjson, pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions
@@ -35,7 +35,7 @@
 #     bash benchmarks/run_side_by_side.sh dense,resident,sliding   # ~4.5 min
 #     python3 benchmarks/side_by_side.py --merge A/side_by_side_cap24.json B/side_by_side_cap24.json \
 #       C/side_by_side_cap24.json --out DIR/side_by_side_cap24
-#   and the same with CAP=8 for the capped contenders.
+#   and the same with CAP=8 for the capped contenders (side_by_side_cap8.*).
 # TIMEOUT (seconds per contender, default 480) ends a hung contender before the call's own limit,
 # so the records it made so far are still written.
 set -euo pipefail
@@ -61,6 +61,15 @@ if [[ ",$CONTENDERS," == *",deepspeed,"* ]]; then
   export PYTHONPATH=$PYTHONPATH:$S TORCH_EXTENSIONS_DIR=$PWD/.build/torch_extensions
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python3 -u benchmarks/side_by_side.py --shape llama-3.2-3b --seq 1024 --micro-batch 8 \
-  --grad-accum 1 4 8 --vram-cap "$CAP" --contenders "$CONTENDERS" --max-batch \
-  --timeout "${TIMEOUT:-480}" --out "$OUT/side_by_side_cap$CAP" 2>&1 | tee "$OUT/side_by_side_cap$CAP.log"
+first=1
+for cap in $CAP; do  # the uncapped contenders (dense, resident) run with the first cap only
+  list=$CONTENDERS
+  if [ -z "$first" ]; then
+    list=$(echo ",$CONTENDERS," | sed -e 's/,dense,/,/g' -e 's/,resident,/,/g' -e 's/^,//' -e 's/,$//')
+  fi
+  first=
+  [ -n "$list" ] || continue
+  python3 -u benchmarks/side_by_side.py --shape llama-3.2-3b --seq 1024 --micro-batch 8 \
+    --grad-accum 1 4 8 --vram-cap "$cap" --contenders "$list" --max-batch \
+    --timeout "${TIMEOUT:-480}" --out "$OUT/side_by_side_cap$cap" 2>&1 | tee "$OUT/side_by_side_cap$cap.log"
+done

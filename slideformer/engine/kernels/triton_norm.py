@@ -24,6 +24,8 @@ Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -86,9 +88,15 @@ def _settings(N: int) -> tuple[int, int]:
 
 def _programs(M: int, device: torch.device) -> int:
     """Backward programs: a few per SM, each summing dw over a run of rows."""
+    return min(M, 4 * _sms(device))
+
+
+@functools.cache
+def _sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 for the interpreter's CPU tensors)."""
     if device.type != "cuda":
-        return min(M, 4)
-    return min(M, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def rms_norm_fwd(x2: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype,
