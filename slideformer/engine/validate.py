@@ -185,7 +185,8 @@ def _check_gpus(cfg: RunConfig) -> None:
         raise UserError("train.grad_accum", f"is {t.grad_accum}: {t.gpus} GPUs (train.gpus) "
                         "cannot share its micro-batches evenly",
                         f"make train.grad_accum a multiple of {t.gpus}")
-    for key, bad, why in (("train.method", t.method != "full", "full"),
+    for key, bad, why in (("train.device", t.device.startswith("cuda:"), "cuda (GPUs 0..N-1)"),
+                          ("train.method", t.method != "full", "full"),
                           ("budget.nvme_dir", bool(b.nvme_dir), "\"\" (no NVMe tier)"),
                           ("budget.gpu_layers", b.gpu_layers > 0, "0 or -1")):
         if bad:

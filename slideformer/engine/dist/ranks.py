@@ -14,7 +14,10 @@ torch.distributed carries the collectives: NCCL between GPUs, gloo on the CPU (t
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import tempfile
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -32,6 +35,8 @@ PINNED = ("w", "g")
 """The fields the device copies to and from (page-locked on CUDA)."""
 TIMEOUT = timedelta(minutes=30)
 """How long a rank waits for the others in a collective before the run fails."""
+WATCH_S = 1.0
+"""How often rank 0 checks that the other ranks are alive."""
 
 
 def gpu_count(cfg: RunConfig) -> int:
@@ -133,10 +138,23 @@ class Ranks:
                       for r in range(1, world)]
         for p in self.procs:
             p.start()
+        self._closing = threading.Event()
+        threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
         dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=0,
                                 world_size=world, timeout=TIMEOUT)
         self.group = RankGroup(0, world)
         self.pins = Pins(host, cuda)
+
+    def _watch(self) -> None:
+        """A rank that dies leaves the others waiting in a collective: end this process too,
+        saying which rank ended how (the run resumes from its last checkpoint)."""
+        while not self._closing.wait(WATCH_S):
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead:
+                print(f"error: {dead[0].name} of the run ended unexpectedly (exit code "
+                      f"{dead[0].exitcode}); the run stops here and resumes from its last "
+                      "checkpoint (--resume)", file=sys.stderr, flush=True)
+                os._exit(3)
 
     def start_step(self, micro_batches: list, hyper: AdamHyper) -> None:
         """Tell the other ranks to run a step on these micro-batches."""
@@ -145,6 +163,7 @@ class Ranks:
 
     def close(self) -> None:
         import torch.distributed as dist
+        self._closing.set()
         dist.broadcast_object_list([("stop", None, None)], src=0)
         for p in self.procs:
             p.join(timeout=60)
