@@ -14,7 +14,9 @@ def test_tiny_profile_reports_every_component():
                          capture_output=True, text=True, check=True, cwd=ROOT, timeout=600).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     cases = [r for r in rows if "components" in r]
-    assert [r["packed"] for r in cases] == [False, True]
+    assert [(r["packed"], r["kernels"]) for r in cases] == [
+        (False, "reference"), (False, "fused"), (True, "reference"), (True, "fused")]
+    assert all(r["launches"] == {} for r in cases)  # the CPU has no fused kernels to launch
     for r in cases:
         assert r["forward_ms"] > 0 and r["recompute_backward_ms"] > 0
         assert set(r["components"]) == {"matmuls", "attention", "rmsnorm", "rope", "swiglu", "other"}

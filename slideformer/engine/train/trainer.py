@@ -41,7 +41,7 @@ from slideformer.engine.runtime.shapes import ExecShape, disk_layers, speculativ
 from slideformer.engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from slideformer.engine.train.lock import LOCK_FILE, RunLock, run_owner
-from slideformer.engine.train.schedule import lr_at
+from slideformer.engine.train.schedule import lr_at, run_steps
 from slideformer.engine.train.state import (build_frozen_state, build_host_state, export_model,
                                 load_weights, state_tensors)
 from slideformer.engine.validate import validate
@@ -139,8 +139,7 @@ class Trainer:
         self.tok = load_tokenizer(cfg.model.path)
         check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
         self.prepared, self.stream = data if data is not None else self._prepare_data()
-        self.total_steps = cfg.train.max_steps or max(1, math.ceil(
-            cfg.train.epochs * self.stream.steps_per_epoch))
+        self.total_steps = run_steps(cfg.train, self.stream.steps_per_epoch)
         self.tier = self._open_tier()
         self._build_state(shape, moments, resume)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,

@@ -180,7 +180,7 @@ class RunSettings(QWidget):
         self.alpha = dspin(0.01, 100_000.0, 1.0, 2)
         self.dropout = dspin(0.0, 0.99, 0.05, 2, "off")
         self.targets = QLineEdit()
-        self.merged = QCheckBox("also write the merged model")
+        self.merged = QCheckBox("merged model")
         self.merged.setToolTip("Besides the adapter folder (final/, which PEFT loads onto the "
                                "base), write final-merged/:\nthe base with the adapters folded "
                                "in, a plain Hugging Face model (lora.export_merged)")
@@ -192,7 +192,7 @@ class RunSettings(QWidget):
         form.addRow("Method", self.method)
         for label, widget in (("LoRA rank", self.rank), ("LoRA alpha", self.alpha),
                               ("LoRA dropout", self.dropout), ("LoRA targets", self.targets),
-                              ("Export", self.merged)):
+                              ("Also write", self.merged)):
             form.addRow(label, widget)
 
     def _show_method(self, cfg: RunConfig) -> None:
