@@ -22,7 +22,8 @@ PyTorch RMSNorm, RoPE and SwiGLU, boolean-mask SDPA for packed documents) and ``
 engine's default on CUDA: the Triton kernels of slideformer.engine.kernels and FlexAttention), so
 each component's time is printed for the old and the new kernel side by side; ``launches``
 counts the fused launches of the case (all zero for ``reference``, and on the CPU: a fused
-row without launches fell back to PyTorch).
+row without launches fell back to PyTorch), and a ``reference_over_fused`` line after each pair
+gives the speed-ups per phase and component.
 
     python benchmarks/layer_profile.py --shape llama-3.2-3b --micro-batch 8 64 --seq 1024
     python benchmarks/layer_profile.py --tiny      # CPU dry run
@@ -214,6 +215,18 @@ def case(spec, B, T, packed, device, dtype, reps, kernels: str) -> dict:
                 launches=ran)
 
 
+def speedup(ref: dict, fused: dict) -> dict:
+    """Reference time over fused time per phase and per component (forward + backward)."""
+    ratio = lambda a, b: round(a / b, 2) if b > 0 else None  # noqa: E731
+    parts = {k: ratio(c["forward_backward_ms"], fused["components"][k]["forward_backward_ms"])
+             for k, c in ref["components"].items() if k != "other"}
+    return dict(micro_batch=ref["micro_batch"], seq=ref["seq"], packed=ref["packed"],
+                reference_over_fused=dict(forward=ratio(ref["forward_ms"], fused["forward_ms"]),
+                                          recompute_backward=ratio(ref["recompute_backward_ms"],
+                                                                   fused["recompute_backward_ms"]),
+                                          components_fwd_bwd=parts))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.2-3b")
@@ -231,10 +244,13 @@ def main() -> None:
     spec = shape_spec(a.shape)
     for B in a.micro_batch:
         for packed in (False, True):
+            rows = {}
             for kernels in a.kernels:
-                row = with_kernels(kernels, lambda: case(spec, B, a.seq, packed, device, dtype,
-                                                         a.reps, kernels))
-                print(json.dumps(row), flush=True)
+                rows[kernels] = with_kernels(kernels, lambda: case(spec, B, a.seq, packed, device,
+                                                                   dtype, a.reps, kernels))
+                print(json.dumps(rows[kernels]), flush=True)
+            if len(rows) == 2:
+                print(json.dumps(speedup(rows["reference"], rows["fused"])), flush=True)
         print(json.dumps(dict(micro_batch=B, seq=a.seq, attention_fwd_bwd_ms=attention_variants(
             spec, B, a.seq, device, dtype, a.reps))), flush=True)
 

@@ -21,5 +21,7 @@ def test_tiny_profile_reports_every_component():
         assert r["forward_ms"] > 0 and r["recompute_backward_ms"] > 0
         assert set(r["components"]) == {"matmuls", "attention", "rmsnorm", "rope", "swiglu", "other"}
         assert all(c["forward_backward_ms"] > 0 for k, c in r["components"].items() if k != "other")
+    ratios = [r["reference_over_fused"] for r in rows if "reference_over_fused" in r]
+    assert len(ratios) == 2 and all(x["recompute_backward"] > 0 for x in ratios)
     attn = [r["attention_fwd_bwd_ms"] for r in rows if "attention_fwd_bwd_ms" in r]
     assert attn and set(attn[0]) == {"sdpa_bool_mask_packed", "sdpa_causal_plain"}  # no flex on CPU

@@ -387,7 +387,6 @@ TEMPLATES = [
 
 CATEGORIES = {"tracebacks": TRACEBACKS, "silent": SILENT, "hangs": HANGS,
               "misleading": MISLEADING, "boundaries": BOUNDARIES, "templates": TEMPLATES}
-ALL = [c for cases in CATEGORIES.values() for c in cases]
 
 
 # ---- running a case ---------------------------------------------------------------------------

@@ -13,7 +13,8 @@ import time
 
 import pytest
 from corpus_processes import run_forked, run_subprocesses, summary
-from hostile_corpus import ALL, CATEGORIES, make_workspace
+from hostile_corpus import make_workspace
+from hostile_folders import CORPUS
 
 
 @pytest.mark.slow
@@ -21,16 +22,17 @@ def test_whole_corpus_a_process_per_case(tmp_path, capsys):
     pristine = make_workspace(tmp_path / "pristine")
     workers = os.cpu_count() or 1
     t0 = time.perf_counter()
-    outcomes, warm = run_forked(ALL, pristine, tmp_path / "forked", workers)
+    cases = [c for category in CORPUS.values() for c in category]
+    outcomes, warm = run_forked(cases, pristine, tmp_path / "forked", workers)
     wall = time.perf_counter() - t0
-    firsts = [cases[0] for cases in CATEGORIES.values()]
+    firsts = [category[0] for category in CORPUS.values()]
     t0 = time.perf_counter()
     entry = run_subprocesses(firsts, pristine, tmp_path / "entry", workers)
     entry_wall = time.perf_counter() - t0
     failures = [f"{o.case.name}: {v}" for o in outcomes + entry
                 if (v := o.verdict()) != "handled"]
     with capsys.disabled():
-        print(f"\n{summary(outcomes, len(CATEGORIES), wall, workers, warm)}")
+        print(f"\n{summary(outcomes, len(CORPUS), wall, workers, warm)}")
         print(f"through python -m slideformer.cli: {len(entry)} cases, "
               f"{sum(o.verdict() == 'handled' for o in entry)} handled, {entry_wall:.0f} s in all, "
               f"per case max {max(o.seconds for o in entry):.1f} s")

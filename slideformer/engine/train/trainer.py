@@ -130,6 +130,9 @@ class Trainer:
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
         check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
+        # headers only: weights that do not match config.json are named before any plan blames
+        # the budgets for the sizes config.json claims
+        Checkpoint(cfg.model.path).check(self.spec)
         self.backend = make_backend(cfg.train.device)
         self.dtype = torch_dtype(compute_dtype_name(cfg.train.compute_dtype,
                                                     "cuda" if self.backend.is_cuda else "cpu"))
@@ -178,9 +181,7 @@ class Trainer:
         else:
             self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
                                            nf4=cfg.train.method == "qlora")
-        if resume and self.lora is None:  # the checkpoint holds the whole state
-            Checkpoint(cfg.model.path).check(self.spec)
-        else:
+        if not (resume and self.lora is None):  # else the checkpoint holds the whole state
             load_weights(self.host, self.spec, cfg.model.path, self.emit)
         if self.lora is not None and not resume:
             init_adapters({k: v for k, v in self.host.items() if is_adapter(k)}, cfg.train.seed)
