@@ -12,11 +12,15 @@ import math
 import torch
 import torch.nn.functional as F
 
+from slideformer.engine.kernels import dispatch
+from slideformer.engine.kernels.attention import attend, packed_causal_mask  # noqa: F401 (the model's mask)
 from slideformer.engine.models.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """y = w * x / sqrt(mean(x^2) + eps), the statistics in fp32."""
+    if dispatch.use_triton(x):
+        return dispatch.rms_norm(x, w, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
@@ -59,6 +63,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, heads, T, hd) by the tables (B, 1, T, hd)."""
+    if dispatch.use_triton(x):
+        return dispatch.apply_rope(x, cos, sin)
     return x * cos + _rotate_half(x) * sin
 
 
@@ -95,17 +101,23 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     # is_causal aligns the mask top-left; with cached keys the caller passes the mask
     # (one new token attends to everything: no mask at all).
     causal = mask is None and k.shape[2] == T and T > 1
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                       enable_gqa=nh != nkv)  # (B, nh, T, hd)
+    a = attend(q, k, v, mask, causal, nh != nkv)  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
     return linear(p, "self_attn.o_proj", a, lora)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u, the gated activation of the MLP."""
+    if dispatch.use_triton(g):
+        return dispatch.swiglu(g, u)
+    return F.silu(g) * u
 
 
 def mlp(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
     """SwiGLU: down(silu(gate(h)) * up(h))."""
     g = linear(p, "mlp.gate_proj", h, lora)
     u = linear(p, "mlp.up_proj", h, lora)
-    return linear(p, "mlp.down_proj", F.silu(g) * u, lora)
+    return linear(p, "mlp.down_proj", swiglu(g, u), lora)
 
 
 def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
@@ -116,19 +128,12 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
         p: parameter views of :attr:`ModelSpec.layer_layout`.
         rope: (cos, sin) from :func:`rope_tables`.
         mask: None for plain causal attention, else a boolean (B, 1, T, T) mask
-            (True = may attend), e.g. block-diagonal causal for packed documents; with a
-            ``cache``, (T, past + T).
+            (True = may attend), e.g. block-diagonal causal for packed documents, or the
+            FlexAttention BlockMask of ``kernels.attention.document_mask``; with a
+            ``cache``, a boolean (T, past + T).
         cache: the layer's KV cache when generating (see :func:`attention`).
         lora: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
     """
     eps = spec.rms_norm_eps
     x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask, cache, lora)
     return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps), lora)
-
-
-def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask (B, 1, T, T) from per-token document ids (B, T)."""
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same & causal)[:, None]

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
 from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
 from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
@@ -76,10 +77,12 @@ class SlidingExecutor:
 
     def __init__(self, spec: ModelSpec, backend: Backend, host: dict[str, HostItem],
                  shape: ExecShape, compute_dtype: torch.dtype, lora: LoraSpec | None = None,
-                 seed: int = 0):
+                 seed: int = 0, group=None):
         """``lora``: train the adapters ``lora{i}`` of ``host`` over a frozen base (``seed``
-        seeds their dropout masks)."""
+        seeds their dropout masks). ``group``: the ranks of a data-parallel run sharing
+        ``host`` (slideformer.engine.dist.group); None: this process alone."""
         self.spec, self.backend, self.host, self.shape = spec, backend, host, shape
+        self.group = group or Single()
         self.dtype = compute_dtype
         self.lora, self.seed, self.step_no = lora, seed, 0
         L, n = spec.num_layers, spec.params_per_layer
@@ -96,7 +99,7 @@ class SlidingExecutor:
                                      backend.host_alloc, lambda k, dt: torch.zeros(k, dtype=dt))
         # zeros, not empty: the pages are resident from the start, as the planner counts them,
         # even while steps clip early and skip speculating (tests/engine/plan/test_plan_rss.py)
-        self.updates = HostUpdates(backend.is_cuda, self.snapshots, self.health_host, L)
+        self.updates = HostUpdates(backend.is_cuda, self.snapshots, self.health_host, L, self.group)
         borrow = [i for i in range(L)
                   if trained and host[f"layer{i}"].g is None and i not in self.snapshots]
         self.ring = GradRing(backend.host_alloc, min(shape.grad_ring, L) if borrow else 0, n)
@@ -224,12 +227,13 @@ class SlidingExecutor:
             prefetch_disk(reversed(self.layers), tl)
         self.updates.start_step(max_grad_norm)
         tokens = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
-        scale = 1.0 / max(tokens, 1)
-        inp = [self._inputs(mb) for mb in micro_batches]
+        scale = 1.0 / max(tokens, 1)  # of the whole step: the ranks' gradients are summed
+        inp = [self._inputs(mb) for mb in self.group.mine(micro_batches)]
         self._refresh(self.embed, tl)
         xs = self.forward_window(inp, tl)
         self._refresh(self.head, tl)
         loss, gys = self.head_step(xs, inp, scale, tl)
+        self.group.reduce(loss)
         del xs  # the last hidden states are not needed in the backward
         guard = None
         if not clip and self.lora is None:  # frozen: every update waits for the backward
@@ -245,6 +249,7 @@ class SlidingExecutor:
             self._barrier_updates(hyper(coef), coef, clip, tl)
         if self.lora is None:  # a frozen base stays valid: its resident layers serve the next step
             self.pool.invalidate_all()
+        self.group.step_done(self.wait_updates)
         applied = guard.applied if skipped and guard is not None else 0
         return StepOutput(float(loss), norm, tokens, skipped, tl, applied)
 
@@ -357,6 +362,7 @@ class SlidingExecutor:
             for mb, (_, _, rope, mask) in enumerate(inp):
                 gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask,
                                                i, mb)
+            self.group.reduce(g)
             sq = torch.linalg.vector_norm(g).square()
             self.norm_sq += sq
             if watched:
@@ -395,7 +401,8 @@ class SlidingExecutor:
             dest = self.snapshots.grad(i, n)
         elif dest is None:  # a ring buffer, once the update that last read it is done
             r, dest = self.ring.take(n)
-        h = self.backend.start_d2h(dest, g, after=[t1])
+        part = self.group.span(n)  # the slice whose update this rank owns
+        h = self.backend.start_d2h(dest[part], g[part], after=[t1])
         tl.device_span("d2h", item.name, h.start, h)
         item.grads_out = [h]
         if watched:
@@ -450,6 +457,8 @@ class SlidingExecutor:
         ge = self.embed_g.view(-1, H)
         for gy, (ids, *_) in zip(gys, inp):
             ge.index_add_(0, ids.reshape(-1), gy.reshape(-1, H).float())
+        self.group.reduce(self.embed_g)
+        self.group.reduce(self.head_g)
         self.norm_sq += torch.linalg.vector_norm(self.embed_g).square()
         self.norm_sq += torch.linalg.vector_norm(self.head_g).square()
         t1 = self.backend.mark()
@@ -457,7 +466,8 @@ class SlidingExecutor:
         for item in (self.embed, self.head):
             if item.on_device:
                 continue
-            h = self.backend.start_d2h(item.host.g, item.grad, after=[t1])
+            part = self.group.span(item.grad.numel())
+            h = self.backend.start_d2h(item.host.g[part], item.grad[part], after=[t1])
             tl.device_span("d2h", item.name, h.start, h)
             item.grads_out = [h]
 
@@ -490,10 +500,14 @@ class SlidingExecutor:
                 self.pool.release(i, evict=True)
         return float(loss), int((mb.labels != IGNORE).sum())
 
-    def drain(self) -> None:
-        """Wait for every update in flight and its disk writes (before saving or reading the state)."""
+    def wait_updates(self) -> None:
+        """Wait for every update in flight."""
         for item in self.items:
             self.updates.wait(item)
+
+    def drain(self) -> None:
+        """Wait for every update in flight and its disk writes (before saving or reading the state)."""
+        self.wait_updates()
         for item in self.host.values():
             if item.disk is not None:
                 item.disk.flush()

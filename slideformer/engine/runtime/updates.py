@@ -76,15 +76,17 @@ class HostUpdates:
     """Submits and settles the CPU updates of the host items.
 
     ``norms``: the host copy of each layer's squared gradient norm (what the speculative
-    heuristic reads); ``snapshots``: the speculative layers' snapshots.
+    heuristic reads); ``snapshots``: the speculative layers' snapshots; ``group``: the ranks of
+    a data-parallel run (each updates its own slice of every item, slideformer.engine.dist).
     """
 
     def __init__(self, threaded: bool, snapshots: Speculation, norms: torch.Tensor,
-                 num_layers: int):
+                 num_layers: int, group):
         self.pool = ThreadPoolExecutor(1, "cpu-adam") if threaded else Sync()
         """Runs the updates (one thread: an item's updates stay in submission order)."""
         self.workspace = AdamWorkspace()
         self.snapshots, self.norms, self.num_layers = snapshots, norms, num_layers
+        self.group = group
         self.submitted = 0
         """Updates submitted by the current step so far (0 until its updates may start)."""
         self.speculated: list[int] = []
@@ -153,7 +155,8 @@ class HostUpdates:
             h.wait()
         if guard is not None and not guard.allows(item.layer):
             return
-        host = item.host
+        host = self.group.owned(item.host)
+        grad = None if grad is None else grad[self.group.span(grad.numel())]
         staged = None if host.disk is None else host.disk.acquire(tl)
         try:
             t0 = time.perf_counter()

@@ -24,6 +24,7 @@ import torch
 
 from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, parse_bytes
+from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shape, start_ranks
 from slideformer.engine.devices import compute_dtype_name, moments_dtype_name, torch_dtype
 from slideformer.engine.errors import UserError
 from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
@@ -41,7 +42,7 @@ from slideformer.engine.runtime.shapes import ExecShape, disk_layers, speculativ
 from slideformer.engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from slideformer.engine.train.lock import LOCK_FILE, RunLock, run_owner
-from slideformer.engine.train.schedule import lr_at
+from slideformer.engine.train.schedule import lr_at, run_steps
 from slideformer.engine.train.state import (build_frozen_state, build_host_state, export_model,
                                 load_weights, state_tensors)
 from slideformer.engine.validate import validate
@@ -92,6 +93,8 @@ class Trainer:
         """Why the run cannot go on (message with its fix), and whether to save first."""
         self._saved_step = -1
         self.executor = None
+        self.ranks = Solo()
+        """The other ranks of a run on several GPUs (slideformer.engine.dist.ranks)."""
         self.tier = None
         self.sink = None
         self.lock = RunLock(self.run_dir)
@@ -127,21 +130,26 @@ class Trainer:
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
         check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
+        # headers only: weights that do not match config.json are named before any plan blames
+        # the budgets for the sizes config.json claims
+        Checkpoint(cfg.model.path).check(self.spec)
         self.backend = make_backend(cfg.train.device)
         self.dtype = torch_dtype(compute_dtype_name(cfg.train.compute_dtype,
                                                     "cuda" if self.backend.is_cuda else "cpu"))
         moments = torch_dtype(moments_dtype_name(cfg.optim.moments_dtype))
-        shape = self.make_plan().exec_shape
+        self.world = gpu_count(cfg)
+        shape = rank_shape(self.make_plan().exec_shape, self.world)
         self._check_host_memory()
         self.tok = load_tokenizer(cfg.model.path)
         check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
         self.prepared, self.stream = data if data is not None else self._prepare_data()
-        self.total_steps = cfg.train.max_steps or max(1, math.ceil(
-            cfg.train.epochs * self.stream.steps_per_epoch))
+        self.total_steps = run_steps(cfg.train, self.stream.steps_per_epoch)
         self.tier = self._open_tier()
         self._build_state(shape, moments, resume)
+        self.ranks = start_ranks(cfg, self.host, shape, self.dtype, self.world,
+                                 self.backend.is_cuda)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
-                                        self.lora, cfg.train.seed)
+                                        self.lora, cfg.train.seed, self.ranks.group)
         if cpu_adam.unavailable_reason() and self.lora is None:
             self.emit(Log("warning", f"compiled CPU AdamW unavailable "
                                      f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "
@@ -166,15 +174,14 @@ class Trainer:
             L = self.spec.num_layers
             speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
                                              disk_layers(L, self.plan.disk_layers))
-            self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
+            self.host = build_host_state(self.spec, host_alloc(self.backend, self.world),
+                                         self.dtype, moments, self.tier,
                                          layer_grads=cfg.optim.max_grad_norm > 0,
                                          borrowed=speculative)
         else:
             self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
                                            nf4=cfg.train.method == "qlora")
-        if resume and self.lora is None:  # the checkpoint holds the whole state
-            Checkpoint(cfg.model.path).check(self.spec)
-        else:
+        if not (resume and self.lora is None):  # else the checkpoint holds the whole state
             load_weights(self.host, self.spec, cfg.model.path, self.emit)
         if self.lora is not None and not resume:
             init_adapters({k: v for k, v in self.host.items() if is_adapter(k)}, cfg.train.seed)
@@ -290,6 +297,7 @@ class Trainer:
         position = self.stream.state_dict()
         mbs = self.stream.next_step()
         lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
+        self.ranks.start_step(mbs, self.hyper(1.0))
         try:
             out = self.executor.train_step(mbs, self.hyper, self.cfg.optim.max_grad_norm)
         except torch.cuda.OutOfMemoryError:
@@ -475,6 +483,8 @@ class Trainer:
         return bool(states) and states[-1].state == "finished" and states[-1].step == step
 
     def cleanup(self) -> None:
+        self.ranks.close()
+        self.ranks = Solo()
         if self.executor is not None:
             self.executor.close()
             self.executor = None

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Slot
 from PySide6.QtGui import QBrush, QColor, QDesktopServices, QFont
-from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView, QInputDialog,
-                               QLabel, QPlainTextEdit, QPushButton, QSplitter, QTreeWidget,
+from PySide6.QtWidgets import (QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QHeaderView,
+                               QInputDialog, QLabel, QPlainTextEdit, QPushButton, QSplitter, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
 
 from slideformer.engine.api import GGUF_EXPORT_TYPES
@@ -28,6 +28,9 @@ from slideformer.gui.widgets.common import page_header, status_label
 
 REFRESH_MS = 2000
 COLUMNS = ("Run", "Status", "Step", "Loss", "Model", "Data", "Batch and LR", "Last activity")
+ELIDED = {"Model": 110, "Data": 110}
+"""Columns of names that are elided in the middle at this width (the rest fit their text; Run
+takes what is left): every column that tells runs apart stays on a 1366 px screen."""
 STATUS_COLORS = {"running": "#16a34a", "setup": "#16a34a", "saving": "#16a34a",
                  "paused": "#d97706", "failed": "#dc2626", "interrupted": "#dc2626",
                  "finished": "#2563eb", "stopped": "#6b7280"}
@@ -68,10 +71,17 @@ class RunsPage(QWidget):
         self.table.setRootIsDecorated(False)
         self.table.setAlternatingRowColors(True)
         self.table.setUniformRowHeights(True)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # names end in their time
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         header = self.table.header()
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for i in range(1, len(COLUMNS)):
-            header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(False)
+        header.setMinimumSectionSize(48)
+        for i, name in enumerate(COLUMNS):
+            mode = QHeaderView.ResizeMode.Interactive if name in ELIDED else \
+                QHeaderView.ResizeMode.ResizeToContents
+            header.setSectionResizeMode(i, QHeaderView.ResizeMode.Stretch if i == 0 else mode)
+        for name, width in ELIDED.items():
+            header.resizeSection(COLUMNS.index(name), width)
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.itemDoubleClicked.connect(lambda *_: self.show_selected())
 
@@ -120,20 +130,22 @@ class RunsPage(QWidget):
         dl = QVBoxLayout(details)
         dl.addWidget(self.details_title)
         dl.addWidget(self.export_status)
-        dl.addWidget(QLabel("config.toml"))
-        dl.addWidget(self.config_view, 3)
-        dl.addWidget(QLabel("engine.log (last lines)"))
-        dl.addWidget(self.log_view, 2)
+        files = QGridLayout()
+        files.addWidget(QLabel("config.toml"), 0, 0)
+        files.addWidget(QLabel("engine.log (last lines)"), 0, 1)
+        files.addWidget(self.config_view, 1, 0)
+        files.addWidget(self.log_view, 1, 1)
+        dl.addLayout(files, 1)
 
         list_box = QWidget()
         ll = QVBoxLayout(list_box)
         ll.setContentsMargins(0, 0, 0, 0)
         ll.addWidget(self.empty)
         ll.addWidget(self.table, 1)
-        splitter = QSplitter(Qt.Orientation.Horizontal)
+        splitter = QSplitter(Qt.Orientation.Vertical)  # the table gets the page's width
         splitter.addWidget(list_box)
         splitter.addWidget(details)
-        splitter.setSizes([700, 420])
+        splitter.setSizes([300, 300])
         splitter.setChildrenCollapsible(False)
 
         lay = QVBoxLayout(self)
