@@ -164,7 +164,9 @@ class Trainer:
         _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
-                              f"{self.dtype}, {self.total_steps} steps"))
+                              f"{self.dtype}, {self.total_steps} steps"
+                              + (f", {self.world} ranks (a process each, one host state)"
+                                 if self.world > 1 else "")))
 
     def _build_state(self, shape: ExecShape, moments: torch.dtype, resume: bool) -> None:
         """The host state: every item trained (full), or a frozen base (always read from the

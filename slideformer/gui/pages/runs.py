@@ -65,6 +65,38 @@ class RunsPage(QWidget):
         self.summaries: dict[str, RunSummary] = {}
         self._scanning = False
 
+        self._build_table()
+        actions = self._build_actions()
+        self.empty = QLabel(f"No runs yet. Runs started here go to {short_path(ctx.runs_dir)}; "
+                            f"add a folder to list a run started from a terminal.")
+        self.empty.setObjectName("hint")
+        self.empty.setWordWrap(True)
+        list_box = QWidget()
+        ll = QVBoxLayout(list_box)
+        ll.setContentsMargins(0, 0, 0, 0)
+        ll.addWidget(self.empty)
+        ll.addWidget(self.table, 1)
+        splitter = QSplitter(Qt.Orientation.Vertical)  # the table gets the page's width
+        splitter.addWidget(list_box)
+        splitter.addWidget(self._build_details())
+        splitter.setSizes([300, 300])
+        splitter.setChildrenCollapsible(False)
+        lay = QVBoxLayout(self)
+        lay.addWidget(page_header("Runs", "Every run in the runs folder, live or finished: "
+                                          "follow one as it trains (also runs started from a "
+                                          "terminal), resume one from its last checkpoint, or "
+                                          "open its folder."))
+        lay.addLayout(actions)
+        lay.addWidget(splitter, 1)
+
+        self._timer = QTimer(self, interval=REFRESH_MS)
+        self._timer.timeout.connect(self._tick)
+        self._timer.start()
+        self._update_buttons()
+        self.refresh()
+
+    def _build_table(self) -> None:
+        """One row per run; the columns that tell runs apart fit a 1366 px screen."""
         self.table = QTreeWidget()
         self.table.setColumnCount(len(COLUMNS))
         self.table.setHeaderLabels(COLUMNS)
@@ -85,6 +117,8 @@ class RunsPage(QWidget):
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.itemDoubleClicked.connect(lambda *_: self.show_selected())
 
+    def _build_actions(self) -> QHBoxLayout:
+        """What can be done with the selected run, and adding a run folder from elsewhere."""
         self.show_button = QPushButton("Show on Train page")
         self.show_button.setObjectName("primary")
         self.show_button.setToolTip("Plots and messages of the run; a live run is followed as "
@@ -109,11 +143,10 @@ class RunsPage(QWidget):
             actions.addWidget(w)
         actions.addStretch(1)
         actions.addWidget(self.add_button)
+        return actions
 
-        self.empty = QLabel(f"No runs yet. Runs started here go to {short_path(ctx.runs_dir)}; "
-                            f"add a folder to list a run started from a terminal.")
-        self.empty.setObjectName("hint")
-        self.empty.setWordWrap(True)
+    def _build_details(self) -> QGroupBox:
+        """The selected run: where it is, how far it got, its config.toml and its log."""
         self.details_title = QLabel("")
         self.details_title.setObjectName("chartTitle")
         self.details_title.setWordWrap(True)
@@ -136,31 +169,7 @@ class RunsPage(QWidget):
         files.addWidget(self.config_view, 1, 0)
         files.addWidget(self.log_view, 1, 1)
         dl.addLayout(files, 1)
-
-        list_box = QWidget()
-        ll = QVBoxLayout(list_box)
-        ll.setContentsMargins(0, 0, 0, 0)
-        ll.addWidget(self.empty)
-        ll.addWidget(self.table, 1)
-        splitter = QSplitter(Qt.Orientation.Vertical)  # the table gets the page's width
-        splitter.addWidget(list_box)
-        splitter.addWidget(details)
-        splitter.setSizes([300, 300])
-        splitter.setChildrenCollapsible(False)
-
-        lay = QVBoxLayout(self)
-        lay.addWidget(page_header("Runs", "Every run in the runs folder, live or finished: "
-                                          "follow one as it trains (also runs started from a "
-                                          "terminal), resume one from its last checkpoint, or "
-                                          "open its folder."))
-        lay.addLayout(actions)
-        lay.addWidget(splitter, 1)
-
-        self._timer = QTimer(self, interval=REFRESH_MS)
-        self._timer.timeout.connect(self._tick)
-        self._timer.start()
-        self._update_buttons()
-        self.refresh()
+        return details
 
     # ---- scanning ----------------------------------------------------------------------------
     def roots(self) -> list[Path]:

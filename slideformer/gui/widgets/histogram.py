@@ -48,12 +48,12 @@ class LengthHistogram(pg.PlotWidget):
                    for lo in edges[:-1]]
         self.bars.setOpts(x0=list(edges[:-1]), x1=list(edges[1:]), height=list(counts),
                           brushes=brushes, pen=pg.mkPen(self._background, width=1))
-        self.limit.setPos(stats.seq_len)
-        self.limit.label.setFormat(f"sequence length {stats.seq_len}")
         # A sequence length far beyond the longest record would squeeze every bar into the
         # left edge: the axis then spans the records, and its label says that all of them fit.
         far = stats.seq_len > FAR_BEYOND * edges[-1]
-        self.limit.setVisible(not far)
+        self.limit.setVisible(not far)  # first: a hidden line's label ignores a new text
+        self.limit.setPos(stats.seq_len)
+        self.limit.label.setFormat(f"sequence length {stats.seq_len}")
         self.getPlotItem().setLabel("bottom", f"{AXIS_LABEL}: all shorter than the sequence "
                                               f"length {stats.seq_len}" if far else AXIS_LABEL)
         right = (edges[-1] if far else max(edges[-1], stats.seq_len)) * 1.05

@@ -55,7 +55,7 @@ class Metric:
 METRICS = {
     "loss": Metric("Loss", (Line("loss", "raw", BLUE, 1.0, 90), Line("smooth", "smoothed", BLUE),
                             Line("val", "validation", ORANGE)), "{:.3f}", "nats/token"),
-    "lr": Metric("Learning rate", (Line("lr", "", PURPLE),), "{:.2e}", "learning rate"),
+    "lr": Metric("Learning rate", (Line("lr", "", PURPLE),), "{:.2e}", "lr"),  # short: scaled
     "grad_norm": Metric("Gradient norm", (Line("grad_norm", "", RED),), "{:.2f}", "L2 norm"),
     "tokens_per_s": Metric("Throughput", (Line("tokens_per_s", "", GREEN),), "{:,.0f}",
                            "tokens/s", "tok/s"),
@@ -199,9 +199,8 @@ class TimelineView(QWidget):
         item.setYRange(-0.6, len(lanes) - 0.4, padding=0)
         self._label_items(timeline, row, end * 1.02)
         total = step_time if step_time is not None else end / 1e3
-        self.caption.setText(
-            f"Pipeline of step {timeline.step} ({format_seconds(total)}): what each resource "
-            f"did, one bar per layer; the busiest row bounds the speed.")
+        self.caption.setText(f"Pipeline of step {timeline.step} ({format_seconds(total)}), one "
+                             f"bar per layer: the busiest row bounds the speed")
 
     def _label_items(self, timeline: Timeline, row: dict, end_ms: float) -> None:
         """Name the compute bars (L0, L1, head...) that are wide enough to read a name in.

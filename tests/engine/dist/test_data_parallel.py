@@ -7,7 +7,7 @@ import torch
 
 from slideformer.engine import config as config_mod
 from slideformer.engine.dist.group import ItemPart, RankGroup
-from slideformer.engine.events import StepMetrics, read_events
+from slideformer.engine.events import Log, StepMetrics, read_events
 from slideformer.engine.models.tiny import TinyShape, make_tiny_model
 from slideformer.engine.runtime.host_state import AdamHyper, AdamWorkspace, HostItem, adam_update
 from slideformer.engine.models.spec import load_spec
@@ -67,6 +67,8 @@ def test_two_ranks_equal_one(root, clip):
     assert run_training(run_cfg(root, one.name, 1, clip)) == "finished"
     assert run_training(run_cfg(root, two.name, 2, clip)) == "finished"
     assert len(losses(two)) == STEPS and losses(two)[-1] < losses(two)[0]
+    assert any(isinstance(e, Log) and "2 ranks" in e.message
+               for e in read_events(two / "events.jsonl"))
     assert_same_run(one, two)
 
 

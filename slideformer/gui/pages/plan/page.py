@@ -433,10 +433,12 @@ class PlanPage(QWidget):
                    f"accumulation {s.n_micro}); largest global batch: "
                    f"<b>{plan.max_global_batch}</b> sequences." if plan.max_micro_batch else
                    "No micro-batch fits these budgets.")
+        # The CPU backend's "device" is host RAM: its slots and checkpoints are not on a GPU.
+        device = "on the GPU" if plan.device == "cuda" else "in host RAM"
         self.shape.setText(
             f"{batches}<br><span style='color:gray'>{html.escape(name)} ({plan.model_type}, "
             f"{human_count(plan.total_params)} parameters) on {plan.device}: {s.slots} layer slots "
-            f"on the GPU, checkpoints {'on the GPU' if s.checkpoints == 'gpu' else 'in host RAM'}, "
+            f"{device}, checkpoints {device if s.checkpoints == 'gpu' else 'in host RAM'}, "
             f"{_device_items(s)}"
             f"{plan.compute_dtype} compute, {plan.moments_dtype} moments.</span>")
 
