@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, override
 from slideformer.engine.events import StepMetrics, Timeline, read_events
 from slideformer.engine.models.spec import load_spec, spec_from_config
-from slideformer.engine.models.tiny import TinyShape, make_tiny_model, tiny_config
+from slideformer.engine.models.tiny import TinyShape, tiny_config
 from slideformer.engine.plan import REFERENCE, plan_run
 from slideformer.engine.plan import memory as M
 from slideformer.engine.plan.evaluate import Evaluator
@@ -24,7 +23,6 @@ from slideformer.engine.runtime.nvme import NvmeTier
 from slideformer.engine.runtime.shapes import disk_layers
 from slideformer.engine.runtime.shapes import BUFFERS, file_bytes
 from slideformer.engine.train.commands import run_training
-from slideformer.engine.train.demo import write_task
 from slideformer.engine.train.state import build_host_state
 from slideformer.engine.train.trainer import Trainer
 
@@ -100,25 +98,24 @@ def test_plan_counts_the_tier_byte_for_byte(tmp_path):
         assert rows["NVMe staging buffers"] == tier._allocated * tier._buf_bytes
 
 
+RUN = {"optim.warmup_steps": 1, "train.max_steps": 4, "train.compute_dtype": "bfloat16",
+       "budget.checkpoints": "gpu"}
+"""This module's run settings over the tiny run's (tests/conftest.py)."""
+
+
 @pytest.fixture(scope="module")
 def run_base(tmp_path_factory):
     root = tmp_path_factory.mktemp("nvme-train")
-    make_tiny_model(root / "model", "llama", TinyShape(layers=6, hidden=32, heads=2, kv_heads=1,
-                                                       intermediate=48), seed=3)
-    write_task(root / "train.jsonl", 120, 1)
     (root / "nvme").mkdir()
     return root
 
 
-def run_cfg(root: Path, name: str, **over) -> config_mod.RunConfig:
-    cfg = config_mod.from_dict({
-        "model": {"path": str(root / "model")},
-        "data": {"train": str(root / "train.jsonl"), "max_seq_len": 32},
-        "optim": {"lr": 2e-3, "warmup_steps": 1, "weight_decay": 0.01},
-        "train": {"micro_batch": 2, "max_steps": 4, "device": "cpu", "compute_dtype": "bfloat16"},
-        "budget": {"slots": 2, "checkpoints": "gpu"},
-        "output": {"run_dir": str(root / name)}})
-    return override(cfg, over)
+@pytest.fixture(scope="module")
+def run_cfg(tiny_run, run_base):
+    """``make(name, over=None) -> RunConfig``: a run of a six-layer model in ``run_base/name``."""
+    shape = TinyShape(layers=6, hidden=32, heads=2, kv_heads=1, intermediate=48)
+    return lambda name, over=None: tiny_run(run_base / name, {**RUN, **(over or {})}, shape=shape,
+                                            rows=120)
 
 
 def steps(run_dir: Path) -> tuple[list, int]:
@@ -132,20 +129,20 @@ def steps(run_dir: Path) -> tuple[list, int]:
     return [last[k] for k in sorted(last)], disk
 
 
-def test_trainer_run_with_disk_layers_resumes_exactly(run_base):
+def test_trainer_run_with_disk_layers_resumes_exactly(run_base, run_cfg):
     """RAM budget below the host state: the plan puts layers on disk, the run is stopped after
     step 2 and resumed; losses and the exported model equal an all-RAM uninterrupted run."""
-    assert run_training(run_cfg(run_base, "ram", **{"budget.ram": "64GiB"})) == "finished"
-    spec = load_spec(run_base / "model")
-    roomy = run_cfg(run_base, "probe", **{"budget.ram": "64GiB"})
+    assert run_training(run_cfg("ram", {"budget.ram": "64GiB"})) == "finished"
+    roomy = run_cfg("probe", {"budget.ram": "64GiB"})
+    spec = load_spec(roomy.model.path)
     plan = plan_run(roomy, spec, device="cpu", hardware=REFERENCE)
     full = plan.tier("host").peak
     per_layer = 2 * 4 * spec.params_per_layer  # fp32 m and v
     # short host RAM drops the speculative layers' snapshots first (slideformer.engine.plan.evaluate)
     snaps = sum(a.bytes for a in plan.allocations if a.purpose == "speculative update snapshots")
     assert snaps > 0
-    cfg = run_cfg(run_base, "disk", **{"budget.ram": str(full - snaps - per_layer),
-                                       "budget.nvme_dir": str(run_base / "nvme")})
+    cfg = run_cfg("disk", {"budget.ram": str(full - snaps - per_layer),
+                           "budget.nvme_dir": str(run_base / "nvme")})
     t = Trainer(cfg, callbacks=[lambda ev: isinstance(ev, StepMetrics) and ev.step == 2 and t.stop(True)])
     t.setup()
     assert 0 < t.plan.disk_layers < spec.num_layers and t.tier is not None

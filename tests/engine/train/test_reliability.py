@@ -24,9 +24,7 @@ import torch
 
 from slideformer.engine import config as config_mod
 from slideformer.engine.events import CheckpointSaved, Log, RunState, StepMetrics, read_events
-from slideformer.engine.models.tiny import TinyShape, make_tiny_model
 from slideformer.engine.train.commands import run_training
-from slideformer.engine.train.demo import write_task
 from slideformer.engine.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -35,36 +33,32 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
+    """This module's folder: the runs go to ``runs/``."""
     root = tmp_path_factory.mktemp("reliability")
-    make_tiny_model(root / "model", "llama", TinyShape(layers=3, hidden=32, heads=2, kv_heads=1,
-                                                       intermediate=48), seed=3)
-    write_task(root / "train.jsonl", 200, 1)
     (root / "runs").mkdir()
     return root
 
 
-def run_cfg(base: Path, name: str, **over) -> config_mod.RunConfig:
-    """The tiny run; ``over`` maps config keys (dots as double underscores) to values."""
-    cfg = config_mod.from_dict({
-        "model": {"path": str(base / "model")},
-        "data": {"train": str(base / "train.jsonl"), "max_seq_len": 32},
-        "optim": {"lr": 2e-3, "warmup_steps": 2, "weight_decay": 0.01},
-        "train": {"micro_batch": 2, "max_steps": STEPS, "device": "cpu", "save_every": 1,
-                  "keep_checkpoints": 2},
-        "budget": {"slots": 2},
-        "output": {"run_dir": str(base / "runs" / name)}})
-    return config_mod.override(cfg, {k.replace("__", "."): v for k, v in over.items()})
+@pytest.fixture(scope="module")
+def run_cfg(tiny_run, base):
+    """``make(name, **over) -> RunConfig``: the tiny run (tests/conftest.py) in ``runs/name``,
+    saving every step; ``over`` maps config keys (dots as double underscores) to values."""
+    def make(name: str, **over) -> config_mod.RunConfig:
+        return tiny_run(base / "runs" / name, {
+            "train.max_steps": STEPS, "train.save_every": 1, "train.keep_checkpoints": 2,
+            **{k.replace("__", "."): v for k, v in over.items()}})
+    return make
 
 
 @pytest.fixture(scope="module")
-def reference(base):
+def reference(run_cfg):
     """``get(**over) -> run folder`` of an uninterrupted run (one per setting, built once)."""
     done: dict[tuple, Path] = {}
 
     def get(**over) -> Path:
         key = tuple(sorted(over.items()))
         if key not in done:
-            cfg = run_cfg(base, f"ref-{len(done)}", **over)
+            cfg = run_cfg(f"ref-{len(done)}", **over)
             assert run_training(cfg) == "finished"
             done[key] = Path(cfg.output.run_dir)
         return done[key]
@@ -162,12 +156,12 @@ DAMAGE = {
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
-def test_damaged_newest_checkpoint_falls_back_to_the_previous(base, reference, damage):
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(base, run_cfg, reference, damage):
     run = copy_run(reference(), base, f"damaged-{damage.replace(' ', '-')}")
     newest = checkpoint_dirs(run)[STEPS]
     DAMAGE[damage](newest)
     n = len(read_events(run / "events.jsonl"))
-    assert run_training(run_cfg(base, run.name), resume=True) == "finished"
+    assert run_training(run_cfg(run.name), resume=True) == "finished"
     logs = [e.message for e in events_of(run, Log, n)]
     assert any(m.startswith(f"checkpoint step-{STEPS} is damaged") for m in logs), logs
     assert f"resumed from step-{STEPS - 1}" in logs
@@ -175,11 +169,11 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(base, reference, d
     assert_same_run(run, reference())
 
 
-def test_resume_restores_schedule_data_and_rng(base, reference):
+def test_resume_restores_schedule_data_and_rng(base, run_cfg, reference):
     import base64
     run = copy_run(reference(), base, "restore")
     shutil.rmtree(run / "checkpoints" / f"step-{STEPS}")  # as if killed before the final save
-    t = Trainer(run_cfg(base, run.name))
+    t = Trainer(run_cfg(run.name))
     torch.manual_seed(123)
     random.seed(123)
     t.setup(resume=True)
@@ -191,8 +185,8 @@ def test_resume_restores_schedule_data_and_rng(base, reference):
     t.cleanup()
 
 
-def test_run_that_saved_nothing_can_start_again_in_its_folder(base, reference, monkeypatch):
-    cfg = run_cfg(base, "again")
+def test_run_that_saved_nothing_can_start_again_in_its_folder(run_cfg, reference, monkeypatch):
+    cfg = run_cfg("again")
     _enospc_in(monkeypatch, ".step-1.tmp")  # its first checkpoint fails: nothing to resume
     assert run_training(cfg) == "failed"
     assert "there is no complete checkpoint yet" in last_state(Path(cfg.output.run_dir)).message
@@ -225,9 +219,9 @@ def _enospc_in(monkeypatch, name_part: str) -> None:
     monkeypatch.setattr(checkpoint._HashingFile, "write", write)
 
 
-def test_disk_full_during_a_checkpoint_keeps_the_previous_and_fails_cleanly(base, reference,
+def test_disk_full_during_a_checkpoint_keeps_the_previous_and_fails_cleanly(run_cfg, reference,
                                                                             monkeypatch):
-    cfg = run_cfg(base, "disk-full")
+    cfg = run_cfg("disk-full")
     run = Path(cfg.output.run_dir)
     _enospc_in(monkeypatch, f".step-3.tmp{os.sep}layer1")
     assert run_training(cfg) == "failed"
@@ -243,7 +237,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_and_fails_cleanly(base
     assert_same_run(run, reference())
 
 
-def test_disk_full_on_a_real_small_filesystem(base, reference, tmp_path):
+def test_disk_full_on_a_real_small_filesystem(base, run_cfg, reference, tmp_path):
     """A tmpfs that holds two checkpoints but not a third (skipped where it cannot be mounted)."""
     ckpt = sum(p.stat().st_size for p in checkpoint_dirs(reference())[STEPS - 1].iterdir())
     mnt = tmp_path / "small"
@@ -254,7 +248,7 @@ def test_disk_full_on_a_real_small_filesystem(base, reference, tmp_path):
         pytest.skip("cannot mount a tmpfs here")
     try:  # the token cache stays on the real disk (the run maps its files)
         (mnt / ".token-cache").symlink_to(base / "runs" / ".token-cache")
-        cfg = config_mod.override(run_cfg(base, "x"), {"output.run_dir": str(mnt / "run")})
+        cfg = config_mod.override(run_cfg("x"), {"output.run_dir": str(mnt / "run")})
         t = Trainer(cfg)
         t.setup()
         assert t.train() == "failed"
@@ -269,7 +263,7 @@ def test_disk_full_on_a_real_small_filesystem(base, reference, tmp_path):
         subprocess.run(["umount", str(mnt)], check=True)
 
 
-def test_failed_export_keeps_the_previous_final_model(base, reference, monkeypatch):
+def test_failed_export_keeps_the_previous_final_model(base, run_cfg, reference, monkeypatch):
     run = copy_run(reference(), base, "export-fails")
     before = {p.name: p.read_bytes() for p in (run / "final").iterdir()}
 
@@ -277,7 +271,7 @@ def test_failed_export_keeps_the_previous_final_model(base, reference, monkeypat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr("safetensors.torch.save_file", no_space)
-    extended = run_cfg(base, run.name, train__max_steps=STEPS + 1)
+    extended = run_cfg(run.name, train__max_steps=STEPS + 1)
     assert run_training(extended, resume=True) == "failed"
     assert "could not write the final model" in last_state(run).message
     assert {p.name: p.read_bytes() for p in (run / "final").iterdir()} == before
@@ -338,10 +332,10 @@ def _in_layer_backward(monkeypatch, step: int, layer: int, what) -> None:
 
 
 @pytest.mark.parametrize("clip", [1.0, 0.0])
-def test_nonfinite_loss_skips_the_whole_step(base, monkeypatch, clip):
+def test_nonfinite_loss_skips_the_whole_step(run_cfg, monkeypatch, clip):
     _poison_loss(monkeypatch, {3})
     m = Masters()
-    assert m.run(run_cfg(base, f"nan-loss-{clip}", optim__max_grad_norm=clip)) == "finished"
+    assert m.run(run_cfg(f"nan-loss-{clip}", optim__max_grad_norm=clip)) == "finished"
     assert m.changed(3) == set() and m.changed(4)
     run = Path(m.trainer.cfg.output.run_dir)
     skipped = [e for e in events_of(run, StepMetrics) if e.skipped]
@@ -349,17 +343,17 @@ def test_nonfinite_loss_skips_the_whole_step(base, monkeypatch, clip):
     assert any("step skipped, weights unchanged" in e.message for e in events_of(run, Log))
 
 
-def test_gradient_overflow_without_clipping_is_reported_honestly(base, monkeypatch):
+def test_gradient_overflow_without_clipping_is_reported_honestly(run_cfg, monkeypatch):
     _in_layer_backward(monkeypatch, step=3, layer=1, what=lambda g: g.fill_(float("inf")))
     m = Masters()
-    assert m.run(run_cfg(base, "inf-grad", optim__max_grad_norm=0.0)) == "finished"
+    assert m.run(run_cfg("inf-grad", optim__max_grad_norm=0.0)) == "finished"
     assert m.changed(3) == {"layer2"}  # updated during the backward before layer 1's overflow
     logs = [e.message for e in events_of(Path(m.trainer.cfg.output.run_dir), Log)]
     assert any("1 layer updates had already been applied" in x for x in logs), logs
 
 
-def test_three_nonfinite_steps_in_a_row_stop_and_save(base, reference, monkeypatch):
-    cfg = run_cfg(base, "nan-3")
+def test_three_nonfinite_steps_in_a_row_stop_and_save(run_cfg, reference, monkeypatch):
+    cfg = run_cfg("nan-3")
     run = Path(cfg.output.run_dir)
     _poison_loss(monkeypatch, {3, 4, 5})
     assert run_training(cfg) == "failed"
@@ -376,10 +370,10 @@ def _oom(g):
     raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
 
-def test_out_of_memory_rolls_the_step_back_and_saves(base, reference, monkeypatch):
+def test_out_of_memory_rolls_the_step_back_and_saves(run_cfg, reference, monkeypatch):
     """With clipping the updates made in the backward are speculative and undone: the step
     rolls back exactly."""
-    cfg = run_cfg(base, "oom", train__save_every=0)
+    cfg = run_cfg("oom", train__save_every=0)
     run = Path(cfg.output.run_dir)
     _in_layer_backward(monkeypatch, step=3, layer=1, what=_oom)
     assert run_training(cfg) == "failed"
@@ -392,8 +386,9 @@ def test_out_of_memory_rolls_the_step_back_and_saves(base, reference, monkeypatc
     assert_same_run(run, reference())
 
 
-def test_out_of_memory_without_clipping_keeps_the_newest_checkpoint(base, reference, monkeypatch):
-    cfg = run_cfg(base, "oom-noclip", optim__max_grad_norm=0.0)
+def test_out_of_memory_without_clipping_keeps_the_newest_checkpoint(run_cfg, reference,
+                                                                     monkeypatch):
+    cfg = run_cfg("oom-noclip", optim__max_grad_norm=0.0)
     run = Path(cfg.output.run_dir)
     _in_layer_backward(monkeypatch, step=3, layer=1, what=_oom)
     assert run_training(cfg) == "failed"
@@ -404,7 +399,7 @@ def test_out_of_memory_without_clipping_keeps_the_newest_checkpoint(base, refere
     assert_same_run(run, reference(optim__max_grad_norm=0.0))
 
 
-def test_run_that_cannot_fit_host_ram_is_refused_before_anything_loads(base, monkeypatch):
+def test_run_that_cannot_fit_host_ram_is_refused_before_anything_loads(run_cfg, monkeypatch):
     from slideformer.engine.errors import UserError
 
     def loaded(*a, **k):
@@ -413,7 +408,7 @@ def test_run_that_cannot_fit_host_ram_is_refused_before_anything_loads(base, mon
     for target in ("slideformer.engine.train.trainer.load_weights", "slideformer.engine.train.trainer.load_tokenizer",
                    "slideformer.engine.train.trainer.build_host_state"):
         monkeypatch.setattr(target, loaded)
-    t = Trainer(run_cfg(base, "too-big", budget__ram="1MiB"))
+    t = Trainer(run_cfg("too-big", budget__ram="1MiB"))
     with pytest.raises(UserError) as e:
         t.setup()
     assert e.value.where == "budget.ram" and "host RAM" in e.value.problem
@@ -428,9 +423,9 @@ def _start(cfg_path: Path, *args, slow_io: float = 0.0) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def _write_cfg(base: Path, name: str, **over) -> tuple[Path, Path]:
-    cfg = run_cfg(base, name, **over)
-    path = base / f"{name}.toml"
+def _write_cfg(base: Path, cfg: config_mod.RunConfig) -> tuple[Path, Path]:
+    """Write ``cfg`` to a TOML file beside the runs; returns (that file, the run folder)."""
+    path = base / f"{Path(cfg.output.run_dir).name}.toml"
     path.write_text(config_mod.dumps(cfg))
     return path, Path(cfg.output.run_dir)
 
@@ -450,8 +445,8 @@ def _events_count(run: Path, kind) -> int:
         return 0
 
 
-def test_ctrl_c_finishes_the_step_saves_and_exits_0(base):
-    path, run = _write_cfg(base, "sigint", train__max_steps=10_000, train__save_every=0)
+def test_ctrl_c_finishes_the_step_saves_and_exits_0(base, run_cfg):
+    path, run = _write_cfg(base, run_cfg("sigint", train__max_steps=10_000, train__save_every=0))
     p = _start(path)
     _wait_for(lambda: _events_count(run, StepMetrics) >= 2)
     p.send_signal(signal.SIGINT)
@@ -464,8 +459,8 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_0(base):
     assert (run / "final" / "model.safetensors").is_file()
 
 
-def test_second_ctrl_c_aborts_and_leaves_no_incomplete_checkpoint(base):
-    path, run = _write_cfg(base, "sigint2", train__max_steps=10_000)
+def test_second_ctrl_c_aborts_and_leaves_no_incomplete_checkpoint(base, run_cfg):
+    path, run = _write_cfg(base, run_cfg("sigint2", train__max_steps=10_000))
     p = _start(path, slow_io=0.2)
     _wait_for(lambda: _events_count(run, CheckpointSaved) >= 1)
     p.send_signal(signal.SIGINT)  # stop after this step, saving: the save takes ~2 s here
@@ -482,12 +477,12 @@ def test_second_ctrl_c_aborts_and_leaves_no_incomplete_checkpoint(base):
     assert f"resumed from step-{max(found)}" in out
 
 
-def _kill_cycles(base: Path, reference, kills: int, seed: int) -> None:
+def _kill_cycles(base: Path, run_cfg, reference, kills: int, seed: int) -> None:
     """Kill the training process with SIGKILL ``kills`` times at random moments, resume each
     time, and check: every folder named like a checkpoint is complete, each resume starts from
     the newest of them, and the run ends exactly as an uninterrupted one."""
     steps = 12 + 3 * kills
-    path, run = _write_cfg(base, f"kill-{seed}", train__max_steps=steps)
+    path, run = _write_cfg(base, run_cfg(f"kill-{seed}", train__max_steps=steps))
     rng = random.Random(seed)
     resumes, hows, during_write = 0, [], 0
     for k in range(kills):
@@ -528,10 +523,10 @@ def _kill_cycles(base: Path, reference, kills: int, seed: int) -> None:
     assert_same_run(run, reference(train__max_steps=steps, train__save_every=0))
 
 
-def test_kill_9_at_random_moments_quick(base, reference):
-    _kill_cycles(base, reference, kills=3, seed=1)
+def test_kill_9_at_random_moments_quick(base, run_cfg, reference):
+    _kill_cycles(base, run_cfg, reference, kills=3, seed=1)
 
 
 @pytest.mark.slow
-def test_kill_9_at_random_moments(base, reference):
-    _kill_cycles(base, reference, kills=24, seed=2)
+def test_kill_9_at_random_moments(base, run_cfg, reference):
+    _kill_cycles(base, run_cfg, reference, kills=24, seed=2)

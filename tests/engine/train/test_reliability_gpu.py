@@ -10,9 +10,8 @@ import torch
 
 from slideformer.engine import config as config_mod
 from slideformer.engine.events import RunState, StepMetrics, read_events
-from slideformer.engine.models.tiny import TinyShape, make_tiny_model
+from slideformer.engine.models.tiny import TinyShape
 from slideformer.engine.train.commands import run_training
-from slideformer.engine.train.demo import write_task
 from slideformer.engine.train.trainer import Trainer
 
 pytestmark = [pytest.mark.gpu,
@@ -20,24 +19,19 @@ pytestmark = [pytest.mark.gpu,
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reliability-gpu")
-    make_tiny_model(root / "model", "llama", TinyShape(layers=4, hidden=256, heads=4, kv_heads=2,
-                                                       intermediate=1024, vocab=512), seed=3)
-    write_task(root / "train.jsonl", 400, 1)
-    (root / "runs").mkdir()
-    return root
+def gpu_cfg(tiny_run, tmp_path_factory):
+    """``make(name, **over) -> RunConfig``: a tiny run (tests/conftest.py) on the GPU, large
+    enough to fill the copy streams; ``over`` maps config keys (dots as double underscores)."""
+    runs = tmp_path_factory.mktemp("reliability-gpu")
+    shape = TinyShape(layers=4, hidden=256, heads=4, kv_heads=2, intermediate=1024, vocab=512)
 
-
-def gpu_cfg(base: Path, name: str, **over) -> config_mod.RunConfig:
-    cfg = config_mod.from_dict({
-        "model": {"path": str(base / "model")},
-        "data": {"train": str(base / "train.jsonl"), "max_seq_len": 256},
-        "optim": {"lr": 1e-3, "warmup_steps": 2},
-        "train": {"micro_batch": 8, "grad_accum": 2, "max_steps": 5, "device": "cuda"},
-        "budget": {"slots": 2},
-        "output": {"run_dir": str(base / "runs" / name)}})
-    return config_mod.override(cfg, {k.replace("__", "."): v for k, v in over.items()})
+    def make(name: str, **over) -> config_mod.RunConfig:
+        return tiny_run(runs / name, {
+            "data.max_seq_len": 256, "optim.lr": 1e-3, "optim.weight_decay": 0.0,
+            "train.micro_batch": 8, "train.grad_accum": 2, "train.max_steps": 5,
+            "train.device": "cuda", **{k.replace("__", "."): v for k, v in over.items()}},
+            shape=shape, rows=400)
+    return make
 
 
 def host_state(t: Trainer) -> dict:
@@ -46,9 +40,9 @@ def host_state(t: Trainer) -> dict:
             for k, v in it.state_tensors().items()}
 
 
-def test_real_out_of_memory_rolls_the_step_back(base):
+def test_real_out_of_memory_rolls_the_step_back(gpu_cfg):
     """After step 2 the allocator may only keep what it holds: step 3 runs out of memory."""
-    cfg = gpu_cfg(base, "oom")
+    cfg = gpu_cfg("oom")
     seen = {}
 
     def on_event(ev):
@@ -80,7 +74,7 @@ def test_real_out_of_memory_rolls_the_step_back(base):
     assert run_training(cfg, resume=True) == "finished"
 
 
-def test_gradient_guard_without_clipping_on_cuda_streams(base, monkeypatch):
+def test_gradient_guard_without_clipping_on_cuda_streams(gpu_cfg, monkeypatch):
     """An overflow in layer 1's gradient: layers 3 and 2 (already updated) change, the rest not."""
     from slideformer.engine.runtime.executor import SlidingExecutor
     real, calls = SlidingExecutor._layer_backward, [0]
@@ -96,7 +90,7 @@ def test_gradient_guard_without_clipping_on_cuda_streams(base, monkeypatch):
     states = []
     # every layer updated by the CPU (the planner would keep this tiny model's optimizer on the
     # GPU, where updates follow the barrier and a skip is always whole)
-    t = Trainer(gpu_cfg(base, "guard", optim__max_grad_norm=0.0, budget__gpu_layers=0),
+    t = Trainer(gpu_cfg("guard", optim__max_grad_norm=0.0, budget__gpu_layers=0),
                 callbacks=[lambda ev: isinstance(ev, StepMetrics) and states.append(host_state(t))])
     t.setup()
     try:

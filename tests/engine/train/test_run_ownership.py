@@ -23,7 +23,7 @@ from slideformer.engine.train.lock import RunLock, run_owner
 from test_reliability import (_events_count, _start, _wait_for, _write_cfg, assert_same_run,
                               base, checkpoint_dirs, events_of, reference, run_cfg)
 
-__all__ = ["base", "reference"]  # module fixtures shared with test_reliability
+__all__ = ["base", "reference", "run_cfg"]  # module fixtures shared with test_reliability
 
 
 def _holder(run_dir: Path) -> subprocess.Popen:
@@ -60,8 +60,8 @@ def test_lock_has_one_owner_and_dies_with_its_process(tmp_path):
     assert run_owner(tmp_path) is None
 
 
-def test_resume_of_a_folder_still_training_is_refused(base):
-    path, run = _write_cfg(base, "owned", train__max_steps=10_000, train__save_every=1)
+def test_resume_of_a_folder_still_training_is_refused(base, run_cfg):
+    path, run = _write_cfg(base, run_cfg("owned", train__max_steps=10_000, train__save_every=1))
     first = _start(path)
     try:
         _wait_for(lambda: _events_count(run, StepMetrics) >= 2 and checkpoint_dirs(run))
@@ -78,25 +78,25 @@ def test_resume_of_a_folder_still_training_is_refused(base):
     assert first.returncode == 0 and run_owner(run) is None
 
 
-def test_resuming_a_finished_run_says_it_is_finished(base, reference):
+def test_resuming_a_finished_run_says_it_is_finished(run_cfg, reference):
     run = reference()
-    cfg = run_cfg(base, run.name)
+    cfg = run_cfg(run.name)
     with pytest.raises(UserError) as e:
         run_training(cfg, resume=True)
     assert "has finished" in e.value.problem and "--max-steps" in e.value.fix
 
 
-def test_extending_a_finished_run_continues_from_its_final_state(base, reference):
+def test_extending_a_finished_run_continues_from_its_final_state(run_cfg, reference):
     """6 steps, then --max-steps 9 on the same folder == 9 steps in one go (constant LR, so the
     schedule of the first 6 steps does not depend on the total)."""
     steps, more = 6, 9
     over = dict(optim__schedule="constant", train__save_every=4)
-    cfg = run_cfg(base, "extend", train__max_steps=steps, **over)
+    cfg = run_cfg("extend", train__max_steps=steps, **over)
     assert run_training(cfg) == "finished"
     run = Path(cfg.output.run_dir)
     assert max(checkpoint_dirs(run)) == steps  # saved at the end, not only at step 4
     offset = len(events_of(run, object))
-    assert run_training(run_cfg(base, "extend", train__max_steps=more, **over),
+    assert run_training(run_cfg("extend", train__max_steps=more, **over),
                         resume=True) == "finished"
     logs = [e.message for e in events_of(run, Log, offset)]
     assert f"resumed from step-{steps}" in logs
@@ -104,11 +104,11 @@ def test_extending_a_finished_run_continues_from_its_final_state(base, reference
     assert_same_run(run, reference(train__max_steps=more, **over))
 
 
-def test_a_finished_run_whose_export_failed_resumes_to_write_it(base, reference, monkeypatch):
+def test_a_finished_run_whose_export_failed_resumes_to_write_it(run_cfg, reference, monkeypatch):
     import errno
     import os
     from test_reliability import final_weights
-    cfg = run_cfg(base, "export-again")
+    cfg = run_cfg("export-again")
     run = Path(cfg.output.run_dir)
 
     def no_space(*a, **k):
