@@ -24,7 +24,8 @@ import torch
 
 from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, parse_bytes
-from slideformer.engine.devices import compute_dtype_name, moments_dtype_name, torch_dtype
+from slideformer.engine.devices import (compute_dtype_name, moments_dtype_name, residual_dtype_name,
+                                        torch_dtype)
 from slideformer.engine.errors import UserError
 from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
                            Timeline, read_events)
@@ -128,8 +129,9 @@ class Trainer:
         self.spec = load_spec(cfg.model.path)
         check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
         self.backend = make_backend(cfg.train.device)
-        self.dtype = torch_dtype(compute_dtype_name(cfg.train.compute_dtype,
-                                                    "cuda" if self.backend.is_cuda else "cpu"))
+        compute = compute_dtype_name(cfg.train.compute_dtype, "cuda" if self.backend.is_cuda else "cpu")
+        self.dtype = torch_dtype(compute)
+        residual = torch_dtype(residual_dtype_name(cfg.train.precision, compute))
         moments = torch_dtype(moments_dtype_name(cfg.optim.moments_dtype))
         shape = self.make_plan().exec_shape
         self._check_host_memory()
@@ -141,7 +143,7 @@ class Trainer:
         self.tier = self._open_tier()
         self._build_state(shape, moments, resume)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
-                                        self.lora, cfg.train.seed)
+                                        self.lora, cfg.train.seed, residual)
         if cpu_adam.unavailable_reason() and self.lora is None:
             self.emit(Log("warning", f"compiled CPU AdamW unavailable "
                                      f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "

@@ -258,7 +258,8 @@ def test_spare_vram_goes_to_the_device_optimizer(tmp_path):
     assert card.verdict == "fits"
     off = plan("24GiB", **{"budget.gpu_layers": 0})
     assert not off.exec_shape.device_update and off.exec_shape.device_layers == 0
-    assert card.tier("host").peak == off.tier("host").peak  # host copies are kept either way
+    state = lambda p: sum(a.bytes for a in p.allocations if a.tier == "host" and a.phase == "state")  # noqa: E731
+    assert state(card) == state(off)  # host copies are kept either way
     assert plan("24GiB", **{"budget.gpu_layers": 3}).exec_shape.device_layers == 3
     short = plan("24GiB", **{"train.micro_batch": 24, "budget.checkpoints": "gpu"})
     assert short.exec_shape.device_layers == 0
@@ -266,3 +267,17 @@ def test_spare_vram_goes_to_the_device_optimizer(tmp_path):
                    hardware=REFERENCE)
     assert not cpu.exec_shape.device_update
 
+
+
+def test_bf16_residual_stream_is_offered_and_saves_the_checkpoints_half(tmp_path):
+    """train.precision autocast keeps fp32 checkpoints; over budget, bf16 is a (numerics-
+    changing) fix that saves half of the host checkpoints."""
+    extra = {"train.micro_batch": 8, "train.grad_accum": 16, "budget.checkpoints": "host"}
+    wide = consumer_plan(tmp_path, "llama-3.1-8b", **extra)
+    narrow = consumer_plan(tmp_path, "llama-3.1-8b", **extra, **{"train.precision": "bf16"})
+    ck = lambda p: sum(a.bytes for a in p.allocations if a.purpose == "pinned activation checkpoints")  # noqa: E731
+    assert ck(wide) == 2 * ck(narrow) > 0
+    fix = next(f for f in wide.fixes if f.name == "bf16 residual stream")
+    assert dict(fix.settings) == {"train.precision": "bf16"} and not fix.exact
+    assert fix.saves > 0
+    assert not any(f.name == "bf16 residual stream" for f in narrow.fixes)
