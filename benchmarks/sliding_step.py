@@ -2,9 +2,10 @@
 
 Runs on the reference GPU machine: builds the host state with random weights (no checkpoint on
 disk), caps VRAM in-process to emulate a consumer card, runs warm-up and timed steps on random
-tokens, and prints one JSON line per configuration: tokens/s (median), model TFLOP/s
-(6 * N * tokens/s), peak VRAM allocated and reserved, peak host RSS, CPU update params/s
-(from the optimizer spans of the timeline) and the per-lane busy time of the last step.
+tokens, and prints one JSON line per configuration: tokens/s (median), the process's CPU time
+per step (for shared machines), model TFLOP/s (6 * N * tokens/s), peak VRAM allocated and
+reserved, peak host RSS, CPU update params/s (from the optimizer spans of the timeline) and the
+per-lane busy time of the last step. ``--device cpu --shape small`` runs on the CPU backend.
 
     python benchmarks/sliding_step.py --shape llama-3.2-3b --micro-batch 8 --grad-accum 1 4
 """
@@ -39,8 +40,8 @@ SHAPES = {  # published config.json values of the public models
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          tie_word_embeddings=False, head_dim=128),
-    "small": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=4,  # CPU timings
-                  num_attention_heads=8, num_key_value_heads=4, vocab_size=8192,
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,  # CPU timings
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
                   tie_word_embeddings=False, head_dim=64),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,  # CPU dry runs
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
@@ -123,12 +124,13 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
                          residual_dtype=residual(args.precision))
     mbs = random_batches(spec.vocab_size, args.micro_batch, args.seq, accum)
     hyper = lambda coef: AdamHyper(1e-5, 0.9, 0.999, 1e-8, 0.0, 1, coef)  # noqa: E731
-    times, outs = [], []
+    times, cpu, outs = [], [], []
     backend.reset_peak()
     for k in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = ex.train_step(mbs, hyper, args.clip)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         outs.append(out)
     t0 = time.perf_counter()
     ex.drain()
@@ -147,6 +149,7 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
                device_update=shape.device_update, device_layers=shape.device_layers,
                vram_cap_gib=args.vram_cap, step_time_s=round(med, 4),
                step_times_s=[round(t, 4) for t in times], drain_s=round(drain, 4),
+               step_cpu_s=round(statistics.median(cpu[args.warmup:]), 4),
                tokens_per_s=round(tokens / med, 1),
                model_tflops=round(6 * spec.num_params * tokens / med / 1e12, 1),
                peak_vram_alloc_gib=_gib(torch.cuda.max_memory_allocated()) if cuda else None,
