@@ -17,6 +17,14 @@ packed-document attention. Prints one JSON line per case:
   BlockMask (CUDA only; its largest difference from the masked SDPA output is printed beside), for
   the same tokens.
 
+Every case runs twice, ``kernels``: ``reference`` (``SLIDEFORMER_TRITON=0 SLIDEFORMER_FLEX=0``:
+PyTorch RMSNorm, RoPE and SwiGLU, boolean-mask SDPA for packed documents) and ``fused`` (the
+engine's default on CUDA: the Triton kernels of slideformer.engine.kernels and FlexAttention), so
+each component's time is printed for the old and the new kernel side by side; ``launches``
+counts the fused launches of the case (all zero for ``reference``, and on the CPU: a fused
+row without launches fell back to PyTorch), and a ``reference_over_fused`` line after each pair
+gives the speed-ups per phase and component.
+
     python benchmarks/layer_profile.py --shape llama-3.2-3b --micro-batch 8 64 --seq 1024
     python benchmarks/layer_profile.py --tiny      # CPU dry run
 """
@@ -24,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +43,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.sliding_step import shape_spec  # noqa: E402
+from slideformer.engine.kernels import attention as attn, dispatch  # noqa: E402
 from slideformer.engine.models import layers  # noqa: E402
 from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rope_tables  # noqa: E402
 from slideformer.engine.models.model import positions_for  # noqa: E402
@@ -56,7 +66,7 @@ def inputs(spec, B, T, packed, device, dtype):
     if packed:  # documents of 1/8 the sequence each, as packing short records gives
         doc = (torch.arange(T, device=device) // max(T // 8, 1)).expand(B, T).contiguous()
     rope = rope_tables(spec, positions_for(ids, doc), dtype)
-    mask = None if doc is None else packed_causal_mask(doc)
+    mask = None if doc is None else attn.document_mask(doc, spec.head_dim)
     x = torch.randn(B, T, spec.hidden_size, device=device, dtype=dtype)
     return x, rope, mask, doc
 
@@ -122,12 +132,11 @@ def components(spec, p, x, rope, mask, device, reps) -> dict[str, dict[str, floa
         return outs
     parts = {
         "matmuls": matmuls,
-        "attention": lambda: [F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                                             enable_gqa=nh != nkv)],
+        "attention": lambda: [attn.attend(q, k, v, mask, mask is None, nh != nkv)],
         "rmsnorm": lambda: [layers.rms_norm(h, w["input_layernorm.weight"], spec.rms_norm_eps)
                             for _ in range(2)],  # two per layer
         "rope": lambda: [layers.apply_rope(q, cos, sin), layers.apply_rope(k, cos, sin)],
-        "swiglu": lambda: [F.silu(g) * u]}
+        "swiglu": lambda: [layers.swiglu(g, u)]}
     out = {}
     for name, fn in parts.items():
         def fwd():
@@ -148,7 +157,8 @@ def attention_variants(spec, B, T, device, dtype, reps) -> dict[str, float]:
     q = torch.randn(B, nh, T, hd, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(B, nkv, T, hd, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(B, nkv, T, hd, device=device, dtype=dtype, requires_grad=True)
-    _, _, mask, doc = inputs(spec, B, T, True, device, dtype)
+    doc = (torch.arange(T, device=device) // max(T // 8, 1)).expand(B, T).contiguous()
+    mask = packed_causal_mask(doc)
     gqa = nh != nkv
 
     def run(attn):
@@ -159,23 +169,35 @@ def attention_variants(spec, B, T, device, dtype, reps) -> dict[str, float]:
                q, k, v, attn_mask=mask, enable_gqa=gqa)),
            "sdpa_causal_plain": run(lambda: F.scaled_dot_product_attention(
                q, k, v, is_causal=True, enable_gqa=gqa))}
-    if device.type == "cuda":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        flex = torch.compile(flex_attention, dynamic=False)
-        d = doc[0]
-
-        def document(b, h, qi, ki):
-            return (d[qi] == d[ki]) & (qi >= ki)
-        bm = create_block_mask(document, None, None, T, T, device=device)
-        out["flex_document_packed"] = run(lambda: flex(q, k, v, block_mask=bm, enable_gqa=gqa))
+    if device.type == "cuda":  # the engine's own FlexAttention path (compiled once)
+        bm = attn.document_block_mask(doc)
+        out["flex_document_packed"] = run(lambda: attn.attend(q, k, v, bm, False, gqa))
         with torch.no_grad():  # the same maths as the masked SDPA it is timed against
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-            out["flex_max_abs_diff_vs_sdpa"] = (flex(q, k, v, block_mask=bm, enable_gqa=gqa)
+            out["flex_max_abs_diff_vs_sdpa"] = (attn.attend(q, k, v, bm, False, gqa)
                                                 - ref).abs().max().item()
     return out
 
 
-def case(spec, B, T, packed, device, dtype, reps) -> dict:
+KERNELS = {"reference": {dispatch.ENV: "0", attn.ENV: "0"}, "fused": {}}
+"""Environment of each kernel choice (``fused``: the engine's default)."""
+
+
+def with_kernels(name: str, fn):
+    """fn() with the switches of KERNELS[name] set (and the other ones cleared)."""
+    saved = {k: os.environ.pop(k, None) for k in (dispatch.ENV, attn.ENV)}
+    os.environ.update(KERNELS[name])
+    try:
+        return fn()
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def case(spec, B, T, packed, device, dtype, reps, kernels: str) -> dict:
+    launches = dict(dispatch.LAUNCHES)
     p = random_layer(spec, device, dtype)
     x, rope, mask, _ = inputs(spec, B, T, packed, device, dtype)
     fwd, bwd = phases(spec, p, x, rope, mask)
@@ -185,10 +207,24 @@ def case(spec, B, T, packed, device, dtype, reps) -> dict:
     parts["other"] = {"forward_ms": round(f_ms - sum(c["forward_ms"] for c in parts.values()), 3),
                       "forward_backward_ms": round(b_ms - sum(c["forward_backward_ms"]
                                                               for c in parts.values()), 3)}
-    return dict(micro_batch=B, seq=T, packed=packed, device=str(device),
+    ran = {k: n - launches.get(k, 0) for k, n in dispatch.LAUNCHES.items() if n > launches.get(k, 0)}
+    return dict(micro_batch=B, seq=T, packed=packed, kernels=kernels, device=str(device),
                 forward_ms=round(f_ms, 3), forward_tflops=round(f_flops / f_ms / 1e9, 1),
                 recompute_backward_ms=round(b_ms, 3),
-                recompute_backward_tflops=round(b_flops / b_ms / 1e9, 1), components=parts)
+                recompute_backward_tflops=round(b_flops / b_ms / 1e9, 1), components=parts,
+                launches=ran)
+
+
+def speedup(ref: dict, fused: dict) -> dict:
+    """Reference time over fused time per phase and per component (forward + backward)."""
+    ratio = lambda a, b: round(a / b, 2) if b > 0 else None  # noqa: E731
+    parts = {k: ratio(c["forward_backward_ms"], fused["components"][k]["forward_backward_ms"])
+             for k, c in ref["components"].items() if k != "other"}
+    return dict(micro_batch=ref["micro_batch"], seq=ref["seq"], packed=ref["packed"],
+                reference_over_fused=dict(forward=ratio(ref["forward_ms"], fused["forward_ms"]),
+                                          recompute_backward=ratio(ref["recompute_backward_ms"],
+                                                                   fused["recompute_backward_ms"]),
+                                          components_fwd_bwd=parts))
 
 
 def main() -> None:
@@ -197,6 +233,8 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS),
+                    help="reference: PyTorch ops and boolean-mask SDPA; fused: Triton + FlexAttention")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the tiny shape")
     a = ap.parse_args()
     if a.tiny:
@@ -206,7 +244,13 @@ def main() -> None:
     spec = shape_spec(a.shape)
     for B in a.micro_batch:
         for packed in (False, True):
-            print(json.dumps(case(spec, B, a.seq, packed, device, dtype, a.reps)), flush=True)
+            rows = {}
+            for kernels in a.kernels:
+                rows[kernels] = with_kernels(kernels, lambda: case(spec, B, a.seq, packed, device,
+                                                                   dtype, a.reps, kernels))
+                print(json.dumps(rows[kernels]), flush=True)
+            if len(rows) == 2:
+                print(json.dumps(speedup(rows["reference"], rows["fused"])), flush=True)
         print(json.dumps(dict(micro_batch=B, seq=a.seq, attention_fwd_bwd_ms=attention_variants(
             spec, B, a.seq, device, dtype, a.reps))), flush=True)
 

@@ -18,6 +18,7 @@ the timeline over the step time) and the planner's prediction for our runs.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -147,7 +148,8 @@ def run_ours(a: dict) -> dict:
                 last_loss=round(out.loss, 4), **vram(), peak_rss_gib=round(peak_rss(), 2),
                 planned_tokens_per_s=round(plan.speed.tokens_per_s, 1),
                 planned_vram_gib=round(plan.tier("gpu").peak / GiB, 2),
-                planned_host_gib=round(plan.tier("host").peak / GiB, 2), plan_verdict=plan.verdict)
+                planned_host_gib=round(plan.tier("host").peak / GiB, 2), plan_verdict=plan.verdict,
+                planned_on=plan.hardware.name)
 
 
 # ---- Hugging Face + PEFT -----------------------------------------------------------------------
@@ -166,6 +168,7 @@ def hf_model(a: dict, dev: str):
     with tempfile.TemporaryDirectory(dir=a.get("tmp")) as d:
         model.save_pretrained(d)
         del model
+        gc.collect()  # HF modules hold reference cycles: without this the bf16 model stays in VRAM
         if dev == "cuda":
             torch.cuda.empty_cache()
         q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -188,6 +191,7 @@ def run_hf(a: dict) -> dict:
                                                        target_modules=targets))
     model.enable_input_require_grads()
     setup = time.perf_counter() - t0
+    setup_vram = torch.cuda.memory_allocated() / GiB if dev == "cuda" else 0.0
     cap(a["vram_cap"])
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-4, fused=dev == "cuda")
@@ -208,7 +212,8 @@ def run_hf(a: dict) -> dict:
     med = statistics.median(times[a["warmup"]:])
     tokens = a["micro_batch"] * a["seq"] * a["accum"]
     return dict(tokens_per_s=round(tokens / med, 1), step_time_s=round(med, 3),
-                setup_s=round(setup, 1), **vram(), peak_rss_gib=round(peak_rss(), 2))
+                setup_s=round(setup, 1), setup_vram_gib=round(setup_vram, 2), **vram(),
+                peak_rss_gib=round(peak_rss(), 2))
 
 
 # ---- driver ------------------------------------------------------------------------------------
@@ -243,6 +248,7 @@ def main() -> None:
     ap.add_argument("--out", help="also append the JSON records to this file")
     ap.add_argument("--tokens", type=int, help="only the size with this many tokens per step "
                     "(e.g. 16384), to split a table over calls of limited length")
+    ap.add_argument("--only", help="comma-separated contenders of the table to run (default: all)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -252,6 +258,8 @@ def main() -> None:
     if args.tiny:
         shape, seq, sizes = "tiny", 32, tuple((2, acc // 4 or 1) for _, acc in sizes)
     print(json.dumps({"versions": versions(), "table": args.table, "shape": shape}))
+    if args.only:
+        contenders = tuple(c for c in contenders if c in args.only.split(","))
     if args.tokens:
         sizes = tuple((mb, acc) for mb, acc in sizes if mb * seq * acc == args.tokens)
     rows = []

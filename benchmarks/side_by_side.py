@@ -153,7 +153,7 @@ def collect(contender: str, cfg: BenchConfig, run: ChildRun, log_path: Path) -> 
 
 
 def add_ratios(results: dict) -> None:
-    """tok/s of each row over dense's and DeepSpeed's at the same grad-accum size."""
+    """tok/s of each row over dense's, DeepSpeed's and SlideFormer's at the same tokens/step."""
     def tps(name: str, accum: int) -> float | None:
         rows = results.get(name, {}).get("rows", [])
         return next((r["tokens_per_s"] for r in rows
@@ -161,7 +161,8 @@ def add_ratios(results: dict) -> None:
 
     for entry in results.values():
         for r in entry["rows"]:
-            for key, base in (("vs_dense", "dense"), ("vs_deepspeed", "deepspeed")):
+            for key, base in (("vs_dense", "dense"), ("vs_deepspeed", "deepspeed"),
+                              ("vs_slideformer", "slideformer")):
                 b = tps(base, r["grad_accum"])
                 r[key] = round(r["tokens_per_s"] / b, 2) if r["status"] == "ok" and b else None
 
@@ -173,6 +174,7 @@ def _label(name: str, entry: dict, meta: dict) -> str:
     return {"dense": f"dense HF ({cfg['dense_dtype']}){cap}",
             "resident": f"ours, every layer resident{cap}",
             "deepspeed": f"DeepSpeed ZeRO-3 offload{cap}",
+            "slideformer": f"SlideFormer's public code{cap}",
             "sliding": f"ours, sliding{cap}"}[name]
 
 
@@ -220,8 +222,9 @@ def markdown(meta: dict, results: dict) -> str:
                   f"({', '.join(meta['sources'])}): ratios across them compare different processes "
                   "on machines of the same kind, not one invocation.", ""]
     lines += ["| contender | tokens/step | tok/s | model TFLOP/s | peak VRAM alloc / reserved (GiB) "
-              "| peak RSS, process tree (GiB) | vs dense | vs DeepSpeed | bounding resource |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "| peak RSS, process tree (GiB) | vs dense | vs DeepSpeed | vs SlideFormer "
+              "| bounding resource |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for accum in cfg["grad_accum"]:
         for name, entry in results.items():
             for r in entry["rows"]:
@@ -230,13 +233,14 @@ def markdown(meta: dict, results: dict) -> str:
                 tok = _tokens(cfg, cfg["micro_batch"], accum)
                 if r["status"] != "ok":
                     lines.append(f"| {_label(name, entry, meta)} | {tok} | {r['status']} | – | "
-                                 f"{_vram(r)} | {_f(r.get('peak_rss_tree_gib'), '.1f')} | – | – | "
+                                 f"{_vram(r)} | {_f(r.get('peak_rss_tree_gib'), '.1f')} | – | – | – | "
                                  f"{str(r.get('error', ''))[:80]} |")
                     continue
                 lines.append(f"| {_label(name, entry, meta)}{_shape(r)} | {tok} | {_f(r['tokens_per_s'])} | "
                              f"{_f(r['model_tflops'])} | {_vram(r)} | "
                              f"{_f(r['peak_rss_tree_gib'], '.1f')} | {_f(r['vs_dense'], '.2f')} | "
-                             f"{_f(r['vs_deepspeed'], '.2f')} | {r['bounding']} |")
+                             f"{_f(r['vs_deepspeed'], '.2f')} | {_f(r['vs_slideformer'], '.2f')} | "
+                             f"{r['bounding']} |")
     lines += _max_batch_lines(meta, results) + _notes(meta, results)
     return "\n".join(lines) + "\n"
 

@@ -19,6 +19,7 @@ from types import ModuleType
 
 from slideformer.engine import __version__
 from slideformer.engine.data import commands as data_commands
+from slideformer.engine.dist import commands as dist_commands
 from slideformer.engine.errors import UserError, path_error
 from slideformer.engine.gguf import commands as gguf_commands
 from slideformer.engine.generate import commands as generate_commands
@@ -27,7 +28,7 @@ from slideformer.engine.plan import commands as plan_commands
 from slideformer.engine.train import commands as train_commands
 
 COMMANDS: tuple[ModuleType, ...] = (model_commands, gguf_commands, data_commands, train_commands,
-                                   plan_commands, generate_commands)
+                                   plan_commands, generate_commands, dist_commands)
 """Modules with a ``register(subparsers)`` function, in the order shown by --help."""
 
 

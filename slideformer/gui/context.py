@@ -4,7 +4,8 @@ Pages never call each other. The Model page calls :meth:`AppContext.set_model`; 
 needs the model (Plan, Data, Train) connects to :attr:`AppContext.model_changed` and reads
 :attr:`AppContext.model_path` when it is built. Likewise the data settings
 (:meth:`AppContext.set_data_config`, :attr:`AppContext.data_changed`: Data and Train pages) and
-runs to show (:meth:`AppContext.request_run`, :attr:`AppContext.run_requested`: Runs -> Train).
+runs to show (:meth:`AppContext.request_run`, :attr:`AppContext.run_requested`: Runs -> Train)
+and the machine plans are made for (:meth:`AppContext.set_target`: Model and Plan pages).
 
 The next run is one draft: the Train page's settings (a whole RunConfig), the Model page's
 folder and the Data page's data settings; the sequence length is the data settings' and every
@@ -39,6 +40,8 @@ class AppContext(QObject):
     """The main window switched to the "light" or "dark" theme."""
     run_requested = Signal(str, bool)
     """Show a run on the Train page: (run folder, resume it); False follows it as it is."""
+    target_changed = Signal(str)
+    """The machine plans are made for changed (:attr:`target`)."""
     plan_used = Signal(object, dict)
     """Train with this plan: (the :class:`~slideformer.engine.plan.Plan`, the run-config settings it was
     made for, ``{"train.micro_batch": 4, ...}``)."""
@@ -54,6 +57,8 @@ class AppContext(QObject):
         """The engine's summary of the chosen model (``slideformer.engine.api.inspect_model``)."""
         self.data_config = DataConfig()
         """The [data] section of the next run (``train`` is empty until a file is chosen)."""
+        self.target = "this"
+        """The machine the Model and Plan pages plan for: ``this`` or a GPU preset key."""
 
     @property
     def models_dir(self) -> Path:
@@ -82,6 +87,11 @@ class AppContext(QObject):
         if cfg != self.data_config:
             self.data_config = cfg
             self.data_changed.emit()
+
+    def set_target(self, target: str) -> None:
+        if target != self.target:
+            self.target = target
+            self.target_changed.emit(target)
 
     def request_run(self, run_dir: str, resume: bool) -> None:
         self.run_requested.emit(run_dir, resume)

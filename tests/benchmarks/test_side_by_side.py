@@ -75,6 +75,28 @@ def test_rows_ratios_failures_and_merge(tmp_path):
     assert "Merged from 2 separate invocations" in merged
 
 
+def test_slideformer_rows_and_its_ratio(tmp_path):
+    """SlideFormer's row of a size is its one micro-batch of the same tokens/step; ours is
+    compared with it in the vs SlideFormer column."""
+    runs = _runs()
+    runs["slideformer"] = sbs.ChildRun(
+        [dict(kind="info", gpu="Test GPU"), dict(_result(1, 8.0, mb=8), grad_accum=4),
+         _result(1, 50.0), dict(kind="done")], 40 << 30, 50.0, 0, False, "")
+    results = {n: sbs.collect(n, CFG, r, tmp_path / f"{n}.log") for n, r in runs.items()}
+    table = sbs.write_outputs(tmp_path / "all", sbs.make_meta(CFG, tmp_path / "all"), results)
+    data = json.loads((tmp_path / "all.json").read_text())["contenders"]
+    assert list(data) == ["dense", "deepspeed", "slideformer", "sliding"]
+    assert data["sliding"]["rows"][0]["vs_slideformer"] == 2.0
+    assert [r["micro_batch"] for r in data["slideformer"]["rows"]] == [2, 8]
+    assert "| SlideFormer's public code, cap 24 GiB |" in table
+
+
+def test_slideformer_skips_without_cuda(tmp_path):
+    data, _ = _run(tmp_path, "--contenders", "slideformer")
+    entry = data["contenders"]["slideformer"]
+    assert entry["status"] == "skipped" and "CUDA" in entry["skipped"]
+
+
 def _run(tmp_path: Path, *args: str) -> tuple[dict, str]:
     out = tmp_path / "sbs"
     proc = subprocess.run([sys.executable, str(BENCH / "side_by_side.py"), "--dry-run-cpu",

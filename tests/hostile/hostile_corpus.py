@@ -4,7 +4,7 @@ blamed the wrong setting, each with the words its one message must contain.
 Every case runs ``slideformer`` (``slideformer.engine.cli``) in a copy of a work folder that holds a tiny
 model (``model/``), chat data (``train.jsonl``) and a run config (``run.toml``). The test modules
 ``test_hostile_<category>.py`` run their category in-process; ``test_hostile_corpus.py`` runs the
-whole corpus through ``python -m slideformer.engine.cli`` in a subprocess with a timeout.
+whole corpus with a process per case (corpus_processes.py) and a timeout.
 """
 from __future__ import annotations
 
@@ -12,9 +12,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -50,6 +47,7 @@ def make_workspace(root: Path) -> Path:
         "train": {"micro_batch": 2, "max_steps": 2, "device": "cpu"},
         "budget": {"slots": 2}, "output": {"run_dir": "run"}})
     (root / "run.toml").write_text(config_mod.dumps(cfg))
+    profile(file="reference.json")(root)  # plans that do not depend on this machine
     return root
 
 
@@ -59,7 +57,7 @@ def train(*args: str) -> tuple[str, ...]:
 
 
 def plan(*args: str) -> tuple[str, ...]:
-    return ("plan", "--model", "model", "--hardware", "reference", *args)
+    return ("plan", "--model", "model", "--hardware", "reference.json", *args)
 
 
 def setkey(key: str, toml_value: str) -> tuple[str, ...]:
@@ -147,12 +145,13 @@ def extra_token(w: Path) -> None:
     path.write_text(json.dumps(tok))
 
 
-def profile(**values) -> Callable[[Path], None]:
+def profile(file: str = "hw.json", **values) -> Callable[[Path], None]:
+    """A hardware profile file: the reference machine's, with ``values`` changed."""
     def prepare(w: Path) -> None:
         from slideformer.engine.plan.hardware import REFERENCE
         d = REFERENCE.to_dict()
         d.update(values)
-        (w / "hw.json").write_text(json.dumps(d))
+        (w / file).write_text(json.dumps(d))
     return prepare
 
 
@@ -388,7 +387,6 @@ TEMPLATES = [
 
 CATEGORIES = {"tracebacks": TRACEBACKS, "silent": SILENT, "hangs": HANGS,
               "misleading": MISLEADING, "boundaries": BOUNDARIES, "templates": TEMPLATES}
-ALL = [c for cases in CATEGORIES.values() for c in cases]
 
 
 # ---- running a case ---------------------------------------------------------------------------
@@ -411,18 +409,6 @@ def check_outcome(case: Case, code: int, out: str, err: str) -> None:
         assert "fix:" in err, err
     for word in case.words:
         assert word in text, f"{word!r} not in: {text[-2000:]}"
-
-
-def run_subprocess(case: Case, w: Path, env_changes: dict) -> tuple[int, str, str, float]:
-    """``python -m slideformer.engine.cli`` in ``w``: (exit code, stdout, stderr, seconds)."""
-    env = dict(os.environ, **env_changes)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "slideformer.engine.cli", *case.args], cwd=w, env=env,
-                       capture_output=True, timeout=TIMEOUT)
-    return (p.returncode, p.stdout.decode(errors="backslashreplace"),
-            p.stderr.decode(errors="backslashreplace"), time.perf_counter() - t0)
 
 
 def run_in_process(case: Case, pristine: Path, tmp: Path, capsys, monkeypatch) -> None:

@@ -1,33 +1,39 @@
-"""The whole hostile-input corpus through the real command line: ``python -m slideformer.engine.cli`` in a
-subprocess per case, with a timeout (a hang is a failure). Prints cases tried / handled and the
-time per case."""
+"""The whole hostile-input corpus, each case in a process of its own with a timeout (a hang is a
+failure), and the first case of each category through ``python -m slideformer.cli`` itself.
+
+The cases run in children forked from one interpreter that has imported the command line
+(corpus_processes.run_forked): the same ``main``, exit code, stdout and stderr as the command,
+without paying torch's import once per case; as many at a time as the machine has cores. Prints
+one line: cases tried, handled, tracebacks, hangs, the time per case.
+"""
 from __future__ import annotations
 
-import subprocess
+import os
 import time
 
 import pytest
-from hostile_corpus import ALL, CATEGORIES, check_outcome, make_workspace, prepare_case, run_subprocess
+from corpus_processes import run_forked, run_subprocesses, summary
+from hostile_corpus import make_workspace
+from hostile_folders import CORPUS
 
 
 @pytest.mark.slow
-def test_whole_corpus_through_the_cli(tmp_path):
+def test_whole_corpus_a_process_per_case(tmp_path, capsys):
     pristine = make_workspace(tmp_path / "pristine")
-    failures, times = [], []
+    workers = os.cpu_count() or 1
     t0 = time.perf_counter()
-    for i, case in enumerate(ALL):
-        w = tmp_path / f"case-{i}"
-        env = prepare_case(case, pristine, w)
-        try:
-            code, out, err, dt = run_subprocess(case, w, env)
-            times.append(dt)
-            check_outcome(case, code, out, err)
-        except subprocess.TimeoutExpired:
-            failures.append(f"{case.name}: no exit within the timeout (a hang)")
-        except AssertionError as e:
-            failures.append(f"{case.name}: {str(e)[:300]}")
-    per = sorted(times)
-    print(f"\nhostile corpus: {len(ALL)} cases tried in {len(CATEGORIES)} categories, "
-          f"{len(ALL) - len(failures)} handled; {time.perf_counter() - t0:.0f} s in all; "
-          f"per case median {per[len(per) // 2]:.1f} s, max {per[-1]:.1f} s")
+    cases = [c for category in CORPUS.values() for c in category]
+    outcomes, warm = run_forked(cases, pristine, tmp_path / "forked", workers)
+    wall = time.perf_counter() - t0
+    firsts = [category[0] for category in CORPUS.values()]
+    t0 = time.perf_counter()
+    entry = run_subprocesses(firsts, pristine, tmp_path / "entry", workers)
+    entry_wall = time.perf_counter() - t0
+    failures = [f"{o.case.name}: {v}" for o in outcomes + entry
+                if (v := o.verdict()) != "handled"]
+    with capsys.disabled():
+        print(f"\n{summary(outcomes, len(CORPUS), wall, workers, warm)}")
+        print(f"through python -m slideformer.cli: {len(entry)} cases, "
+              f"{sum(o.verdict() == 'handled' for o in entry)} handled, {entry_wall:.0f} s in all, "
+              f"per case max {max(o.seconds for o in entry):.1f} s")
     assert not failures, "\n".join(failures)

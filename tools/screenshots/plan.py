@@ -16,7 +16,7 @@ from slideformer.gui.main_window import MainWindow
 from slideformer.gui.capture import (WINDOW_SIZE, out_parser, print_paths, save, studio_window,
                                          use_x_server, wait_until)
 
-CONFIG = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "configs" / "llama-3.1-8b.json"
+CONFIG = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "configs" / "llama-3.1-8b.json"
 TARGET = "rtx4090"
 RUN = {"budget.vram": "23GiB", "budget.ram": "128GiB", "data.max_seq_len": 2048,
        "train.micro_batch": 1, "train.grad_accum": 2}

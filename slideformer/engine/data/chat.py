@@ -87,10 +87,14 @@ def template_source(tok: TokenizerInfo, choice: str) -> tuple[str, str, bool]:
             raise UserError("data.chat_template", f"is {choice!r}, neither a file nor a "
                             "template name", f"give a .jinja file or one of: "
                             f"{', '.join(TEMPLATES)} (empty: the model's own)")
-        return path.read_text(encoding="utf-8"), str(path), False
+        try:
+            return path.read_text(encoding="utf-8"), str(path), False
+        except UnicodeDecodeError as e:
+            raise UserError(path, f"is not valid UTF-8 ({e.reason} at byte {e.start})",
+                            "save the template as UTF-8 text") from None
     if tok.chat_template is None:
         return CHATML, BUILTIN_WHERE, True
-    return tok.chat_template, str(tok.source / "tokenizer_config.json"), False
+    return tok.chat_template, str(tok.template_where), False
 
 
 class ChatRenderer:
@@ -102,6 +106,8 @@ class ChatRenderer:
         self._ctx = {"bos_token": tok.bos_token or "", "eos_token": tok.eos_token or "",
                      "enable_thinking": enable_thinking}
         self.generation_tags = "generation" in self.source and "endgeneration" in self.source
+        self._replies: bool | None = None
+        """Whether the template renders replies at all (None: not asked yet)."""
 
     def render(self, conv: Conversation, add_generation_prompt: bool = False,
                messages: list | None = None) -> str:
@@ -149,8 +155,23 @@ class ChatRenderer:
                                 "rendered conversation (the template rewrites it)",
                                 'set data.train_on = "all", or use a template that renders '
                                 "each message's content verbatim")
+            if span[0] == span[1] and m.get("content") and not self._renders_replies(conv):
+                raise UserError(self.where, "chat_template does not render the assistant's "
+                                "messages (a reply is missing from its output)",
+                                "use the model's original chat template, or set "
+                                "data.chat_template to one that renders every message")
             out.append(span)
         return out
+
+    def _renders_replies(self, conv: Conversation) -> bool:
+        """Whether a reply shows in the template's output at all (asked once, when a reply
+        renders as nothing: every record would be dropped as having nothing to train)."""
+        if self._replies is None:
+            probe = [{"role": "user", "content": "Hello."},
+                     {"role": "assistant", "content": _OPEN + "reply" + _CLOSE}]
+            text = self._quiet(conv, probe, False)
+            self._replies = text is None or _OPEN + "reply" + _CLOSE in text
+        return self._replies
 
     def _generation_spans(self, conv: Conversation) -> list[tuple[int, int]]:
         raw, out, removed, pos = self._raw(conv, False), [], 0, 0

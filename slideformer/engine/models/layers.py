@@ -18,6 +18,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from slideformer.engine.kernels import dispatch
+from slideformer.engine.kernels.attention import attend, packed_causal_mask  # noqa: F401 (the model's mask)
 from slideformer.engine.models.spec import ModelSpec
 
 
@@ -29,6 +31,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     value rounded to x's dtype, then scaled by w). Another: the scaling in fp32, rounded once to
     ``out`` (an fp32 stream feeding bf16 matmuls, or fp32 q/k ahead of fp32 RoPE).
     """
+    if dispatch.use_triton(x):
+        return dispatch.rms_norm(x, w, eps, out)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if out is None or out == x.dtype:
@@ -75,6 +79,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                out: torch.dtype | None = None) -> torch.Tensor:
     """Rotate (B, heads, T, hd) by the tables (B, 1, T, hd), in the wider of the two dtypes;
     the result in ``out`` (default: x's dtype)."""
+    if dispatch.use_triton(x):
+        return dispatch.apply_rope(x, cos, sin, out)
     return (x * cos + _rotate_half(x) * sin).to(out or x.dtype)
 
 
@@ -111,17 +117,23 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     # is_causal aligns the mask top-left; with cached keys the caller passes the mask
     # (one new token attends to everything: no mask at all).
     causal = mask is None and k.shape[2] == T and T > 1
-    a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                       enable_gqa=nh != nkv)  # (B, nh, T, hd)
+    a = attend(q, k, v, mask, causal, nh != nkv)  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
     return linear(p, "self_attn.o_proj", a, lora)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u, the gated activation of the MLP."""
+    if dispatch.use_triton(g):
+        return dispatch.swiglu(g, u)
+    return F.silu(g) * u
 
 
 def mlp(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
     """SwiGLU: down(silu(gate(h)) * up(h))."""
     g = linear(p, "mlp.gate_proj", h, lora)
     u = linear(p, "mlp.up_proj", h, lora)
-    return linear(p, "mlp.down_proj", F.silu(g) * u, lora)
+    return linear(p, "mlp.down_proj", swiglu(g, u), lora)
 
 
 def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
@@ -133,19 +145,12 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
         x: the residual stream, in the weights' dtype or wider (fp32; module docstring).
         rope: (cos, sin) from :func:`rope_tables`, in x's dtype.
         mask: None for plain causal attention, else a boolean (B, 1, T, T) mask
-            (True = may attend), e.g. block-diagonal causal for packed documents; with a
-            ``cache``, (T, past + T).
+            (True = may attend), e.g. block-diagonal causal for packed documents, or the
+            FlexAttention BlockMask of ``kernels.attention.document_mask``; with a
+            ``cache``, a boolean (T, past + T).
         cache: the layer's KV cache when generating (see :func:`attention`).
         lora: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
     """
     eps, c = spec.rms_norm_eps, p["self_attn.q_proj.weight"].dtype
     x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps, c), rope, mask, cache, lora)
     return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps, c), lora)
-
-
-def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask (B, 1, T, T) from per-token document ids (B, T)."""
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    same = doc_ids[:, :, None] == doc_ids[:, None, :]
-    return (same & causal)[:, None]

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.jsonfile import read_json
+from slideformer.engine.jsonfile import lone_surrogate, read_json
 
 if TYPE_CHECKING:  # spec reading needs no torch: ``info`` and ``plan`` start without it
     import torch
@@ -206,38 +206,52 @@ def _rope_scaling(cfg: dict, path: Path) -> tuple[tuple[str, object], ...] | Non
     for key in ("rope_scaling", "rope_parameters"):
         if cfg.get(key) is not None and not isinstance(cfg[key], dict):
             raise UserError(path, f"'{key}' is {cfg[key]!r}, not an object", _FIX)
-    rs = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rs = cfg.get(key)
     if not rs:
         return None
     rs = {k: v for k, v in rs.items() if k != "rope_theta"}
     kind = rs.get("rope_type", rs.get("type"))
     if not rs or kind == "default":
         return None
-    if kind not in _ROPE_KEYS:
-        raise UserError(path, f"rope_scaling type {kind!r} is not supported",
+    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+        raise UserError(path, f"{key} type {kind!r} is not supported",
                         "supported: none, linear, llama3")
     missing = [k for k in _ROPE_KEYS[kind] if isinstance(rs.get(k), bool)
                or not isinstance(rs.get(k), (int, float)) or not 0 < rs[k] < math.inf]
     if missing:
-        raise UserError(path, f"rope_scaling of type {kind!r} lacks a positive "
+        raise UserError(path, f"{key} of type {kind!r} lacks a positive "
                         f"{', '.join(missing)}", _FIX)
     return tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))
 
 
-def _sliding_window(cfg: dict, mt: str, num_layers: int) -> int | None:
+def _sliding_window(cfg: dict, mt: str, num_layers: int, path: Path) -> int | None:
     """The window of config.json's windowed layers as transformers reads it, or None."""
-    window = cfg.get("sliding_window")
-    if not window:
+    if not cfg.get("sliding_window"):
         return None
+    window = _positive_int(cfg, "sliding_window", path)
     types = cfg.get("layer_types")
-    if isinstance(types, list):
-        return int(window) if "sliding_attention" in types else None
+    if types is not None:
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise UserError(path, f"'layer_types' is {types!r}, not a list of names such as "
+                            '"full_attention"', _FIX)
+        return window if "sliding_attention" in types else None
     if mt == "mistral":
-        return int(window)
-    if mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
-        first = cfg.get("max_window_layers", num_layers)  # layers from this index on are windowed
-        return int(window) if first < num_layers else None
+        return window
+    if mt in ("qwen2", "qwen3") and _flag(cfg, "use_sliding_window", path):
+        # layers from this index on are windowed
+        first = (num_layers if cfg.get("max_window_layers") is None else
+                 _count(cfg, "max_window_layers", path))
+        return window if first < num_layers else None
     return None
+
+
+def _count(cfg: dict, key: str, path: Path) -> int:
+    """A non-negative integer of config.json."""
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise UserError(path, f"'{key}' is {v!r}, not a whole number >= 0", _FIX)
+    return v
 
 
 def check_window(spec: "ModelSpec", seq_len: int, path: Path | str) -> None:
@@ -286,7 +300,7 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
         mlp_bias=_flag(cfg, "mlp_bias", path), qk_norm=(mt == "qwen3"),
         max_position_embeddings=(_positive_int(cfg, "max_position_embeddings", path)
                                  if cfg.get("max_position_embeddings") is not None else 4096),
-        sliding_window=_sliding_window(cfg, mt, _need(cfg, "num_hidden_layers", path)),
+        sliding_window=_sliding_window(cfg, mt, _need(cfg, "num_hidden_layers", path), path),
         torch_dtype=_dtype_name(cfg, path), raw_config=cfg)
 
 
@@ -302,6 +316,9 @@ def load_config(model_dir: Path | str) -> dict:
     cfg = read_json(path, "restore config.json from the model's source")
     if not isinstance(cfg, dict):
         raise UserError(path, "is not a JSON object", "restore config.json from the model's source")
+    if (bad := lone_surrogate(cfg)) is not None:  # fails later, wherever the text is written
+        raise UserError(path, f"holds text that is not valid Unicode ({bad[:40]!r}: a lone "
+                        "surrogate escape)", "restore config.json from the model's source")
     return cfg
 
 

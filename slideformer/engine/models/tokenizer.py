@@ -25,7 +25,7 @@ from jinja2.visitor import NodeTransformer
 from tokenizers import Tokenizer
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.jsonfile import read_json
+from slideformer.engine.jsonfile import lone_surrogate, read_json
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,15 @@ class TokenizerInfo:
     pad_token: str | None
     chat_template: str | None
     source: Path
-    """The folder it came from (its tokenizer_config.json names the template's origin)."""
+    """The folder it came from."""
+    template_file: Path | None = None
+    """The file the chat template was read from (tokenizer_config.json or chat_template.jinja);
+    None: the folder's tokenizer_config.json."""
+
+    @property
+    def template_where(self) -> Path:
+        """The file a message about the chat template names."""
+        return self.template_file or self.source / "tokenizer_config.json"
 
     def token_id(self, token: str | None) -> int | None:
         return None if token is None else self.tok.token_to_id(token)
@@ -68,7 +76,7 @@ class TokenizerInfo:
         if self.chat_template is None:
             raise UserError(self.source / "tokenizer_config.json", "has no chat_template",
                             "use a model with a chat template, or plain-text data")
-        return render_template(self.chat_template, self.source / "tokenizer_config.json",
+        return render_template(self.chat_template, self.template_where,
                                messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
@@ -317,19 +325,38 @@ def load_tokenizer(model_dir: Path | str) -> TokenizerInfo:
     cfg = read_json(cfg_path, _CONFIG_FIX) if cfg_path.is_file() else {}
     if not isinstance(cfg, dict):
         raise UserError(cfg_path, f"is a JSON {type(cfg).__name__}, not an object", _CONFIG_FIX)
-    return TokenizerInfo(tok=tok, bos_token=_token_str(cfg.get("bos_token")),
+    if (bad := lone_surrogate(cfg)) is not None:
+        raise UserError(cfg_path, f"holds text that is not valid Unicode ({bad[:40]!r}: a lone "
+                        "surrogate escape)", _CONFIG_FIX)
+    template, template_file = _chat_template(cfg, cfg_path, model_dir / "chat_template.jinja")
+    info = TokenizerInfo(tok=tok, bos_token=_token_str(cfg.get("bos_token")),
                          eos_token=_token_str(cfg.get("eos_token")),
                          pad_token=_token_str(cfg.get("pad_token")),
-                         chat_template=_chat_template(cfg, cfg_path, model_dir / "chat_template.jinja"),
-                         source=model_dir)
+                         chat_template=template, source=model_dir, template_file=template_file)
+    _check_special_tokens(info, path)
+    return info
+
+
+def _check_special_tokens(info: TokenizerInfo, path: Path) -> None:
+    """A special token of tokenizer_config.json that tokenizer.json has must encode as its one
+    id: templates write it as text, and split into pieces it is never learned (a model that
+    never emits its end-of-sequence id does not stop)."""
+    for role in ("bos_token", "eos_token", "pad_token"):
+        token = getattr(info, role)
+        tid = info.token_id(token)
+        if tid is not None and info.encode(token) != [tid]:
+            raise UserError(path, f"does not encode the {role} {token!r} of "
+                            "tokenizer_config.json as one token (it is not among its added "
+                            "tokens)", "use the tokenizer.json that came with "
+                            "tokenizer_config.json")
 
 
 _CONFIG_FIX = "restore tokenizer_config.json from the model's source"
 
 
-def _chat_template(cfg: dict, cfg_path: Path, jinja_file: Path) -> str | None:
-    """The template of tokenizer_config.json (a string, or the ``default`` of a named list),
-    else of chat_template.jinja, else None."""
+def _chat_template(cfg: dict, cfg_path: Path, jinja_file: Path) -> tuple[str | None, Path | None]:
+    """(template, its file): tokenizer_config.json's (a string, or the ``default`` of a named
+    list), else chat_template.jinja's, else (None, None)."""
     template = cfg.get("chat_template")
     if isinstance(template, list):  # [{name, template}, ...]: take the default one
         named = [t for t in template if isinstance(t, dict) and isinstance(t.get("template"), str)]
@@ -340,13 +367,15 @@ def _chat_template(cfg: dict, cfg_path: Path, jinja_file: Path) -> str | None:
     if template is not None and not isinstance(template, str):
         raise UserError(cfg_path, f"chat_template is a JSON {type(template).__name__}, not a "
                         "string", _CONFIG_FIX)
-    if template is None and jinja_file.is_file():
-        try:
-            template = jinja_file.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise UserError(jinja_file, f"is not valid UTF-8 ({e.reason} at byte {e.start})",
-                            "restore chat_template.jinja from the model's source") from None
-    return template
+    if template is not None:
+        return template, cfg_path
+    if not jinja_file.is_file():
+        return None, None
+    try:
+        return jinja_file.read_text(encoding="utf-8"), jinja_file
+    except UnicodeDecodeError as e:
+        raise UserError(jinja_file, f"is not valid UTF-8 ({e.reason} at byte {e.start})",
+                        "restore chat_template.jinja from the model's source") from None
 
 
 def check_vocab(tok: TokenizerInfo, vocab_size: int, config: Path | str) -> None:

@@ -51,18 +51,19 @@ def item_layout(spec: ModelSpec, item: str) -> Layout:
 def _read_header(path: Path) -> dict:
     """Parse a safetensors header with a clear error for truncated or corrupt files."""
     fix = "re-download or re-copy this file"
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise UserError(path, "is truncated (no safetensors header)", fix)
-            (n,) = struct.unpack("<Q", raw)
-            size = path.stat().st_size
-            if n > size - 8 or n > 100_000_000:
-                raise UserError(path, "has a corrupt safetensors header (bad length)", fix)
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise UserError(path, "is truncated (no safetensors header)", fix)
+        (n,) = struct.unpack("<Q", raw)
+        size = path.stat().st_size
+        if n > size - 8 or n > 100_000_000:
+            raise UserError(path, "has a corrupt safetensors header (bad length)", fix)
+        try:
             header = parse_json(f.read(n), path, fix)
-    except UserError as e:
-        raise UserError(path, f"has a corrupt safetensors header ({e.problem})", fix) from None
+        except UserError as e:
+            raise UserError(path, f"has a corrupt safetensors header ({e.problem})",
+                            fix) from None
     if not isinstance(header, dict):
         raise UserError(path, "has a corrupt safetensors header", fix)
     header.pop("__metadata__", None)
@@ -83,14 +84,25 @@ def _index_files(index: Path) -> list[str]:
     fix = "restore the index file from the model's source"
     data = read_json(index, fix)
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    if (not isinstance(weight_map, dict) or not weight_map
+            or not all(isinstance(v, str) for v in weight_map.values())):
         raise UserError(index, "is not a valid safetensors index (no weight_map of file names)", fix)
     files = sorted(set(weight_map.values()))
     for f in files:
         parts = PurePosixPath(f.replace("\\", "/")).parts
         if not parts or parts[0] == "/" or ".." in parts or PureWindowsPath(f).drive:
             raise UserError(index, f"names the shard {f!r}, outside the model folder", fix)
+        if not f.endswith(".safetensors"):
+            raise UserError(index, f"names the shard {f!r}, not a .safetensors file", fix)
     return files
+
+
+def _is_file(path: Path) -> bool:
+    """``path.is_file()``, False for a name the file system refuses (too long, a NUL)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def _entry_ok(v) -> bool:
@@ -109,7 +121,9 @@ class Checkpoint:
     def __init__(self, model_dir: Path | str):
         self.dir = Path(model_dir)
         index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
+        self.index = index if index.is_file() else None
+        """The index file the shards come from, or None (every ``*.safetensors``)."""
+        if self.index is not None:
             files = _index_files(index)
         else:
             files = sorted(p.name for p in self.dir.glob("*.safetensors"))
@@ -121,7 +135,7 @@ class Checkpoint:
         self.meta: dict[str, dict] = {}
         for f in files:
             path = self.dir / f
-            if not path.is_file():
+            if not _is_file(path):
                 raise UserError(path, f"is named in {index.name} but missing",
                                 "download the missing shard into the model folder")
             for name, info in _read_header(path).items():
@@ -151,7 +165,8 @@ class Checkpoint:
 
     def _meta_for(self, name: str, shape: tuple) -> dict:
         if name not in self.meta:
-            raise UserError(self.dir, f"tensor '{name}' is missing from the safetensors files",
+            files = f"the shards {self.index.name} names" if self.index else "the safetensors files"
+            raise UserError(self.dir, f"tensor '{name}' is missing from {files}",
                             "the weights do not match config.json; use the matching files")
         if self.meta[name]["dtype"] not in FLOAT_DTYPES:
             raise UserError(self.where[name], f"tensor '{name}' is stored as "

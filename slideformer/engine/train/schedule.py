@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from slideformer.engine.config import OptimConfig
+from slideformer.engine.config import OptimConfig, TrainConfig
 from slideformer.engine.errors import UserError
 
 SCHEDULES = ("constant", "linear", "cosine")
@@ -28,3 +28,8 @@ def lr_at(step: int, total: int, cfg: OptimConfig) -> float:
     if cfg.schedule == "linear":
         return cfg.lr - (cfg.lr - floor) * frac
     return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * frac))
+
+
+def run_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps of a run: ``max_steps``, or ``epochs`` over the data when it is 0."""
+    return cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))

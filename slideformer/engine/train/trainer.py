@@ -42,7 +42,7 @@ from slideformer.engine.runtime.shapes import ExecShape, disk_layers, speculativ
 from slideformer.engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from slideformer.engine.train.lock import LOCK_FILE, RunLock, run_owner
-from slideformer.engine.train.schedule import lr_at
+from slideformer.engine.train.schedule import lr_at, run_steps
 from slideformer.engine.train.state import (build_frozen_state, build_host_state, export_model,
                                 load_weights, state_tensors)
 from slideformer.engine.validate import validate
@@ -128,6 +128,9 @@ class Trainer:
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
         check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
+        # headers only: weights that do not match config.json are named before any plan blames
+        # the budgets for the sizes config.json claims
+        Checkpoint(cfg.model.path).check(self.spec)
         self.backend = make_backend(cfg.train.device)
         compute = compute_dtype_name(cfg.train.compute_dtype, "cuda" if self.backend.is_cuda else "cpu")
         self.dtype = torch_dtype(compute)
@@ -138,8 +141,7 @@ class Trainer:
         self.tok = load_tokenizer(cfg.model.path)
         check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
         self.prepared, self.stream = data if data is not None else self._prepare_data()
-        self.total_steps = cfg.train.max_steps or max(1, math.ceil(
-            cfg.train.epochs * self.stream.steps_per_epoch))
+        self.total_steps = run_steps(cfg.train, self.stream.steps_per_epoch)
         self.tier = self._open_tier()
         self._build_state(shape, moments, resume)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
@@ -174,9 +176,7 @@ class Trainer:
         else:
             self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
                                            nf4=cfg.train.method == "qlora")
-        if resume and self.lora is None:  # the checkpoint holds the whole state
-            Checkpoint(cfg.model.path).check(self.spec)
-        else:
+        if not (resume and self.lora is None):  # else the checkpoint holds the whole state
             load_weights(self.host, self.spec, cfg.model.path, self.emit)
         if self.lora is not None and not resume:
             init_adapters({k: v for k, v in self.host.items() if is_adapter(k)}, cfg.train.seed)

@@ -19,9 +19,10 @@ from slideformer.engine.api import SMOLLM2_INSTALL, UserError, inspect_model, sm
 from slideformer.gui.context import AppContext
 from slideformer.gui.workers.command import run_engine_command
 from slideformer.gui.models.formatting import human_bytes, human_count, short_path
+from slideformer.gui.pages.model_fit import FitBox
 from slideformer.gui.pages.gguf_actions import ensure_smollm2_model, import_gguf_file
 from slideformer.gui.workers.thread import run_task
-from slideformer.gui.widgets.common import action_row, page_header, set_state, status_label
+from slideformer.gui.widgets.common import ColumnScroll, action_row, page_header, set_state, status_label
 
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 NO_MODEL = ("No model chosen yet. Choose a Hugging Face model folder (config.json, "
@@ -151,9 +152,15 @@ class ModelPage(QWidget):
         summary.addLayout(form)
         summary.addStretch(1)
 
+        self.fit = FitBox(ctx)
+        column = QWidget()
+        right = QVBoxLayout(column)
+        right.setContentsMargins(0, 0, 0, 0)
+        right.addWidget(summary_box, 1)
+        right.addWidget(self.fit)
         body = QHBoxLayout()
         body.addWidget(recent_box, 1)
-        body.addWidget(summary_box, 2)
+        body.addWidget(ColumnScroll(column), 2)  # a short window scrolls it, never clips it
         lay = QVBoxLayout(self)
         lay.addWidget(page_header("Model", "The model to fine-tune: a local Hugging Face folder. "
                                            "Nothing is loaded into memory here; only its "

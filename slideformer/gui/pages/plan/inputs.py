@@ -16,9 +16,10 @@ from PySide6.QtWidgets import (QBoxLayout, QCheckBox, QComboBox, QDoubleSpinBox,
                                QFormLayout, QGroupBox, QHBoxLayout, QLabel, QLineEdit,
                                QPushButton, QSlider, QSpinBox, QWidget)
 
-from slideformer.engine.api import PRESETS, BudgetConfig, Budgets, GpuMemory, HardwareProfile, HostMemory, \
+from slideformer.engine.api import BudgetConfig, Budgets, GpuMemory, HardwareProfile, HostMemory, \
     RunConfig, UserError, gpu_memory, host_memory, load_profile, parse_bytes, resolve_budgets, \
     run_device
+from slideformer.gui.models.fit import METHODS, targets
 from slideformer.gui.models.formatting import human_bytes
 
 GiB = 1 << 30
@@ -127,9 +128,8 @@ class PlanInputs(QWidget):
         self._clip_norm = defaults.optim.max_grad_norm if defaults.optim.max_grad_norm > 0 else 1.0
 
         self.target = QComboBox()
-        self.target.addItem("This machine", "this")
-        for key, preset in PRESETS.items():
-            self.target.addItem(preset.name.removeprefix("NVIDIA "), key)
+        for name, key in targets():
+            self.target.addItem(name, key)
         self.target.setToolTip("Plan for this machine, or for a GPU you may buy or rent (its "
                                "vendor figures; type the RAM and disk of its host below)")
         self.detected = QLabel("Detecting this machine…")
@@ -200,8 +200,14 @@ class PlanInputs(QWidget):
         precision.addWidget(self.clip)
         precision.addStretch(1)
 
+        self.method = QComboBox()
+        for key, text in METHODS:
+            self.method.addItem(text, key)
+        self.method.setToolTip("Full fine-tuning trains every weight; LoRA and QLoRA train small "
+                               "adapters over a frozen base (bf16, or 4-bit NF4)")
         run_box = QGroupBox("Run")
         run = QFormLayout(run_box)
+        run.addRow("Method", self.method)
         run.addRow("Sequence length", self.seq_len)
         run.addRow("Micro-batch", mb_row)
         run.addRow("Accumulation", self.grad_accum)
@@ -222,6 +228,8 @@ class PlanInputs(QWidget):
                            lambda v: self.ram.set_value(parse_bytes(v) / GiB)),
             "budget.nvme_dir": (lambda: self.nvme_dir.text().strip(), self.nvme_dir.setText),
             "budget.nvme_size": (self._nvme_size_text, self._set_nvme_size),
+            "train.method": (self.method.currentData,
+                             lambda v: self.method.setCurrentIndex(self.method.findData(v))),
             "data.max_seq_len": (self.seq_len.value, self.seq_len.setValue),
             "train.micro_batch": (self.micro_batch.value, self.micro_batch.setValue),
             "train.grad_accum": (self.grad_accum.value, self.grad_accum.setValue),
@@ -239,9 +247,11 @@ class PlanInputs(QWidget):
                            "optim.max_grad_norm": defaults.optim.max_grad_norm,
                            "budget.checkpoints": defaults.budget.checkpoints,
                            "budget.slots": defaults.budget.slots,
-                           "budget.gpu_layers": defaults.budget.gpu_layers})
+                           "budget.gpu_layers": defaults.budget.gpu_layers,
+                           "train.method": defaults.train.method})
         for signal in (self.vram.changed, self.ram.changed, self.nvme_dir.editingFinished,
-                       self.nvme_size.valueChanged, self.seq_len.valueChanged,
+                       self.nvme_size.valueChanged, self.method.currentIndexChanged,
+                       self.seq_len.valueChanged,
                        self.micro_batch.valueChanged, self.grad_accum.valueChanged,
                        self.checkpoints.currentIndexChanged, self.slots.valueChanged,
                        self.gpu_layers.valueChanged, self.bf16_moments.toggled, self.clip.toggled):
@@ -277,7 +287,7 @@ class PlanInputs(QWidget):
                 w.blockSignals(was)
 
     def _signalling(self) -> list[QWidget]:
-        return [self.vram, self.ram, self.nvme_dir, self.nvme_size, self.seq_len,
+        return [self.vram, self.ram, self.nvme_dir, self.nvme_size, self.method, self.seq_len,
                 self.micro_batch, self.grad_accum, self.checkpoints, self.slots, self.gpu_layers,
                 self.bf16_moments, self.clip]
 

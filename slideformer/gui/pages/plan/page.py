@@ -27,8 +27,9 @@ from PySide6.QtWidgets import (QBoxLayout, QDoubleSpinBox, QFileDialog, QFrame, 
 
 from slideformer.engine.api import Fix, Plan
 from slideformer.gui.context import AppContext
+from slideformer.gui.models.fit import VERDICT_TITLES, fits_html, numbered_fits
 from slideformer.gui.models.formatting import human_count
-from slideformer.gui.widgets.bars import StackedBars, legend
+from slideformer.gui.widgets.bars import STATE_COLORS, StackedBars, legend
 from slideformer.gui.pages.plan.fixes import FixList
 from slideformer.gui.pages.plan.inputs import Machine, PlanInputs, detect_machine
 from slideformer.gui.pages.plan.rows import RESOURCE_TITLES, busy_rows, memory_rows
@@ -45,7 +46,6 @@ DEBOUNCE_MS = 150
 """An input changed: wait this long for the next change before planning again."""
 NO_MODEL = ("No model chosen yet. Choose one on the Model page: the plan needs only its "
             "config.json, nothing is loaded.")
-VERDICT_TITLES = {"fits": "Fits", "tight": "Tight", "does not fit": "Does not fit"}
 
 
 def duration(seconds: float) -> str:
@@ -86,6 +86,7 @@ class PlanPage(QWidget):
         self.inputs = PlanInputs()
         self.inputs.changed.connect(self._edited)
         self.inputs.find_max_batch.connect(self.use_max_batch)
+        self.inputs.target.setCurrentIndex(self.inputs.target.findData(ctx.target))
         self.inputs.target.currentIndexChanged.connect(self._target_changed)
         self.inputs.set_settings({"data.max_seq_len": ctx.data_config.max_seq_len})
 
@@ -130,6 +131,8 @@ class PlanPage(QWidget):
         lay.addWidget(scroll, 1)
 
         ctx.model_changed.connect(self._model_changed)
+        ctx.target_changed.connect(
+            lambda key: self.inputs.target.setCurrentIndex(self.inputs.target.findData(key)))
         ctx.data_changed.connect(self._data_changed)
         self.planner = shared_planner()
         # Owned by the app, so a request still out when the page goes never deletes it in the
@@ -153,6 +156,15 @@ class PlanPage(QWidget):
         self.fixes.chosen.connect(self.apply_fix)
         self.shape = QLabel("")
         self.shape.setWordWrap(True)
+        self.methods = QLabel("")
+        self.methods.setTextFormat(Qt.TextFormat.RichText)
+        self.methods.setWordWrap(True)
+        self.methods.setToolTip("The same settings under each training method (the Method "
+                                "input chooses the one planned above)")
+        self.method_fits = ()
+        """The verdicts of :attr:`methods` (for the plan on screen once it settles)."""
+        self._methods_asked: int | None = None
+        """The version whose methods are being planned, or None."""
         self.use_button = QPushButton("Use this plan")
         self.use_button.setObjectName("primary")
         self.use_button.setToolTip("Train with these settings: the Train page takes the plan's "
@@ -163,7 +175,7 @@ class PlanPage(QWidget):
         use_row.addStretch(1)
         verdict_box = QGroupBox("Verdict")
         v = QVBoxLayout(verdict_box)
-        for w in (self.verdict, self.notes, self.fixes, self.shape):
+        for w in (self.verdict, self.methods, self.notes, self.fixes, self.shape):
             v.addWidget(w)
         v.addLayout(use_row)
 
@@ -247,6 +259,7 @@ class PlanPage(QWidget):
 
     def _target_changed(self) -> None:
         """Plan for another machine: find what it has, then plan again from its budgets."""
+        self.ctx.set_target(self.inputs.target.currentData())
         self._version += 1
         self._mark_stale()
         run_task(detect_machine, self.inputs.target.currentData(), name="plan-machine",
@@ -375,6 +388,33 @@ class PlanPage(QWidget):
         mb = plan.max_micro_batch
         self.inputs.max_button.setEnabled(mb > 0 and mb != self.inputs.micro_batch.value())
         self.plans_shown += 1
+        self._ask_methods()
+
+    # ---- every method -----------------------------------------------------------------------
+    def _ask_methods(self) -> None:
+        """Plan the settings on screen under each method (one request at a time)."""
+        self.methods.setEnabled(False)
+        if self._methods_asked is not None or not self.settled():
+            return  # asked again when the running one answers
+        self._methods_asked = version = self._version
+        settings = {k: v for k, v in self.inputs.settings().items() if k != "train.method"}
+        run_task(numbered_fits, version, self.planner.plan, self.ctx.model_path, settings,
+                 self.machine.profile, name="plan-methods", done=self._methods_answered,
+                 failed=self._methods_failed)
+
+    def _methods_failed(self, _message: str) -> None:
+        self._methods_asked = None  # the main plan shows what is wrong with the inputs
+
+    def _methods_answered(self, answer: tuple) -> None:
+        version, fits, _message = answer  # no line rather than a wrong one
+        self._methods_asked = None
+        if version != self._version:
+            if self.settled():
+                self._ask_methods()
+            return
+        self.method_fits = fits
+        self.methods.setText(f"Each method: {fits_html(fits, STATE_COLORS)}" if fits else "")
+        self.methods.setEnabled(True)
 
     def _show_verdict(self, plan: Plan) -> None:
         title = VERDICT_TITLES.get(plan.verdict, plan.verdict)

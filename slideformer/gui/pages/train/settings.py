@@ -13,7 +13,7 @@ from pathlib import Path
 
 from PySide6.QtCore import Signal
 from PySide6.QtGui import QGuiApplication
-from PySide6.QtWidgets import (QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
+from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, QDoubleSpinBox,
                                QFileDialog, QFormLayout, QHBoxLayout, QLabel, QLineEdit,
                                QPlainTextEdit, QPushButton, QSpinBox, QToolButton, QVBoxLayout,
                                QWidget)
@@ -164,6 +164,7 @@ class RunSettings(QWidget):
             w.valueChanged.connect(self._edited)
         self.output.textChanged.connect(self._edited)
         self.targets.textChanged.connect(self._edited)
+        self.merged.toggled.connect(self._edited)
         for combo in (self.preset, self.schedule, self.device, self.method):
             narrow(combo)
         self.preset.setMinimumContentsLength(16)
@@ -179,6 +180,10 @@ class RunSettings(QWidget):
         self.alpha = dspin(0.01, 100_000.0, 1.0, 2)
         self.dropout = dspin(0.0, 0.99, 0.05, 2, "off")
         self.targets = QLineEdit()
+        self.merged = QCheckBox("merged model")
+        self.merged.setToolTip("Besides the adapter folder (final/, which PEFT loads onto the "
+                               "base), write final-merged/:\nthe base with the adapters folded "
+                               "in, a plain Hugging Face model (lora.export_merged)")
         self.method.setToolTip("LoRA / QLoRA train small adapters over a frozen base: "
                                "the only way to fit 70B-class models in host RAM")
         self.rank.setToolTip("lora.rank (PEFT's r)")
@@ -186,7 +191,8 @@ class RunSettings(QWidget):
         self.targets.setToolTip("Comma-separated projections with adapters (PEFT's target_modules)")
         form.addRow("Method", self.method)
         for label, widget in (("LoRA rank", self.rank), ("LoRA alpha", self.alpha),
-                              ("LoRA dropout", self.dropout), ("LoRA targets", self.targets)):
+                              ("LoRA dropout", self.dropout), ("LoRA targets", self.targets),
+                              ("Also write", self.merged)):
             form.addRow(label, widget)
 
     def _show_method(self, cfg: RunConfig) -> None:
@@ -196,8 +202,12 @@ class RunSettings(QWidget):
         self.alpha.setValue(lo.alpha)
         self.dropout.setValue(lo.dropout)
         self.targets.setText(lo.target_modules)
-        for w in (self.rank, self.alpha, self.dropout, self.targets):
-            w.setEnabled(cfg.train.method != "full")
+        self.merged.setChecked(lo.export_merged)
+        self._enable_lora(cfg.train.method)
+
+    def _enable_lora(self, method: str) -> None:
+        for w in (self.rank, self.alpha, self.dropout, self.targets, self.merged):
+            w.setEnabled(method != "full")
 
     # ---- the config ------------------------------------------------------------------------
     def config(self) -> RunConfig:
@@ -215,7 +225,8 @@ class RunSettings(QWidget):
                           eval_every=self.eval_every.value(), device=self.device.currentData(),
                           method=self.method.currentData()),
             lora=replace(b.lora, rank=self.rank.value(), alpha=self.alpha.value(),
-                         dropout=self.dropout.value(), target_modules=self.targets.text().strip()),
+                         dropout=self.dropout.value(), target_modules=self.targets.text().strip(),
+                         export_merged=self.merged.isChecked()),
             output=replace(b.output, run_dir=self.output.text().strip()))
 
     def show_config(self, cfg: RunConfig) -> None:
@@ -258,8 +269,7 @@ class RunSettings(QWidget):
             return
         self.base = self.config()
         self.epochs.setEnabled(self.max_steps.value() == 0)
-        for w in (self.rank, self.alpha, self.dropout, self.targets):
-            w.setEnabled(self.base.train.method != "full")
+        self._enable_lora(self.base.train.method)
         if self.preset.currentData() is not None and not self._matches(self.preset.currentData()):
             self.preset.setCurrentIndex(0)
             self.preset_note.setText("")

@@ -1,0 +1,97 @@
+"""Causal self-attention over packed documents: FlexAttention with a document BlockMask on CUDA.
+
+A packed micro-batch holds several documents per row; a token may attend to the earlier tokens
+of its own document only. PyTorch's SDPA takes that as a boolean (B, 1, T, T) mask, which rules
+out its flash kernel (measured on an H200, Llama-3.2-3B layer, micro-batch 64, seq 1024:
+boolean-mask SDPA 10.7 ms forward + backward, FlexAttention with a document BlockMask 3.5 ms,
+largest difference 0.0078 in bf16). FlexAttention skips the (128 x 128) blocks that cross
+documents or lie above the diagonal and applies the elementwise rule only on the blocks that
+straddle a boundary.
+
+:func:`document_mask` builds the mask of one micro-batch once; every layer of that micro-batch
+(forward and recompute) reuses it through :func:`attend`, which sends a BlockMask to the compiled
+FlexAttention and anything else (a boolean mask, or None for plain causal rows) to SDPA, whose
+``is_causal`` path stays on flash. The boolean mask is the reference and the path on the CPU,
+where FlexAttention has no backward, without a usable FlexAttention, and with
+``SLIDEFORMER_FLEX=0`` in the environment.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from slideformer.engine.kernels.dispatch import count_launch
+
+ENV = "SLIDEFORMER_FLEX"
+"""``SLIDEFORMER_FLEX=0`` keeps packed documents on the boolean-mask SDPA (the reference)."""
+
+
+def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Block-diagonal causal mask (B, 1, T, T) from per-token document ids (B, T)."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    return (same & causal)[:, None]
+
+
+@functools.cache
+def _flex():
+    """(compiled flex_attention, create_block_mask), or None where unavailable.
+
+    Compiled once per process: uncompiled, FlexAttention materialises the scores (its
+    reference path). Shapes that change between calls recompile once, then run dynamic.
+    """
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError:
+        return None
+    return torch.compile(flex_attention), create_block_mask
+
+
+def flex_available(device: torch.device | str, head_dim: int) -> bool:
+    """Whether packed documents on ``device`` take FlexAttention (for the planner and the tests).
+
+    Its Triton kernels want a power-of-two head dimension of at least 16; other models keep
+    the boolean mask."""
+    return (torch.device(device).type == "cuda" and os.environ.get(ENV) != "0"
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _flex() is not None)
+
+
+def document_mask(doc_ids: torch.Tensor, head_dim: int):
+    """The attention mask of a packed micro-batch with document ids (B, T): a FlexAttention
+    BlockMask where :func:`flex_available`, else :func:`packed_causal_mask`."""
+    if flex_available(doc_ids.device, head_dim):
+        return document_block_mask(doc_ids)
+    return packed_causal_mask(doc_ids)
+
+
+def document_block_mask(doc_ids: torch.Tensor):
+    """:func:`packed_causal_mask` as a FlexAttention BlockMask (on any device, for the tests).
+
+    Evaluates the rule on every (query, key) pair once, like the boolean mask, but keeps only
+    the block table: (B, 1, T/128, T/128) indices instead of (B, 1, T, T) booleans."""
+    B, T = doc_ids.shape
+    docs = doc_ids.contiguous()
+
+    def same_document_causal(b, h, q, kv):
+        return (docs[b, q] == docs[b, kv]) & (q >= kv)
+    return _flex()[1](same_document_causal, B, None, T, T, device=doc_ids.device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool,
+           gqa: bool) -> torch.Tensor:
+    """Attention of q (B, nh, T, hd) over k, v (B, nkv, S, hd) -> (B, nh, T, hd).
+
+    Args:
+        mask: a BlockMask from :func:`document_mask`, a boolean mask (True = may attend), or
+            None (then ``causal`` says whether the rows are causal).
+        gqa: nkv < nh (grouped-query attention).
+    """
+    if mask is None or isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=gqa)
+    count_launch("flex_attention")  # only document_mask makes anything else: a BlockMask
+    return _flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa)
