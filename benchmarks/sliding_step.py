@@ -76,10 +76,10 @@ def random_batches(vocab: int, micro_batch: int, seq: int, accum: int, seed: int
     return out
 
 
-def random_state(spec, backend, moments, layer_grads: bool = True):
+def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch.bfloat16):
     """Host state with random N(0, 0.02) weights. Every item reads a window of one random
     buffer at its own offset (generating 8 B values one by one would take minutes)."""
-    host = build_host_state(spec, backend, torch.bfloat16, moments, layer_grads=layer_grads)
+    host = build_host_state(spec, backend, compute, moments, layer_grads=layer_grads)
     g = torch.Generator().manual_seed(0)
     spread = 1 << 22
     base = torch.randn(spread, generator=g) * 0.02

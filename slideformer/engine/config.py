@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import types
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -174,6 +175,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0
     """Validation loss every N steps; 0: never (only at the end if a split exists)."""
+    gpus: int | str = 1
+    """GPUs of this machine the run uses, one process each ("all": every one); the
+    micro-batches of a step are shared among them (train.grad_accum must be a multiple)."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +242,15 @@ class RunConfig:
 
 def _coerce(value: Any, typ, where: str):
     """Check a TOML value against a field type (ints accepted for floats)."""
+    if isinstance(typ, types.UnionType):  # e.g. int | str: the first type the value has
+        for option in typ.__args__:
+            try:
+                return _coerce(value, option, where)
+            except UserError:
+                pass
+        names = " or ".join(getattr(t, "__name__", str(t)) for t in typ.__args__)
+        raise UserError(where, f"expects a {names}, got {value!r}",
+                        "fix the value's type in the config file")
     if dataclasses.is_dataclass(typ):
         if not isinstance(value, dict):
             raise UserError(where, f"must be a table, got {value!r}", "write it as a [table]")

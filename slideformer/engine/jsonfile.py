@@ -55,3 +55,9 @@ def lone_surrogate(value) -> str | None:
         elif isinstance(v, list):
             stack.extend(v)
     return None
+
+
+def surrogate_key(obj: dict) -> str | None:
+    """The first top-level key of a JSON object whose entry (key or value) holds a lone
+    surrogate (see :func:`lone_surrogate`), else None: what a message names."""
+    return next((k for k, v in obj.items() if lone_surrogate([k, v]) is not None), None)

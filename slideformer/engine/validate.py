@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+import types
 from dataclasses import fields
 from typing import get_origin, get_type_hints
 
@@ -32,6 +33,8 @@ MAX_EPOCHS = 10**6
 MAX_COUNT = 10**6
 """Slots, GPU layers, kept checkpoints, save/eval intervals, warmup steps."""
 MAX_SEED = 2**63 - 1
+MAX_GPUS = 64
+"""GPUs of one host."""
 MAX_LR = 1.0
 """AdamW moves each weight by about lr per step: above 1 every run diverges."""
 
@@ -89,10 +92,12 @@ def _check_types(cfg: RunConfig) -> None:
         section = getattr(cfg, sec.name)
         for name, typ in get_type_hints(type(section)).items():
             v = getattr(section, name)
-            kind = get_origin(typ) or typ  # tuple[str, ...] is checked as a tuple
+            # tuple[str, ...] is checked as a tuple; int | str as either
+            kind = typ if isinstance(typ, types.UnionType) else get_origin(typ) or typ
             ok = (isinstance(v, (int, float)) if typ is float else isinstance(v, kind))
             if not ok or (isinstance(v, bool) and typ is not bool):
-                raise UserError(f"{sec.name}.{name}", f"expects a {kind.__name__}, got {v!r}",
+                raise UserError(f"{sec.name}.{name}",
+                                f"expects a {getattr(kind, '__name__', kind)}, got {v!r}",
                                 "fix the value's type")
 
 
@@ -164,6 +169,31 @@ def _check_train(cfg: RunConfig) -> None:
     _int("train.save_every", t.save_every, 0, MAX_STEPS, " steps (0: only at the end)")
     _int("train.keep_checkpoints", t.keep_checkpoints, 1, MAX_COUNT)
     _int("train.eval_every", t.eval_every, 0, MAX_STEPS, " steps (0: never)")
+    _check_gpus(cfg)
+
+
+def _check_gpus(cfg: RunConfig) -> None:
+    """train.gpus: a count or "all"; several GPUs share a step's micro-batches and the host
+    optimizer (full fine-tuning, every update on the host)."""
+    t, b = cfg.train, cfg.budget
+    if t.gpus == "all":
+        return
+    if isinstance(t.gpus, str):
+        raise UserError("train.gpus", f"is {t.gpus!r}", "give a number of GPUs or \"all\"")
+    _int("train.gpus", t.gpus, 1, MAX_GPUS, " (or \"all\")")
+    if t.gpus == 1:
+        return
+    if t.grad_accum % t.gpus:
+        raise UserError("train.grad_accum", f"is {t.grad_accum}: {t.gpus} GPUs (train.gpus) "
+                        "cannot share its micro-batches evenly",
+                        f"make train.grad_accum a multiple of {t.gpus}")
+    for key, bad, why in (("train.device", t.device.startswith("cuda:"), "cuda (GPUs 0..N-1)"),
+                          ("train.method", t.method != "full", "full"),
+                          ("budget.nvme_dir", bool(b.nvme_dir), "\"\" (no NVMe tier)"),
+                          ("budget.gpu_layers", b.gpu_layers > 0, "0 or -1")):
+        if bad:
+            raise UserError(key, f"is not supported with train.gpus = {t.gpus} yet",
+                            f"set {key} = {why}, or train.gpus = 1")
 
 
 def _check_budget(cfg: RunConfig) -> None:

@@ -21,6 +21,7 @@ from slideformer.gui.context import AppContext
 from slideformer.gui.pages.data import DataPage
 from slideformer.gui.models.formatting import short_path
 from slideformer.gui.pages.model import ModelPage
+from slideformer.gui.widgets.dock import CollapsibleDock
 from slideformer.gui.widgets.monitor import MonitorPanel
 from slideformer.gui.workers.sampler import MonitorSampler
 from slideformer.gui.pages.plan.page import PlanPage
@@ -55,6 +56,18 @@ class MainWindow(QMainWindow):
         self.setWindowTitle("SlideFormer Studio")
         self.setWindowIcon(icon("slideformer.svg"))
 
+        self._build_pages()
+        self._build_monitor()
+        self._build_status_bar()
+        ctx.model_changed.connect(self._show_model)
+        ctx.run_requested.connect(lambda *_: self.show_page("Train"))
+        ctx.plan_used.connect(lambda *_: self.show_page("Train"))
+        self._build_menus()
+        self.set_theme(ctx.settings.theme())
+        self._restore_layout()
+
+    def _build_pages(self) -> None:
+        """The sidebar and the stack of pages it switches between, in :data:`PAGES` order."""
         self.sidebar = QListWidget()
         self.sidebar.setObjectName("sidebar")
         self.sidebar.setFixedWidth(SIDEBAR_PX)
@@ -62,7 +75,7 @@ class MainWindow(QMainWindow):
         self.stack = QStackedWidget()
         self.pages: dict[str, QWidget] = {}
         for title, icon_file, page_class in PAGES:
-            page = page_class(ctx)
+            page = page_class(self.ctx)
             self.pages[title] = page
             self.stack.addWidget(page)
             self.sidebar.addItem(QListWidgetItem(icon(icon_file), title))
@@ -77,45 +90,44 @@ class MainWindow(QMainWindow):
         lay.addWidget(self.stack, 1)
         self.setCentralWidget(central)
 
+    def _build_monitor(self) -> None:
+        """The Monitor's charts in a collapsible dock, fed by a sampler thread."""
         self.monitor = MonitorPanel()
-        self.monitor_dock = QDockWidget("Monitor", self)
-        self.monitor_dock.setObjectName("monitorDock")  # saveState() keys docks by name
         scroll = QScrollArea()  # the dock can be shorter than seven charts
         scroll.setWidget(self.monitor)
         scroll.setWidgetResizable(True)
         scroll.setFrameShape(QFrame.Shape.NoFrame)
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
-        self.monitor_dock.setWidget(scroll)
+        self.monitor_dock = CollapsibleDock("Monitor", scroll, DOCK_PX, DOCK_MIN_PX, self)
+        self.monitor_dock.setObjectName("monitorDock")  # saveState() keys docks by name
         self.monitor_dock.setFeatures(QDockWidget.DockWidgetFeature.DockWidgetClosable
                                       | QDockWidget.DockWidgetFeature.DockWidgetMovable
                                       | QDockWidget.DockWidgetFeature.DockWidgetFloatable)
-        self.monitor_dock.setMinimumWidth(DOCK_MIN_PX)
         self.addDockWidget(Qt.DockWidgetArea.RightDockWidgetArea, self.monitor_dock)
         self.resizeDocks([self.monitor_dock], [DOCK_PX], Qt.Orientation.Horizontal)
-
-        self.sampler = MonitorSampler(ctx.gpu_source, parent=self)
+        self.sampler = MonitorSampler(self.ctx.gpu_source, parent=self)
         self.sampler.sampled.connect(self.monitor.add_sample)
         self.sampler.gpu_found.connect(self.monitor.show_gpu)
         self.sampler.gpu_missing.connect(self.monitor.show_no_gpu)
 
+    def _build_status_bar(self) -> None:
         self.model_label = QLabel("No model chosen")
         self.statusBar().addWidget(self.model_label)
         monitor_button = QToolButton()
         monitor_button.setDefaultAction(self.monitor_dock.toggleViewAction())
         monitor_button.setToolButtonStyle(Qt.ToolButtonStyle.ToolButtonTextBesideIcon)
         self.statusBar().addPermanentWidget(monitor_button)  # show or hide the Monitor (Ctrl+M)
-        ctx.model_changed.connect(self._show_model)
-        ctx.run_requested.connect(lambda *_: self.show_page("Train"))
-        ctx.plan_used.connect(lambda *_: self.show_page("Train"))
 
-        self._build_menus()
-        self.set_theme(ctx.settings.theme())
+    def _restore_layout(self) -> None:
+        """The size, dock and theme of the last session (a laptop's screen the first time)."""
         self.resize(*DEFAULT_SIZE)
-        geometry, state = ctx.settings.window_geometry(), ctx.settings.window_state()
+        settings = self.ctx.settings
+        geometry, state = settings.window_geometry(), settings.window_state()
         if geometry is not None:
             self.restoreGeometry(geometry)
         if state is not None:
             self.restoreState(state)
+        self.monitor_dock.collapse_action.setChecked(settings.monitor_collapsed())
 
     def _show_model(self, path: str) -> None:
         """The folder's name (a long path would set the window's least width)."""
@@ -145,6 +157,10 @@ class MainWindow(QMainWindow):
         toggle.setIcon(icon("monitor.svg"))
         toggle.setShortcut(QKeySequence("Ctrl+M"))
         view.addAction(toggle)
+        collapse = self.monitor_dock.collapse_action
+        collapse.setText("Collapse the Monitor to a strip")
+        collapse.setShortcut(QKeySequence("Ctrl+Shift+M"))
+        view.addAction(collapse)
         self.dark_action = QAction("Dark theme", self, checkable=True)
         self.dark_action.toggled.connect(lambda on: self.set_theme("dark" if on else "light"))
         view.addAction(self.dark_action)
@@ -183,5 +199,6 @@ class MainWindow(QMainWindow):
                 return
         self.sampler.stop()
         self.ctx.settings.save_window(self.saveGeometry(), self.saveState())
+        self.ctx.settings.set_monitor_collapsed(self.monitor_dock.collapsed)
         self.ctx.settings.sync()
         super().closeEvent(event)

@@ -71,5 +71,12 @@ class Settings:
         self.q.setValue("window/geometry", geometry)
         self.q.setValue("window/state", state)
 
+    def monitor_collapsed(self) -> bool:
+        """The Monitor dock was folded to a strip when the app last closed."""
+        return str(self.q.value("window/monitor_collapsed", "false")).lower() == "true"
+
+    def set_monitor_collapsed(self, collapsed: bool) -> None:
+        self.q.setValue("window/monitor_collapsed", "true" if collapsed else "false")
+
     def sync(self) -> None:
         self.q.sync()

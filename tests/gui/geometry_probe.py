@@ -2,11 +2,14 @@
 
 Run as a child process by test_gui_geometry.py (``DISPLAY`` set, the xcb platform):
 ``python tests/gui/geometry_probe.py OUT.json``. For every page, in both themes, with a model
-chosen and the Monitor visible, it writes the problems it finds:
+chosen, two runs listed and the Monitor visible (then folded to its strip), it writes the
+problems it finds:
 
 - a widget that reaches outside the window, or outside its parent (a clipped box);
 - a label narrower than its one-line text, or shorter than its wrapped text;
-- a scroll area that never scrolls sideways but whose content is wider than it.
+- a scroll area that never scrolls sideways but whose content is wider than it;
+- a column of the Runs table cut off by the table, or narrower than its title;
+- a Monitor that does not fold to its narrow strip, or does not unfold to its width.
 
 Content inside a scroll area is clipped by design (it scrolls); pyqtgraph's views are drawn,
 not laid out, and are left out.
@@ -69,6 +72,56 @@ def problems(window: QWidget, where: str) -> list[str]:
     return found
 
 
+def table_problems(table, where: str) -> list[str]:
+    """Columns of ``table`` cut off by its view, or narrower than their header's text."""
+    header, found = table.header(), []
+    if table.topLevelItemCount() == 0:
+        return [f"{where}: the Runs table lists no run"]
+    view = table.viewport().width()
+    for i in range(header.count()):
+        name = table.headerItem().text(i)
+        right = header.sectionViewportPosition(i) + header.sectionSize(i)
+        if right > view:
+            found.append(f"{where}: column {name!r} ends at {right} px in a {view} px table")
+        if header.sectionSize(i) < header.fontMetrics().horizontalAdvance(name) + 8:
+            found.append(f"{where}: column {name!r} is {header.sectionSize(i)} px, narrower "
+                         f"than its title")
+    return found
+
+
+def make_runs(runs_dir: Path, model: str, data: Path) -> None:
+    """Two short real runs on the CPU engine, as the Runs page lists them."""
+    from slideformer.engine.api import RunConfig, override, run_training, write_task
+    write_task(data, 32, seed=1)
+    for name, lr in (("tiny-llama-20261201-101500", 1e-3), ("tiny-llama-20261201-104500", 3e-3)):
+        run_training(override(RunConfig(), {
+            "model.path": model, "data.train": str(data), "data.max_seq_len": 32,
+            "train.max_steps": 2, "train.micro_batch": 2, "train.device": "cpu",
+            "optim.lr": lr, "output.run_dir": str(runs_dir / name)}))
+
+
+def collapsed_problems(window, run_loop) -> list[str]:
+    """Fold the Monitor to its strip: the strip is narrow and every page still fits; then
+    unfold it: the dock is as wide as before."""
+    from slideformer.gui.widgets.dock import STRIP_PX
+    dock, found = window.monitor_dock, []
+    wide = dock.width()
+    dock.collapse_button.click()
+    run_loop(400)
+    if not (dock.isVisible() and dock.strip.isVisible() and dock.width() == STRIP_PX):
+        found.append(f"collapsed: the Monitor is {dock.width()} px wide, not a {STRIP_PX} px "
+                     f"strip")
+    for title in window.pages:
+        window.show_page(title)
+        run_loop(300)
+        found += problems(window, f"collapsed Monitor, {title}")
+    dock.expand_button.click()
+    run_loop(400)
+    if not dock.content.isVisible() or dock.width() != wide:
+        found.append(f"expanded: the Monitor is {dock.width()} px wide, was {wide}")
+    return found
+
+
 def main(out: str) -> int:
     from slideformer.gui.app import make_application
     from slideformer.gui.context import AppContext
@@ -86,6 +139,8 @@ def main(out: str) -> int:
     window.show()
     window.model_page.load(ensure_demo_model(ctx.demo_model_dir))
     wait_until(lambda: ctx.model_path is not None, 60000)
+    make_runs(ctx.runs_dir, ctx.model_path, tmp / "task.jsonl")
+    runs = window.pages["Runs"]
     report = {"window": [window.width(), window.height()],
               "monitor": window.monitor_dock.isVisible(), "problems": []}
     for theme in ("light", "dark"):
@@ -94,9 +149,13 @@ def main(out: str) -> int:
             window.show_page(title)
             run_loop(400)
             report["problems"] += problems(window, f"{theme} {title}")
+            if title == "Runs":
+                wait_until(lambda: runs.table.topLevelItemCount() == 2, 30000)
+                report["problems"] += table_problems(runs.table, f"{theme} Runs")
             if (window.width(), window.height()) != SIZE:  # it grew past the screen
                 report["problems"].append(f"{theme} {title}: the window is {window.width()}x"
                                           f"{window.height()} on a {SIZE[0]}x{SIZE[1]} screen")
+    report["problems"] += collapsed_problems(window, run_loop)
     Path(out).write_text(json.dumps(report, indent=1))
     window.close()
     return 0

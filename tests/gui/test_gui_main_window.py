@@ -45,6 +45,30 @@ def test_view_menu_toggles_the_monitor_and_the_theme(qtbot, window, ctx):
     assert QApplication.instance().styleSheet() == style_sheet("light")
 
 
+def test_the_monitor_collapses_to_a_strip_and_expands_again(qtbot, window, ctx, tmp_path):
+    from PySide6.QtCore import Qt
+    from slideformer.gui.widgets.dock import STRIP_PX
+    dock = window.monitor_dock
+    page = window.stack.currentWidget()
+    wide, page_width = dock.width(), page.width()
+    qtbot.mouseClick(dock.collapse_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dock.width() == STRIP_PX)
+    assert dock.isVisible() and dock.strip.isVisible() and not dock.content.isVisible()
+    qtbot.waitUntil(lambda: page.width() > page_width)  # the pages get the room back
+    assert _action(window, "&View", "Collapse the Monitor to a strip").isChecked()
+    qtbot.mouseClick(dock.expand_button, Qt.MouseButton.LeftButton)
+    qtbot.waitUntil(lambda: dock.width() == wide)
+    assert dock.content.isVisible() and not dock.strip.isVisible()
+
+    dock.collapse_action.trigger()  # View > Collapse: remembered for the next session
+    window.close()
+    again = MainWindow(AppContext(ctx.settings, data_dir=tmp_path, gpu_source="none"))
+    qtbot.addWidget(again)
+    again.show()
+    assert again.monitor_dock.collapsed and again.monitor_dock.strip.isVisible()
+    again.close()
+
+
 def test_layout_and_theme_are_remembered(qtbot, window, ctx, tmp_path):
     window.set_theme("dark")
     window.monitor_dock.hide()

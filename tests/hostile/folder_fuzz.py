@@ -123,7 +123,8 @@ config_breakages = st.one_of(
 TOKENIZER_CONFIG_FIELDS = ("bos_token", "eos_token", "pad_token", "chat_template",
                            "add_bos_token", "model_max_length")
 HOSTILE_TEMPLATES = ["{% for %}", "{{ messages[0]['content'] }}", "{{ raise_exception('no') }}",
-                     "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+                     "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}"
+                     "{% endfor %}",
                      "{{ ''.__class__.__mro__ }}", "{{ 'x' * 10**9 }}", "{{ 9 ** (10 ** 10) }}",
                      "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "plain text", ""]
 _template = st.one_of(st.sampled_from(HOSTILE_TEMPLATES), st.text(max_size=40), hostile_value,
@@ -188,7 +189,7 @@ tokenizer_breakages = st.one_of(
                                          st.sampled_from(HOSTILE_TEMPLATES).map(str.encode))))
 
 
-# ---- safetensors -----------------------------------------------------------------------------------
+# ---- safetensors -------------------------------------------------------------------------------
 def _rewrite_header(d: Path, change: Callable[[dict], None]) -> None:
     path = d / "model.safetensors"
     raw = path.read_bytes()
@@ -248,7 +249,7 @@ safetensors_breakages = st.one_of(
     st.builds(truncated, st.just("model.safetensors"), st.floats(0, 0.999)))
 
 
-# ---- model.safetensors.index.json -------------------------------------------------------------------
+# ---- model.safetensors.index.json ------------------------------------------------------------
 INDEX = "model.safetensors.index.json"
 _shard_name = st.one_of(
     st.sampled_from(["model.safetensors", "../model.safetensors", "/etc/passwd",
@@ -266,8 +267,9 @@ def index_breakage(weight_map, extra) -> Breakage:
 
 index_breakages = st.one_of(
     st.builds(index_breakage, st.one_of(
-        hostile_value, st.dictionaries(st.sampled_from(["model.embed_tokens.weight", "lm_head.weight",
-                                                        "x"]), _shard_name, max_size=3)),
+        hostile_value, st.dictionaries(st.sampled_from(["model.embed_tokens.weight",
+                                                        "lm_head.weight", "x"]),
+                                       _shard_name, max_size=3)),
               hostile_value),
     st.builds(lambda v: Breakage(INDEX, None, f"the whole file is {v!r}",
                                  lambda d: _write_json(d / INDEX, v)), hostile_value))

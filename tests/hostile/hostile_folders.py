@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Callable
 
 from folder_fuzz import (DELETE, Breakage, config_breakage, header_breakage, index_breakage,
-                         jinja_breakage, length_breakage, tensor_breakage, tokenizer_config_breakage,
-                         tokenizer_json_breakage, truncated)
+                         jinja_breakage, length_breakage, tensor_breakage,
+                         tokenizer_config_breakage, tokenizer_json_breakage, truncated)
 from hostile_corpus import CATEGORIES, Case, plan, setkey, train, write
 
 INDEX = "model.safetensors.index.json"
@@ -51,7 +51,7 @@ MODEL_FOLDERS = [
          cfg(rope_scaling={"rope_type": ["linear"], "factor": 2.0})),
     Case("rope_parameters of an unknown type", plan(), ("config.json", "rope_parameters"),
          cfg(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0})),
-    Case("torch_dtype a lone surrogate", plan(), ("config.json", "surrogate"),
+    Case("torch_dtype a lone surrogate", plan(), ("config.json", "torch_dtype", "surrogate"),
          cfg(torch_dtype="bf\ud800")),
     Case("config.json without num_hidden_layers", plan(), ("config.json", "num_hidden_layers"),
          cfg(num_hidden_layers=DELETE)),
@@ -85,7 +85,8 @@ MODEL_FOLDERS = [
          broken(tokenizer_json_breakage("added_tokens", []))),
     Case("tokenizer.json cut short", train(), ("tokenizer.json",),
          broken(truncated("tokenizer.json", 0.3))),
-    Case("eos_token a lone surrogate", train(), ("tokenizer_config.json", "surrogate"),
+    Case("eos_token a lone surrogate", train(),
+         ("tokenizer_config.json", "eos_token", "surrogate"),
          broken(tokenizer_config_breakage("eos_token", "<|im_end|>\ud800"))),
     Case("chat_template.jinja rendering no reply", train(), ("chat_template.jinja", "render"),
          broken(jinja_breakage(b"{{ messages[0]['content'] }}"))),

@@ -11,6 +11,8 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
+import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -64,7 +66,9 @@ def load_folder(model: Path, workspace: Path, run_dir: Path) -> None:
         trainer.cleanup()
 
 
-def check_folder(workspace: Path, broken) -> None:
+def check_folder(workspace: Path, broken) -> str:
+    """Break a copy of the workspace's model and load it: ``refused`` (a UserError that names
+    what was broken) or ``loaded``; anything else fails."""
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
         shutil.copytree(workspace / "model", model)
@@ -74,6 +78,8 @@ def check_folder(workspace: Path, broken) -> None:
                 load_folder(model, workspace, Path(tmp) / "run")
         except UserError as e:
             check_refusal(e, applied)
+            return "refused"
+    return "loaded"
 
 
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -87,7 +93,18 @@ def test_hostile_model_folders(workspace, broken):
 
 
 @pytest.mark.slow
-@settings(max_examples=2000, **_SETTINGS)
-@given(broken=breakages)
-def test_hostile_model_folders_long(workspace, broken):
-    check_folder(workspace, broken)
+def test_hostile_model_folders_long(workspace, capsys):
+    tally: Counter = Counter()
+
+    @settings(max_examples=1000, **_SETTINGS)
+    @given(broken=breakages)
+    def run(broken):
+        tally[check_folder(workspace, broken)] += 1
+
+    t0 = time.perf_counter()
+    run()
+    n, wall = sum(tally.values()), time.perf_counter() - t0
+    with capsys.disabled():
+        print(f"\nmodel-folder fuzzing: {n} folders, {tally['refused']} refused naming the "
+              f"file (and field), {tally['loaded']} set up; 0 other exceptions, 0 hangs; "
+              f"{wall / n:.2f} s per folder")

@@ -57,7 +57,7 @@ def _ask(page, text: str) -> None:
 
 
 def _shoot(window: MainWindow, out: Path, base: Path) -> list[Path]:
-    window.monitor_dock.hide()  # the conversation needs the width
+    window.monitor_dock.collapse_action.setChecked(True)  # a strip: the conversation needs the width
     window.resize(*WINDOW_SIZE)
     window.move(0, 0)
     window.show()

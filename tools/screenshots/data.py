@@ -1,10 +1,9 @@
 """Render the Data page with a tool-calling conversation and with a refused preference file.
 
-    python -m tools.screenshots.data --out docs/screenshots
+    xvfb-run -s "-screen 0 1366x768x24" python -m tools.screenshots.data --out docs/screenshots
 
-Writes data-tools.png and data-refused.png. The window fills a 1366x768 screen. It runs on
-whatever Qt platform is set (offscreen by default; QT_QPA_PLATFORM=xcb with DISPLAY for a real X
-server), on throw-away settings and data folders, with the demo model.
+Writes data-tools.png and data-refused.png: a real X window (xcb) filling a 1366x768 screen,
+the Monitor beside the page, on throw-away settings and data folders, with the demo model.
 """
 from __future__ import annotations
 
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from slideformer.gui.pages.model import ensure_demo_model
 from slideformer.gui.capture import (out_parser, print_paths, save, studio_window,
-                                         wait_until)
+                                     use_x_server, wait_until)
 
 SCREEN = (1366, 768)
 TOOLS = [{"name": "get_weather", "description": "Current weather of a city",
@@ -53,7 +52,6 @@ def render(out: Path) -> list[Path]:
     with studio_window(out) as (window, tmp):
         window.resize(*SCREEN)
         window.move(0, 0)
-        window.monitor_dock.hide()
         window.show()
         ctx = window.ctx
         window.model_page.load(ensure_demo_model(ctx.demo_model_dir))
@@ -82,6 +80,7 @@ def _scroll_to(browser, text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = out_parser(__doc__).parse_args(argv)
+    use_x_server()
     return print_paths(render(args.out))
 
 

@@ -38,6 +38,9 @@ def _shoot(window, tmp: Path, out: Path) -> list[Path]:
     # The demo model chosen, in both themes.
     page.load(ensure_demo_model(window.ctx.demo_model_dir))
     wait_until(lambda: page.status.property("state") == "ok")
+    # what fits for each method: the planner process answers once it has started
+    wait_until(lambda: bool(page.fit.fits) and page.fit._asked is None, 180000)
+    wait_until(lambda: window.monitor.history.count >= 20, 30000)  # charts with a history
     written.append(save(window, out / "model-light.png"))
     window.set_theme("dark")
     written.append(save(window, out / "model-dark.png"))

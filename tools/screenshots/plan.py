@@ -42,9 +42,12 @@ def _shoot(window: MainWindow, model: Path, out: Path) -> list[Path]:
     written = [save(window, out / "plan-no-model.png")]
     window.ctx.set_model(str(model), {})
 
+    def settled() -> bool:  # the plan and its line of per-method verdicts
+        return page.settled() and page._methods_asked is None and page.methods.isEnabled()
+
     def planned(settings: dict) -> None:
         page.inputs.apply(settings)
-        wait_until(page.settled, 180000)
+        wait_until(settled, 180000)
 
     planned(RUN)
     written.append(save(window, out / "plan-tight.png"))
@@ -52,7 +55,7 @@ def _shoot(window: MainWindow, model: Path, out: Path) -> list[Path]:
     written.append(save(window, out / "plan-does-not-fit.png"))
     planned({"train.micro_batch": 1, "budget.checkpoints": "auto"})
     page.apply_fix(next(f for f in page.plan.fixes if f.fits and f.available))
-    wait_until(page.settled, 180000)
+    wait_until(settled, 180000)
     written.append(save(window, out / "plan-fits.png"))
     return written
 

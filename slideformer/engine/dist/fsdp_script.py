@@ -46,8 +46,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 HERE = Path(__file__).resolve().parent
 IGNORE = -100
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json", "chat_template.jinja", "tokenizer.model")
+COPIED_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                "generation_config.json", "chat_template.jinja", "tokenizer.model")
+"""Files of the model folder that final/ keeps as they are (config.json names the dtype that
+the weights are saved in: the model's own)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -212,7 +214,8 @@ def export_final(model, model_dir: str, out: Path, s: dict, rank: int) -> None:
                                                                 cpu_offload=True))
     if rank != 0:
         return
-    dtype = getattr(torch, s["save_dtype"])
+    dtype = {"float32": torch.float32, "float16": torch.float16,
+             "bfloat16": torch.bfloat16}[s["save_dtype"]]
     if model.config.tie_word_embeddings:
         full.pop("lm_head.weight", None)  # the same tensor as the embedding
     tmp = out.with_name(out.name + ".tmp")
@@ -236,8 +239,7 @@ def export_final(model, model_dir: str, out: Path, s: dict, rank: int) -> None:
         total = sum(t.numel() * dtype.itemsize for t in full.values())
         (tmp / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    model.config.save_pretrained(tmp)
-    for name in TOKENIZER_FILES:
+    for name in COPIED_FILES:
         if (Path(model_dir) / name).is_file():
             shutil.copy2(Path(model_dir) / name, tmp / name)
     shutil.rmtree(out, ignore_errors=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.jsonfile import lone_surrogate, read_json
+from slideformer.engine.jsonfile import read_json, surrogate_key
 
 if TYPE_CHECKING:  # spec reading needs no torch: ``info`` and ``plan`` start without it
     import torch
@@ -316,8 +316,8 @@ def load_config(model_dir: Path | str) -> dict:
     cfg = read_json(path, "restore config.json from the model's source")
     if not isinstance(cfg, dict):
         raise UserError(path, "is not a JSON object", "restore config.json from the model's source")
-    if (bad := lone_surrogate(cfg)) is not None:  # fails later, wherever the text is written
-        raise UserError(path, f"holds text that is not valid Unicode ({bad[:40]!r}: a lone "
+    if (key := surrogate_key(cfg)) is not None:  # fails later, wherever the text is written
+        raise UserError(path, f"'{key}' holds text that is not valid Unicode (a lone "
                         "surrogate escape)", "restore config.json from the model's source")
     return cfg
 

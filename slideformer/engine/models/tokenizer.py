@@ -25,7 +25,7 @@ from jinja2.visitor import NodeTransformer
 from tokenizers import Tokenizer
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.jsonfile import lone_surrogate, read_json
+from slideformer.engine.jsonfile import read_json, surrogate_key
 
 
 @dataclass(frozen=True)
@@ -325,8 +325,8 @@ def load_tokenizer(model_dir: Path | str) -> TokenizerInfo:
     cfg = read_json(cfg_path, _CONFIG_FIX) if cfg_path.is_file() else {}
     if not isinstance(cfg, dict):
         raise UserError(cfg_path, f"is a JSON {type(cfg).__name__}, not an object", _CONFIG_FIX)
-    if (bad := lone_surrogate(cfg)) is not None:
-        raise UserError(cfg_path, f"holds text that is not valid Unicode ({bad[:40]!r}: a lone "
+    if (key := surrogate_key(cfg)) is not None:
+        raise UserError(cfg_path, f"'{key}' holds text that is not valid Unicode (a lone "
                         "surrogate escape)", _CONFIG_FIX)
     template, template_file = _chat_template(cfg, cfg_path, model_dir / "chat_template.jinja")
     info = TokenizerInfo(tok=tok, bos_token=_token_str(cfg.get("bos_token")),

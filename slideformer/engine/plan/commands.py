@@ -44,6 +44,8 @@ def register(sub) -> None:
                         + "; --ram and --disk give the host it sits in")
     p.add_argument("--hardware", metavar="FILE",
                    help="plan with a profile file (`bench --hardware --json` of another machine)")
+    p.add_argument("--gpus", type=int, help="GPUs of one host sharing the run (train.gpus): the "
+                                         "plan of each GPU, the shared host RAM and the speed")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_plan)
     # argparse takes "-3GiB" for an option; let it through to the budget check's clear error.
@@ -76,7 +78,7 @@ def config_from_args(a) -> RunConfig:
              "train.grad_accum": a.grad_accum, "budget.vram": a.vram, "budget.ram": a.ram,
              "optim.moments_dtype": a.moments, "budget.checkpoints": a.checkpoints,
              "budget.slots": a.slots, "train.compute_dtype": a.compute_dtype, "train.device": a.device,
-             "train.method": a.method, "lora.rank": a.rank}
+             "train.method": a.method, "lora.rank": a.rank, "train.gpus": a.gpus}
     if a.no_clip:
         given["optim.max_grad_norm"] = 0.0
     if a.no_packing:
@@ -93,7 +95,14 @@ def _plan(a) -> int:
     from slideformer.engine.plan.report import format_plan
 
     cfg = config_from_args(a)
-    plan = plan_run(cfg, load_spec(cfg.model.path), hardware=a.hardware or a.gpu)
+    hardware = a.hardware or a.gpu
+    if cfg.train.gpus not in (1, "all"):
+        from slideformer.engine.dist.plan import format_gpus, plan_gpus
+        multi = plan_gpus(cfg, load_spec(cfg.model.path), cfg.train.gpus, hardware)
+        print(json.dumps(multi.to_dict(), indent=2, default=str) if a.json else
+              format_plan(multi.per_gpu) + "\n\n" + format_gpus(multi))
+        return 0
+    plan = plan_run(cfg, load_spec(cfg.model.path), hardware=hardware)
     print(json.dumps(plan.to_dict(), indent=2, default=str) if a.json else format_plan(plan))
     return 0
 

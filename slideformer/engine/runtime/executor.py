@@ -42,6 +42,7 @@ from typing import Callable
 
 import torch
 
+from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
 from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
 from slideformer.engine.kernels.attention import document_mask
@@ -110,12 +111,15 @@ class SlidingExecutor:
 
     def __init__(self, spec: ModelSpec, backend, host: dict[str, HostItem], shape: ExecShape,
                  compute_dtype: torch.dtype, lora: LoraSpec | None = None, seed: int = 0,
-                 residual_dtype: torch.dtype | None = None):
+                 group=None, residual_dtype: torch.dtype | None = None):
         """``lora``: train the adapters ``lora{i}`` of ``host`` over a frozen base (``seed``
-        seeds their dropout masks). ``residual_dtype``: the hidden states between layers, their
-        gradients, activation checkpoints and RoPE tables (fp32 under bf16 compute: autocast's
-        numerics, slideformer.engine.models.layers); None: the compute dtype."""
+        seeds their dropout masks). ``group``: the ranks of a data-parallel run sharing
+        ``host`` (slideformer.engine.dist.group); None: this process alone. ``residual_dtype``:
+        the hidden states between layers, their gradients, activation checkpoints and RoPE tables
+        (fp32 under bf16 compute: autocast's numerics, slideformer.engine.models.layers); None:
+        the compute dtype."""
         self.spec, self.backend, self.host, self.shape = spec, backend, host, shape
+        self.group = group or Single()
         self.dtype = compute_dtype
         self.act = residual_dtype or compute_dtype
         self.lora, self.seed, self.step_no = lora, seed, 0
@@ -264,12 +268,13 @@ class SlidingExecutor:
         self.speculated = []
         self.limit_sq = max_grad_norm ** 2
         tokens = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
-        scale = 1.0 / max(tokens, 1)
-        inp = [self._inputs(mb) for mb in micro_batches]
+        scale = 1.0 / max(tokens, 1)  # of the whole step: the ranks' gradients are summed
+        inp = [self._inputs(mb) for mb in self.group.mine(micro_batches)]
         self._refresh("embed", self.embed_w, tl)
         xs = self.forward_window(inp, tl)
         self._refresh("head", self.head_w, tl)
         loss, gys = self.head_step(xs, inp, scale, tl)
+        self.group.reduce(loss)
         del xs  # the last hidden states are not needed in the backward
         clip = max_grad_norm > 0
         guard = None
@@ -295,6 +300,7 @@ class SlidingExecutor:
             self._device_updates(hyper(coef), tl)
         if self.lora is None:  # a frozen base stays valid: its resident layers serve the next step
             self.pool.invalidate_all()
+        self.group.step_done(self.wait_updates)
         applied = guard.applied if skipped and guard is not None else 0
         return StepOutput(float(loss), norm, tokens, skipped, tl, applied)
 
@@ -442,6 +448,7 @@ class SlidingExecutor:
             for mb, (_, _, rope, mask) in enumerate(inp):
                 gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask,
                                                i, mb)
+            self.group.reduce(g)
             sq = torch.linalg.vector_norm(g).square()
             self.norm_sq += sq
             watched = guard is not None or hyper_spec is not None  # norms on the host, per layer
@@ -469,7 +476,8 @@ class SlidingExecutor:
             dest = self.snapshots.grad(i, n)
         elif dest is None:  # a ring buffer, once the update that last read it is done
             r, dest = self.ring.take(n)
-        h = self.backend.start_d2h(dest, g, after=[t1])
+        part = self.group.span(n)  # the slice whose update this rank owns
+        h = self.backend.start_d2h(dest[part], g[part], after=[t1])
         tl.device_span("d2h", name, h.start, h)
         self.grads_out[name] = [h]
         if watched:
@@ -525,6 +533,8 @@ class SlidingExecutor:
         ge = self.embed_g.view(-1, H)
         for gy, (ids, *_) in zip(gys, inp):
             ge.index_add_(0, ids.reshape(-1), gy.reshape(-1, H).float())
+        self.group.reduce(self.embed_g)
+        self.group.reduce(self.head_g)
         self.norm_sq += torch.linalg.vector_norm(self.embed_g).square()
         self.norm_sq += torch.linalg.vector_norm(self.head_g).square()
         t1 = self.backend.mark()
@@ -532,7 +542,8 @@ class SlidingExecutor:
         for name, buf in (("embed", self.embed_g), ("head", self.head_g)):
             if name in self.dev:
                 continue
-            h = self.backend.start_d2h(self.host[name].g, buf, after=[t1])
+            part = self.group.span(buf.numel())
+            h = self.backend.start_d2h(self.host[name].g[part], buf[part], after=[t1])
             tl.device_span("d2h", name, h.start, h)
             self.grads_out[name] = [h]
 
@@ -561,7 +572,8 @@ class SlidingExecutor:
             h.wait()
         if guard is not None and not guard.allows(layer):
             return
-        item = self.host[name]
+        item = self.group.owned(self.host[name])
+        grad = None if grad is None else grad[self.group.span(grad.numel())]
         staged = None if item.disk is None else item.disk.acquire(tl)
         try:
             t0 = time.perf_counter()
@@ -605,10 +617,14 @@ class SlidingExecutor:
                 self.pool.release(i, evict=True)
         return float(loss), int((mb.labels != IGNORE).sum())
 
-    def drain(self) -> None:
-        """Wait for every update in flight and its disk writes (before saving or reading the state)."""
+    def wait_updates(self) -> None:
+        """Wait for every update in flight."""
         for name in list(self.pending):
             self._wait_update(name)
+
+    def drain(self) -> None:
+        """Wait for every update in flight and its disk writes (before saving or reading the state)."""
+        self.wait_updates()
         for item in self.host.values():
             if item.disk is not None:
                 item.disk.flush()

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from slideformer.engine.config import (BudgetConfig, DataConfig, ModelConfig, OptimConfig, OutputConfig,
+from slideformer.engine.config import (DataConfig, ModelConfig, OptimConfig, OutputConfig,
                            RunConfig, TrainConfig)
 from slideformer.engine.errors import UserError
 from slideformer.engine.gguf.installed import SMOLLM2_INSTALL, smollm2_gguf
@@ -85,8 +85,15 @@ def identity_config(paths: IdentityPaths, run_dir: Path, steps: int) -> RunConfi
 
 
 def answers(model_dir: Path, questions: tuple[str, ...], max_new: int = 24) -> list[str]:
-    """Greedy answers of a model folder to each question."""
-    from slideformer.engine.models.tokenizer import load_tokenizer
-    from slideformer.engine.train.demo import generate, load_dense
-    model, tok = load_dense(model_dir), load_tokenizer(model_dir)
-    return [generate(model, tok, q, max_new) for q in questions]
+    """Greedy answers of a model folder to each question, through the chat generator (KV cache,
+    the model's chat template and stop tokens), as ``slideformer chat`` would answer."""
+    from slideformer.engine.generate.decoder import Finished
+    from slideformer.engine.generate.sampling import SamplingConfig
+    from slideformer.engine.generate.session import ChatModel
+    model = ChatModel(model_dir, mode="resident", device="cpu")
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=max_new)
+    try:
+        return ["".join(p.text for p in model.reply([{"role": "user", "content": q}], cfg)
+                        if not isinstance(p, Finished)).strip() for q in questions]
+    finally:
+        model.close()

@@ -24,6 +24,7 @@ import torch
 
 from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, parse_bytes
+from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shape, start_ranks
 from slideformer.engine.devices import (compute_dtype_name, moments_dtype_name, residual_dtype_name,
                                         torch_dtype)
 from slideformer.engine.errors import UserError
@@ -93,6 +94,8 @@ class Trainer:
         """Why the run cannot go on (message with its fix), and whether to save first."""
         self._saved_step = -1
         self.executor = None
+        self.ranks = Solo()
+        """The other ranks of a run on several GPUs (slideformer.engine.dist.ranks)."""
         self.tier = None
         self.sink = None
         self.lock = RunLock(self.run_dir)
@@ -136,7 +139,8 @@ class Trainer:
         self.dtype = torch_dtype(compute)
         residual = torch_dtype(residual_dtype_name(cfg.train.precision, compute))
         moments = torch_dtype(moments_dtype_name(cfg.optim.moments_dtype))
-        shape = self.make_plan().exec_shape
+        self.world = gpu_count(cfg)
+        shape = rank_shape(self.make_plan().exec_shape, self.world)
         self._check_host_memory()
         self.tok = load_tokenizer(cfg.model.path)
         check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
@@ -144,8 +148,10 @@ class Trainer:
         self.total_steps = run_steps(cfg.train, self.stream.steps_per_epoch)
         self.tier = self._open_tier()
         self._build_state(shape, moments, resume)
+        self.ranks = start_ranks(cfg, self.host, shape, self.dtype, self.world,
+                                 self.backend.is_cuda)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
-                                        self.lora, cfg.train.seed, residual)
+                                        self.lora, cfg.train.seed, self.ranks.group, residual)
         if cpu_adam.unavailable_reason() and self.lora is None:
             self.emit(Log("warning", f"compiled CPU AdamW unavailable "
                                      f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "
@@ -160,7 +166,9 @@ class Trainer:
         _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
-                              f"{self.dtype}, {self.total_steps} steps"))
+                              f"{self.dtype}, {self.total_steps} steps"
+                              + (f", {self.world} ranks (a process each, one host state)"
+                                 if self.world > 1 else "")))
 
     def _build_state(self, shape: ExecShape, moments: torch.dtype, resume: bool) -> None:
         """The host state: every item trained (full), or a frozen base (always read from the
@@ -170,7 +178,8 @@ class Trainer:
             L = self.spec.num_layers
             speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
                                              disk_layers(L, self.plan.disk_layers))
-            self.host = build_host_state(self.spec, self.backend, self.dtype, moments, self.tier,
+            self.host = build_host_state(self.spec, host_alloc(self.backend, self.world),
+                                         self.dtype, moments, self.tier,
                                          layer_grads=cfg.optim.max_grad_norm > 0,
                                          borrowed=speculative)
         else:
@@ -292,6 +301,7 @@ class Trainer:
         position = self.stream.state_dict()
         mbs = self.stream.next_step()
         lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
+        self.ranks.start_step(mbs, self.hyper(1.0))
         try:
             out = self.executor.train_step(mbs, self.hyper, self.cfg.optim.max_grad_norm)
         except torch.cuda.OutOfMemoryError:
@@ -477,6 +487,8 @@ class Trainer:
         return bool(states) and states[-1].state == "finished" and states[-1].step == step
 
     def cleanup(self) -> None:
+        self.ranks.close()
+        self.ranks = Solo()
         if self.executor is not None:
             self.executor.close()
             self.executor = None

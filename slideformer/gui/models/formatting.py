@@ -21,3 +21,16 @@ def short_path(p: Path | str) -> str:
         return str(Path("~") / p.relative_to(Path.home()))
     except ValueError:
         return str(p)
+
+
+RESOURCE_TITLES = {"gpu compute": "GPU compute", "pcie h2d": "PCIe to GPU",
+                   "pcie d2h": "PCIe from GPU", "cpu optimizer": "CPU optimizer", "disk": "Disk"}
+"""The planner's resources (what bounds a step) as people name them."""
+
+
+def resource_title(name: str, device: str) -> str:
+    """The name of the resource ``name`` on the backend ``device`` (cuda or cpu): on the CPU
+    backend the forward and backward are the CPU's work, not a GPU's."""
+    if device == "cpu" and name == "gpu compute":
+        return "CPU compute"
+    return RESOURCE_TITLES.get(name, name)

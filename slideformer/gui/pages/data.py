@@ -11,30 +11,29 @@ The settings here are the run's ``[data]`` section (:meth:`AppContext.set_data_c
 """
 from __future__ import annotations
 
-import html
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-import pyqtgraph as pg
-from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
+from PySide6.QtCore import Qt, QTimer, Signal, Slot
 from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog, QFormLayout,
                                QFrame, QGridLayout, QGroupBox, QHBoxLayout, QLabel, QProgressBar,
                                QPushButton, QScrollArea, QSpinBox, QTextBrowser, QVBoxLayout,
                                QWidget)
 
-from slideformer.engine.api import (FORMATS, DataConfig, DataStats, Log, Preview, Progress, analyse_data,
-                        sample_counts, write_task)
+from slideformer.engine.api import FORMATS, DataConfig, Preview
 from slideformer.gui.context import AppContext
 from slideformer.gui.models.formatting import human_count, short_path
-from slideformer.gui.workers.thread import run_task
-from slideformer.gui.theme import PLOT_COLORS
+from slideformer.gui.pages.data_report import (MASKED_COLOR, AnalysisProgress, DataReport,
+                                               analyse, dropped_file, make_demo_dataset,
+                                               sample_html)
 from slideformer.gui.pages.train.settings import narrow
+from slideformer.gui.theme import PLOT_COLORS
 from slideformer.gui.widgets.common import action_row, page_header, set_state, status_label
+from slideformer.gui.widgets.histogram import LengthHistogram
+from slideformer.gui.workers.thread import run_task
 
-SAMPLES = 4
 DEBOUNCE_MS = 300
 """A setting changed: wait this long for the next change before preparing the data again."""
-DEMO_RECORDS = 4000
 LEFT_COLUMN_PX = 380
 FILE_FILTER = ("Datasets (*.jsonl *.json *.txt *.csv *.parquet *.arrow *.feather);;"
                "All files (*)")
@@ -43,138 +42,6 @@ FORMAT_NAMES = {"auto": "auto-detect", "text": "plain text", "alpaca": "Alpaca (
 VALIDATION_MODES = ("none", "fraction", "file")
 TEMPLATE_FILE = "\0file"
 """The chat-template entry that asks for a .jinja file."""
-TRAINED_COLOR, MASKED_COLOR, TRUNCATED_COLOR = "#16a34a", "#9ca3af", "#f59e0b"
-AXIS_LABEL = "record length (tokens, before truncation)"
-FAR_BEYOND = 4
-"""A sequence length this many times the longest record's bin edge is drawn as a note on the
-axis, not as a line far to the right of every bar."""
-
-
-@dataclass(frozen=True)
-class DataReport:
-    """The engine's answer for one set of data settings."""
-
-    cfg: DataConfig
-    stats: DataStats
-    preview: Preview
-    """The first records as the model sees them."""
-    warnings: list[str]
-    """The engine's warnings (preview and preparation)."""
-
-
-class _Progress(QObject):
-    """Carries the engine's Progress events and the early preview from the worker thread."""
-
-    changed = Signal(str, int, int)
-    previewed = Signal(object, object)
-    """(DataConfig, Preview): the first records, before the whole file is tokenised."""
-
-
-def analyse(cfg: DataConfig, model_path: str, cache_dir: Path, progress: _Progress) -> DataReport:
-    """Preview the first records of ``cfg`` (sent on at once), then prepare it (cached)."""
-    warnings: list[str] = []
-
-    def emit(ev) -> None:
-        if isinstance(ev, Progress):
-            progress.changed.emit(ev.task, ev.done, ev.total or 0)
-        elif isinstance(ev, Log) and ev.level != "info":
-            warnings.append(ev.message)
-
-    found = analyse_data(cfg, model_path, cache_dir, SAMPLES, emit,
-                         on_preview=lambda shown: progress.previewed.emit(cfg, shown))
-    return DataReport(cfg, found.stats, found.preview, list(found.preview.warnings) + warnings)
-
-
-def make_demo_dataset(path: Path) -> str:
-    """The letter-reversal chat dataset of ``slideformer demo`` (kept when it exists)."""
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_task(path, DEMO_RECORDS, seed=1)
-    return str(path)
-
-
-def sample_html(shown: Preview) -> str:
-    """The preview as HTML: trained pieces on green, masked ones grey."""
-    parts = []
-    for i, sample in enumerate(shown.samples, 1):
-        spans = []
-        for piece, trained in sample.pieces:
-            text = html.escape(piece).replace("\n", "⏎<br>")
-            style = ("background-color:#dcfce7; color:#065f46;" if trained else
-                     f"color:{MASKED_COLOR};")
-            spans.append(f'<span style="{style}">{text}</span>')
-        where = html.escape(Path(sample.where).name)
-        parts.append(f'<p style="margin:0 0 2px 0; color:#6b7280; font-size:8pt;">record {i} '
-                     f'({where}): {sample_counts(sample)}</p>'
-                     f'<p style="font-family:monospace; margin:0 0 12px 0;">{"".join(spans)}</p>')
-    return "".join(parts)
-
-
-def dropped_file(urls) -> str | None:
-    if len(urls) != 1 or not urls[0].isLocalFile():
-        return None
-    p = Path(urls[0].toLocalFile())
-    return str(p) if p.exists() else None
-
-
-class LengthHistogram(pg.PlotWidget):
-    """Record lengths in tokens: bars from DataStats, the sequence length as a line."""
-
-    def __init__(self, parent=None):
-        super().__init__(parent)
-        self.setMouseEnabled(x=False, y=False)
-        self.hideButtons()
-        self.setMenuEnabled(False)
-        self._background = "#ffffff"
-        self.setBackground(self._background)
-        item = self.getPlotItem()
-        item.showGrid(y=True, alpha=0.15)
-        item.setLabel("bottom", AXIS_LABEL)
-        item.setLabel("left", "records")
-        self.bars = pg.BarGraphItem(x0=[], x1=[], height=[], brush=TRAINED_COLOR)
-        self.addItem(self.bars)
-        self.limit = pg.InfiniteLine(angle=90, movable=False,
-                                     pen=pg.mkPen(TRUNCATED_COLOR, width=2, style=Qt.DashLine),
-                                     label="sequence length", labelOpts={
-                                         "position": 0.9, "color": TRUNCATED_COLOR,
-                                         "anchors": [(1, 0), (1, 0)]})
-        self.addItem(self.limit)
-        self.limit.hide()  # until there is data to compare it with
-        self.getPlotItem().setXRange(0, DataConfig().max_seq_len, padding=0)
-        self.getPlotItem().setYRange(0, 1, padding=0)
-
-    def show_stats(self, stats: DataStats) -> None:
-        edges, counts = stats.hist_edges, stats.hist_counts
-        brushes = [pg.mkBrush(TRUNCATED_COLOR if lo >= stats.seq_len else "#3b82f6")
-                   for lo in edges[:-1]]
-        self.bars.setOpts(x0=list(edges[:-1]), x1=list(edges[1:]), height=list(counts),
-                          brushes=brushes, pen=pg.mkPen(self._background, width=1))
-        self.limit.setPos(stats.seq_len)
-        self.limit.label.setFormat(f"sequence length {stats.seq_len}")
-        # A sequence length far beyond the longest record would squeeze every bar into the
-        # left edge: the axis then spans the records, and its label says that all of them fit.
-        far = stats.seq_len > FAR_BEYOND * edges[-1]
-        self.limit.setVisible(not far)
-        self.getPlotItem().setLabel("bottom", f"{AXIS_LABEL}: all shorter than the sequence "
-                                              f"length {stats.seq_len}" if far else AXIS_LABEL)
-        right = (edges[-1] if far else max(edges[-1], stats.seq_len)) * 1.05
-        self.getPlotItem().setXRange(0, right, padding=0)
-        self.getPlotItem().setYRange(0, max(counts, default=1) * 1.1, padding=0)
-
-    def clear_stats(self) -> None:
-        self.bars.setOpts(x0=[], x1=[], height=[], brushes=[])
-        self.limit.hide()
-        self.getPlotItem().setLabel("bottom", AXIS_LABEL)
-
-    def set_colors(self, background: str, foreground: str) -> None:
-        self._background = background  # bar outlines: gaps between bars, not white frames
-        self.setBackground(background)
-        self.bars.setOpts(pen=pg.mkPen(background, width=1))
-        for name in ("left", "bottom"):
-            axis = self.getPlotItem().getAxis(name)
-            axis.setPen(pg.mkPen(foreground))
-            axis.setTextPen(pg.mkPen(foreground))
-            axis.setLabel(axis.labelText, color=foreground)
 
 
 class DataPage(QWidget):
@@ -190,34 +57,56 @@ class DataPage(QWidget):
         self.report: DataReport | None = None
         self._wanted: DataConfig | None = None
         """The settings being prepared; answers for any other settings are stale."""
-        self._progress = _Progress(self)
+        self._progress = AnalysisProgress(self)
         self._progress.changed.connect(self._on_progress)
         self._progress.previewed.connect(self._on_preview)
         self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._debounce.timeout.connect(self.analyse)
 
+        actions = self._build_actions()
+        self.file_label = QLabel("")
+        self.file_label.setObjectName("folder")
+        self.file_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
+        self.status = status_label()
+        self._build_settings()
+        self._build_summary()
+        lay = QVBoxLayout(self)
+        lay.addWidget(page_header("Data", "The training data: a JSONL/JSON, CSV, Parquet or "
+                                          "Arrow file (text, Alpaca, chat messages or ShareGPT, "
+                                          "with tool calls) or plain text. It is "
+                                          "templated and tokenised with the model's own "
+                                          "tokenizer, exactly as the run will see it."))
+        lay.addLayout(actions)
+        lay.addWidget(self.file_label)
+        lay.addWidget(self.status)
+        lay.addLayout(self._build_body(), 1)
+
+        ctx.model_changed.connect(lambda _path: self.schedule())
+        ctx.data_changed.connect(self._on_context_changed)
+        ctx.theme_changed.connect(lambda name: self.set_colors(*PLOT_COLORS[name]))
+        self.set_colors(*PLOT_COLORS[ctx.settings.theme()])
+        self._show_config(ctx.data_config)
+        self._show_idle()
+
+    def _build_actions(self) -> QHBoxLayout:
+        """Choose a file, or the demo dataset; the progress of the preparation at the end."""
         self.choose_button = QPushButton("Choose file…")
         self.choose_button.setObjectName("primary")
         self.choose_button.clicked.connect(self.choose_file)
         self.demo_button = QPushButton("Use demo dataset")
         self.demo_button.setToolTip("4,000 chat records of a letter-reversal task that the demo "
                                     "model learns in a minute, written into\n"
-                                    f"{ctx.data_dir / 'datasets'}")
+                                    f"{self.ctx.data_dir / 'datasets'}")
         self.demo_button.clicked.connect(self.use_demo)
         self.busy = QProgressBar()
         self.busy.setMaximumWidth(160)
         self.busy.setTextVisible(False)
         self.busy.hide()
-        actions = action_row((self.choose_button, self.demo_button), "or drop a file here",
-                             self.busy)
+        return action_row((self.choose_button, self.demo_button), "or drop a file here",
+                          self.busy)
 
-        self.file_label = QLabel("")
-        self.file_label.setObjectName("folder")
-        self.file_label.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
-        self.status = status_label()
-
-        self._build_settings()
-        self._build_summary()
+    def _build_results(self) -> QVBoxLayout:
+        """The histogram of record lengths over the preview of the first records."""
         self.histogram = LengthHistogram()
         self.histogram.setMinimumHeight(120)
         hist_box = QGroupBox("Record lengths")
@@ -233,7 +122,13 @@ class DataPage(QWidget):
         pv = QVBoxLayout(preview_box)
         pv.addWidget(legend)
         pv.addWidget(self.preview, 1)
+        right = QVBoxLayout()
+        right.addWidget(hist_box, 2)
+        right.addWidget(preview_box, 3)
+        return right
 
+    def _build_body(self) -> QHBoxLayout:
+        """Settings and summary in a scrolling column left of the results."""
         left_box = QWidget()
         left = QVBoxLayout(left_box)
         left.setContentsMargins(0, 0, 0, 0)
@@ -246,29 +141,10 @@ class DataPage(QWidget):
         left_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         left_scroll.setMinimumWidth(max(LEFT_COLUMN_PX, left_box.minimumSizeHint().width()
                                         + left_scroll.verticalScrollBar().sizeHint().width()))
-        right = QVBoxLayout()
-        right.addWidget(hist_box, 2)
-        right.addWidget(preview_box, 3)
         body = QHBoxLayout()
         body.addWidget(left_scroll, 0)
-        body.addLayout(right, 1)
-        lay = QVBoxLayout(self)
-        lay.addWidget(page_header("Data", "The training data: a JSONL/JSON, CSV, Parquet or "
-                                          "Arrow file (text, Alpaca, chat messages or ShareGPT, "
-                                          "with tool calls) or plain text. It is "
-                                          "templated and tokenised with the model's own "
-                                          "tokenizer, exactly as the run will see it."))
-        lay.addLayout(actions)
-        lay.addWidget(self.file_label)
-        lay.addWidget(self.status)
-        lay.addLayout(body, 1)
-
-        ctx.model_changed.connect(lambda _path: self.schedule())
-        ctx.data_changed.connect(self._on_context_changed)
-        ctx.theme_changed.connect(lambda name: self.set_colors(*PLOT_COLORS[name]))
-        self.set_colors(*PLOT_COLORS[ctx.settings.theme()])
-        self._show_config(ctx.data_config)
-        self._show_idle()
+        body.addLayout(self._build_results(), 1)
+        return body
 
     # ---- settings ----------------------------------------------------------------------------
     def _build_settings(self) -> None:

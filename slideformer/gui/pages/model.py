@@ -87,13 +87,33 @@ class ModelPage(QWidget):
         """The folder being checked; results for any other folder are stale and dropped."""
         self._demo_task = None
 
+        actions = self._build_actions()
+        self.fit = FitBox(ctx)
+        column = QWidget()
+        right = QVBoxLayout(column)
+        right.setContentsMargins(0, 0, 0, 0)
+        right.addWidget(self._build_summary(), 1)
+        right.addWidget(self.fit)
+        body = QHBoxLayout()
+        body.addWidget(self._build_recent(), 1)
+        body.addWidget(ColumnScroll(column), 2)  # a short window scrolls it, never clips it
+        lay = QVBoxLayout(self)
+        lay.addWidget(page_header("Model", "The model to fine-tune: a local Hugging Face folder. "
+                                           "Nothing is loaded into memory here; only its "
+                                           "config, weight headers and tokenizer are checked."))
+        lay.addLayout(actions)
+        lay.addLayout(body, 1)
+        self._fill_recent(ctx.settings.recent_models())
+
+    def _build_actions(self) -> QHBoxLayout:
+        """Choose a folder, import a GGUF file or make a demo model; busy at the far end."""
         self.choose_button = QPushButton("Choose folder…")
         self.choose_button.setObjectName("primary")
         self.choose_button.clicked.connect(self.choose_folder)
         self.gguf_button = QPushButton("Import GGUF…")
         self.gguf_button.setToolTip("Turn a GGUF file (LM Studio, Ollama, llama.cpp) into a "
                                     "model folder\nthe engine trains (bf16 safetensors), in "
-                                    f"{short_path(ctx.models_dir)}")
+                                    f"{short_path(self.ctx.models_dir)}")
         self.gguf_button.clicked.connect(self.choose_gguf)
         self.demo_button = QPushButton("Create demo model")
         self.demo_button.setToolTip("A tiny random Llama (instant), or SmolLM2-135M-Instruct "
@@ -110,10 +130,11 @@ class ModelPage(QWidget):
         self.busy.setRange(0, 0)
         self.busy.setMaximumWidth(120)
         self.busy.hide()
-        actions = action_row((self.choose_button, self.gguf_button, self.demo_button),
-                             "or drop a folder here",
-                             self.busy)
+        return action_row((self.choose_button, self.gguf_button, self.demo_button),
+                          "or drop a folder here", self.busy)
 
+    def _build_recent(self) -> QGroupBox:
+        """The folders opened before, most recent first (a right click forgets one)."""
         self.recent = QListWidget()
         self.recent.setObjectName("recentList")
         self.recent.setTextElideMode(Qt.TextElideMode.ElideMiddle)
@@ -130,7 +151,10 @@ class ModelPage(QWidget):
         recent_lay.addWidget(self.no_recent)
         recent_lay.addWidget(self.recent, 1)
         recent_box.setMaximumWidth(320)
+        return recent_box
 
+    def _build_summary(self) -> QGroupBox:
+        """The chosen folder, the engine's verdict on it, and its architecture."""
         self.folder = QLabel("")
         self.folder.setObjectName("folder")
         self.folder.setWordWrap(True)
@@ -151,23 +175,7 @@ class ModelPage(QWidget):
         summary.addWidget(self.status)
         summary.addLayout(form)
         summary.addStretch(1)
-
-        self.fit = FitBox(ctx)
-        column = QWidget()
-        right = QVBoxLayout(column)
-        right.setContentsMargins(0, 0, 0, 0)
-        right.addWidget(summary_box, 1)
-        right.addWidget(self.fit)
-        body = QHBoxLayout()
-        body.addWidget(recent_box, 1)
-        body.addWidget(ColumnScroll(column), 2)  # a short window scrolls it, never clips it
-        lay = QVBoxLayout(self)
-        lay.addWidget(page_header("Model", "The model to fine-tune: a local Hugging Face folder. "
-                                           "Nothing is loaded into memory here; only its "
-                                           "config, weight headers and tokenizer are checked."))
-        lay.addLayout(actions)
-        lay.addLayout(body, 1)
-        self._fill_recent(ctx.settings.recent_models())
+        return summary_box
 
     # ---- choosing ------------------------------------------------------------------------
     @Slot()

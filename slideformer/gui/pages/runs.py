@@ -13,8 +13,8 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Slot
 from PySide6.QtGui import QBrush, QColor, QDesktopServices, QFont
-from PySide6.QtWidgets import (QFileDialog, QGroupBox, QHBoxLayout, QHeaderView, QInputDialog,
-                               QLabel, QPlainTextEdit, QPushButton, QSplitter, QTreeWidget,
+from PySide6.QtWidgets import (QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QHeaderView,
+                               QInputDialog, QLabel, QPlainTextEdit, QPushButton, QSplitter, QTreeWidget,
                                QTreeWidgetItem, QVBoxLayout, QWidget)
 
 from slideformer.engine.api import GGUF_EXPORT_TYPES
@@ -28,6 +28,9 @@ from slideformer.gui.widgets.common import page_header, status_label
 
 REFRESH_MS = 2000
 COLUMNS = ("Run", "Status", "Step", "Loss", "Model", "Data", "Batch and LR", "Last activity")
+ELIDED = {"Model": 110, "Data": 110}
+"""Columns of names that are elided in the middle at this width (the rest fit their text; Run
+takes what is left): every column that tells runs apart stays on a 1366 px screen."""
 STATUS_COLORS = {"running": "#16a34a", "setup": "#16a34a", "saving": "#16a34a",
                  "paused": "#d97706", "failed": "#dc2626", "interrupted": "#dc2626",
                  "finished": "#2563eb", "stopped": "#6b7280"}
@@ -62,19 +65,60 @@ class RunsPage(QWidget):
         self.summaries: dict[str, RunSummary] = {}
         self._scanning = False
 
+        self._build_table()
+        actions = self._build_actions()
+        self.empty = QLabel(f"No runs yet. Runs started here go to {short_path(ctx.runs_dir)}; "
+                            f"add a folder to list a run started from a terminal.")
+        self.empty.setObjectName("hint")
+        self.empty.setWordWrap(True)
+        list_box = QWidget()
+        ll = QVBoxLayout(list_box)
+        ll.setContentsMargins(0, 0, 0, 0)
+        ll.addWidget(self.empty)
+        ll.addWidget(self.table, 1)
+        splitter = QSplitter(Qt.Orientation.Vertical)  # the table gets the page's width
+        splitter.addWidget(list_box)
+        splitter.addWidget(self._build_details())
+        splitter.setSizes([300, 300])
+        splitter.setChildrenCollapsible(False)
+        lay = QVBoxLayout(self)
+        lay.addWidget(page_header("Runs", "Every run in the runs folder, live or finished: "
+                                          "follow one as it trains (also runs started from a "
+                                          "terminal), resume one from its last checkpoint, or "
+                                          "open its folder."))
+        lay.addLayout(actions)
+        lay.addWidget(splitter, 1)
+
+        self._timer = QTimer(self, interval=REFRESH_MS)
+        self._timer.timeout.connect(self._tick)
+        self._timer.start()
+        self._update_buttons()
+        self.refresh()
+
+    def _build_table(self) -> None:
+        """One row per run; the columns that tell runs apart fit a 1366 px screen."""
         self.table = QTreeWidget()
         self.table.setColumnCount(len(COLUMNS))
         self.table.setHeaderLabels(COLUMNS)
         self.table.setRootIsDecorated(False)
         self.table.setAlternatingRowColors(True)
         self.table.setUniformRowHeights(True)
+        self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # names end in their time
+        self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         header = self.table.header()
-        header.setSectionResizeMode(0, QHeaderView.ResizeMode.Stretch)
-        for i in range(1, len(COLUMNS)):
-            header.setSectionResizeMode(i, QHeaderView.ResizeMode.ResizeToContents)
+        header.setStretchLastSection(False)
+        header.setMinimumSectionSize(48)
+        for i, name in enumerate(COLUMNS):
+            mode = QHeaderView.ResizeMode.Interactive if name in ELIDED else \
+                QHeaderView.ResizeMode.ResizeToContents
+            header.setSectionResizeMode(i, QHeaderView.ResizeMode.Stretch if i == 0 else mode)
+        for name, width in ELIDED.items():
+            header.resizeSection(COLUMNS.index(name), width)
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.itemDoubleClicked.connect(lambda *_: self.show_selected())
 
+    def _build_actions(self) -> QHBoxLayout:
+        """What can be done with the selected run, and adding a run folder from elsewhere."""
         self.show_button = QPushButton("Show on Train page")
         self.show_button.setObjectName("primary")
         self.show_button.setToolTip("Plots and messages of the run; a live run is followed as "
@@ -99,11 +143,10 @@ class RunsPage(QWidget):
             actions.addWidget(w)
         actions.addStretch(1)
         actions.addWidget(self.add_button)
+        return actions
 
-        self.empty = QLabel(f"No runs yet. Runs started here go to {short_path(ctx.runs_dir)}; "
-                            f"add a folder to list a run started from a terminal.")
-        self.empty.setObjectName("hint")
-        self.empty.setWordWrap(True)
+    def _build_details(self) -> QGroupBox:
+        """The selected run: where it is, how far it got, its config.toml and its log."""
         self.details_title = QLabel("")
         self.details_title.setObjectName("chartTitle")
         self.details_title.setWordWrap(True)
@@ -120,35 +163,13 @@ class RunsPage(QWidget):
         dl = QVBoxLayout(details)
         dl.addWidget(self.details_title)
         dl.addWidget(self.export_status)
-        dl.addWidget(QLabel("config.toml"))
-        dl.addWidget(self.config_view, 3)
-        dl.addWidget(QLabel("engine.log (last lines)"))
-        dl.addWidget(self.log_view, 2)
-
-        list_box = QWidget()
-        ll = QVBoxLayout(list_box)
-        ll.setContentsMargins(0, 0, 0, 0)
-        ll.addWidget(self.empty)
-        ll.addWidget(self.table, 1)
-        splitter = QSplitter(Qt.Orientation.Horizontal)
-        splitter.addWidget(list_box)
-        splitter.addWidget(details)
-        splitter.setSizes([700, 420])
-        splitter.setChildrenCollapsible(False)
-
-        lay = QVBoxLayout(self)
-        lay.addWidget(page_header("Runs", "Every run in the runs folder, live or finished: "
-                                          "follow one as it trains (also runs started from a "
-                                          "terminal), resume one from its last checkpoint, or "
-                                          "open its folder."))
-        lay.addLayout(actions)
-        lay.addWidget(splitter, 1)
-
-        self._timer = QTimer(self, interval=REFRESH_MS)
-        self._timer.timeout.connect(self._tick)
-        self._timer.start()
-        self._update_buttons()
-        self.refresh()
+        files = QGridLayout()
+        files.addWidget(QLabel("config.toml"), 0, 0)
+        files.addWidget(QLabel("engine.log (last lines)"), 0, 1)
+        files.addWidget(self.config_view, 1, 0)
+        files.addWidget(self.log_view, 1, 1)
+        dl.addLayout(files, 1)
+        return details
 
     # ---- scanning ----------------------------------------------------------------------------
     def roots(self) -> list[Path]:

@@ -65,13 +65,16 @@ def fixed_width(label: QLabel) -> QLabel:
 
 
 def color_plot(plot, background: str, foreground: str) -> None:
-    """Theme a pyqtgraph PlotWidget: background, and pen and text of its left/bottom axes."""
+    """Theme a pyqtgraph PlotWidget: background, and pen, tick values and name of its left and
+    bottom axes (a name left in the default grey is unreadable on the dark background)."""
     import pyqtgraph as pg
     plot.setBackground(background)
     for name in ("left", "bottom"):
         axis = plot.getPlotItem().getAxis(name)
         axis.setPen(pg.mkPen(foreground))
         axis.setTextPen(pg.mkPen(foreground))
+        if axis.labelText:
+            axis.setLabel(axis.labelText, color=foreground)
 
 
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt, QTimer, Slot
-from PySide6.QtGui import QFont
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from slideformer.gui.models.monitor import GIB, History, Sample
+from slideformer.gui.widgets.chart import chart_head, line_plot
 from slideformer.gui.widgets.common import color_plot
 
 REPAINT_HZ = 15
@@ -89,35 +89,14 @@ class ChartView(QWidget):
     def __init__(self, chart: Chart, parent=None):
         super().__init__(parent)
         self.chart = chart
-        self.title = QLabel(f"{chart.title} ({chart.unit})")  # the unit of its y axis
-        self.title.setObjectName("chartTitle")
-        self.value = QLabel("n/a")
-        self.value.setObjectName("chartValue")
-        self.value.setTextFormat(Qt.TextFormat.RichText)
-        self.value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
-        head = QHBoxLayout()
-        head.setContentsMargins(0, 0, 0, 0)
-        head.addWidget(self.title)
-        head.addWidget(self.value, 1)
-
-        self.plot = pg.PlotWidget()
-        self.plot.setMinimumHeight(60)
+        self.title, self.value, head = chart_head(f"{chart.title} ({chart.unit})", "n/a")
+        self.plot = line_plot(60, 36, 18)  # the unit is in the title, not beside the axis
         self.plot.setMouseEnabled(x=False, y=False)
-        self.plot.hideButtons()
-        self.plot.setMenuEnabled(False)
         item = self.plot.getPlotItem()
-        item.setDownsampling(auto=True, mode="peak")
-        item.setClipToView(True)
-        item.showGrid(x=True, y=True, alpha=0.15)
         item.setXRange(-WINDOW_S, 0, padding=0)
-        for name in ("left", "bottom"):
-            # Major ticks only, small print: the charts are short.
-            item.getAxis(name).setStyle(maxTickLevel=0, tickFont=QFont(QFont().family(), 8))
         if chart.y_max is not None:  # fixed scale: three ticks read better than five at this size
             top = chart.y_max
             item.getAxis("left").setTicks([[(v, f"{v:.0f}") for v in (0, top / 2, top)]])
-        item.getAxis("left").setWidth(36)
-        item.getAxis("bottom").setHeight(18)
         self.curves = [self.plot.plot(pen=pg.mkPen(c.color, width=1.6), connect="finite",
                                       antialias=True)
                        for c in chart.curves]

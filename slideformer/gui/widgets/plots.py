@@ -11,10 +11,11 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import Qt
 from PySide6.QtGui import QFont
-from PySide6.QtWidgets import QHBoxLayout, QLabel, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QVBoxLayout, QWidget
 
 from slideformer.engine.api import Timeline
 from slideformer.gui.models.metrics import StepHistory, format_seconds
+from slideformer.gui.widgets.chart import chart_head, line_plot, small_axes
 from slideformer.gui.widgets.common import color_plot, fixed_width
 
 BLUE, ORANGE, GREEN, RED, PURPLE, TEAL, GREY = (
@@ -54,7 +55,7 @@ class Metric:
 METRICS = {
     "loss": Metric("Loss", (Line("loss", "raw", BLUE, 1.0, 90), Line("smooth", "smoothed", BLUE),
                             Line("val", "validation", ORANGE)), "{:.3f}", "nats/token"),
-    "lr": Metric("Learning rate", (Line("lr", "", PURPLE),), "{:.2e}", "learning rate"),
+    "lr": Metric("Learning rate", (Line("lr", "", PURPLE),), "{:.2e}", "lr"),  # short: scaled
     "grad_norm": Metric("Gradient norm", (Line("grad_norm", "", RED),), "{:.2f}", "L2 norm"),
     "tokens_per_s": Metric("Throughput", (Line("tokens_per_s", "", GREEN),), "{:,.0f}",
                            "tokens/s", "tok/s"),
@@ -64,40 +65,17 @@ METRICS = {
 }
 
 
-def _small_axes(item: pg.PlotItem) -> None:
-    for name in ("left", "bottom"):
-        item.getAxis(name).setStyle(maxTickLevel=0, tickFont=QFont(QFont().family(), 8))
-    item.getAxis("left").setWidth(58)  # tick values and the axis name beside them
-    item.getAxis("bottom").setHeight(32)  # tick values and the axis name below them
-
-
 class MetricPlot(QWidget):
     """A title, the newest values, and one plot over optimizer steps."""
 
     def __init__(self, metric: Metric, parent=None):
         super().__init__(parent)
         self.spec = metric  # not "metric": that name would shadow QWidget.metric()
-        self.title = QLabel(metric.title)
-        self.title.setObjectName("chartTitle")
-        self.value = QLabel("—")
-        self.value.setObjectName("chartValue")
-        self.value.setTextFormat(Qt.TextFormat.RichText)
-        self.value.setAlignment(Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter)
+        self.title, self.value, head = chart_head(metric.title, "—")
         fixed_width(self.value)
-        head = QHBoxLayout()
-        head.setContentsMargins(0, 0, 0, 0)
-        head.addWidget(self.title)
-        head.addWidget(self.value, 1)
-        self.plot = pg.PlotWidget()
-        self.plot.setMinimumHeight(90)
-        self.plot.hideButtons()
-        self.plot.setMenuEnabled(False)
+        self.plot = line_plot(90, 58, 32)  # tick values and the axis name beside / below them
         item = self.plot.getPlotItem()
-        item.setDownsampling(auto=True, mode="peak")
-        item.setClipToView(True)
-        item.showGrid(x=True, y=True, alpha=0.15)
         item.setLogMode(y=metric.log_y)
-        _small_axes(item)
         item.setLabel("left", metric.axis)
         item.setLabel("bottom", "step")
         self.curves = []
@@ -173,8 +151,7 @@ class TimelineView(QWidget):
         item = self.plot.getPlotItem()
         item.showGrid(x=True, alpha=0.15)
         item.setLabel("bottom", "milliseconds from the start of the step")
-        _small_axes(item)
-        item.getAxis("left").setWidth(LANE_AXIS_PX)
+        small_axes(item, LANE_AXIS_PX, 32)
         item.invertY(True)
         self.bars = pg.BarGraphItem(x0=[], x1=[], y0=[], y1=[], pen=None)
         self.plot.addItem(self.bars)
@@ -222,9 +199,8 @@ class TimelineView(QWidget):
         item.setYRange(-0.6, len(lanes) - 0.4, padding=0)
         self._label_items(timeline, row, end * 1.02)
         total = step_time if step_time is not None else end / 1e3
-        self.caption.setText(
-            f"Pipeline of step {timeline.step} ({format_seconds(total)}): what each resource "
-            f"did, one bar per layer; the busiest row bounds the speed.")
+        self.caption.setText(f"Pipeline of step {timeline.step} ({format_seconds(total)}), one "
+                             f"bar per layer: the busiest row bounds the speed")
 
     def _label_items(self, timeline: Timeline, row: dict, end_ms: float) -> None:
         """Name the compute bars (L0, L1, head...) that are wide enough to read a name in.

@@ -233,3 +233,33 @@ def test_identity_dataset_keeps_the_held_out_questions_out(tmp_path):
     questions = {r["messages"][0]["content"] for r in records}
     assert not questions & set(idm.HELD_OUT + (idm.GENERAL,))
     assert all(idm.NAME in r["messages"][1]["content"] for r in records)
+
+
+def test_identity_demo_answers_equal_the_uncached_greedy_loop(tiny_model_factory):
+    """The demo's answers come from the chat generator (KV cache); greedy decoding must choose
+    the tokens a full forward over the whole sequence at every step chooses."""
+    import torch
+    from slideformer.engine.generate.decoder import Finished
+    from slideformer.engine.generate.sampling import SamplingConfig
+    from slideformer.engine.generate.session import ChatModel
+    from slideformer.engine.train import demo
+    from slideformer.engine.train import identity_demo as idm
+    model_dir = tiny_model_factory("llama")
+    questions = ("Who are you?", "What is the capital of France?")
+    dense, chat = demo.load_dense(model_dir), ChatModel(model_dir, mode="resident", device="cpu")
+    cfg = SamplingConfig(temperature=0.0, max_new_tokens=12)
+    texts = []
+    for q in questions:
+        prompt = chat.prompt_ids([{"role": "user", "content": q}])
+        cached = [t for t in chat.tokens(prompt, cfg) if not isinstance(t, Finished)]
+        full: list[int] = []
+        with torch.no_grad():
+            while len(full) < len(cached):
+                full.append(int(dense.logits(torch.tensor([prompt + full]))[0, -1].argmax()))
+        assert cached == full and cached
+        texts.append(chat.tok.decode(cached))
+    chat.close()
+    said = idm.answers(model_dir, questions, max_new=12)
+    # the text is the tokens' text, less a trailing piece of an unfinished UTF-8 character
+    for text, full_text in zip(said, texts):
+        assert text and full_text.strip().startswith(text)

@@ -28,11 +28,11 @@ from PySide6.QtWidgets import (QBoxLayout, QDoubleSpinBox, QFileDialog, QFrame, 
 from slideformer.engine.api import Fix, Plan
 from slideformer.gui.context import AppContext
 from slideformer.gui.models.fit import VERDICT_TITLES, fits_html, numbered_fits
-from slideformer.gui.models.formatting import human_count
+from slideformer.gui.models.formatting import human_count, resource_title
 from slideformer.gui.widgets.bars import STATE_COLORS, StackedBars, legend
 from slideformer.gui.pages.plan.fixes import FixList
 from slideformer.gui.pages.plan.inputs import Machine, PlanInputs, detect_machine
-from slideformer.gui.pages.plan.rows import RESOURCE_TITLES, busy_rows, memory_rows
+from slideformer.gui.pages.plan.rows import busy_rows, memory_rows
 from slideformer.gui.workers.planner import PlanReplies, shared_planner
 from slideformer.gui.workers.thread import run_task
 from slideformer.gui.widgets.common import page_header, set_state
@@ -378,7 +378,7 @@ class PlanPage(QWidget):
         self.speed.setText(f'<span style="font-size:15pt; font-weight:600">{sp.tokens_per_s:,.0f}'
                            f'</span> tokens/s &nbsp;&middot;&nbsp; <b>{sp.step_time:.2f} s</b> per '
                            f'step of {plan.tokens_per_step:,} tokens &nbsp;&middot;&nbsp; bound by '
-                           f'<b>{RESOURCE_TITLES.get(sp.bound, sp.bound)}</b>')
+                           f'<b>{resource_title(sp.bound, plan.device)}</b>')
         notes = [sp.note[:1].upper() + sp.note[1:] + "."] if sp.note else []
         if plan.verdict == "does not fit":
             notes.insert(0, "The speed of these settings if they fitted.")
@@ -433,10 +433,12 @@ class PlanPage(QWidget):
                    f"accumulation {s.n_micro}); largest global batch: "
                    f"<b>{plan.max_global_batch}</b> sequences." if plan.max_micro_batch else
                    "No micro-batch fits these budgets.")
+        # The CPU backend's "device" is host RAM: its slots and checkpoints are not on a GPU.
+        device = "on the GPU" if plan.device == "cuda" else "in host RAM"
         self.shape.setText(
             f"{batches}<br><span style='color:gray'>{html.escape(name)} ({plan.model_type}, "
             f"{human_count(plan.total_params)} parameters) on {plan.device}: {s.slots} layer slots "
-            f"on the GPU, checkpoints {'on the GPU' if s.checkpoints == 'gpu' else 'in host RAM'}, "
+            f"{device}, checkpoints {device if s.checkpoints == 'gpu' else 'in host RAM'}, "
             f"{_device_items(s)}"
             f"{plan.compute_dtype} compute, {plan.moments_dtype} moments.</span>")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from PySide6.QtGui import QColor
 
 from slideformer.engine.api import Allocation, Plan, TierUse
-from slideformer.gui.models.formatting import human_bytes
+from slideformer.gui.models.formatting import human_bytes, resource_title
 
 
 @dataclass(frozen=True)
@@ -164,8 +164,6 @@ def memory_rows(plan: Plan) -> tuple[Row, ...]:
 
 
 # ---- speed ----------------------------------------------------------------------------------
-RESOURCE_TITLES = {"gpu compute": "GPU compute", "pcie h2d": "PCIe to GPU",
-                   "pcie d2h": "PCIe from GPU", "cpu optimizer": "CPU optimizer", "disk": "Disk"}
 RESOURCE_HELP = {
     "gpu compute": "forward, recompute and backward of every layer, and the LM head",
     "pcie h2d": "layer weights (and host checkpoints) copied to the GPU",
@@ -181,7 +179,7 @@ def busy_rows(plan: Plan) -> tuple[Row, ...]:
     sp = plan.speed
     rows = []
     for name, seconds in sp.busy:
-        title = RESOURCE_TITLES.get(name, name)
+        title = resource_title(name, plan.device)
         bound = name == sp.bound
         share = f"{seconds / sp.step_time:.0%} of the step" if sp.step_time else ""
         tip = (f"<b>{title}</b>{' (the bound)' if bound else ''}<br>{seconds:.2f} s of work per "

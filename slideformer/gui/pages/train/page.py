@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPus
 from slideformer.engine.api import RunClient, RunState, StepMetrics, UserError, load_config, override
 from slideformer.gui.context import AppContext
 from slideformer.gui.workers.run import EngineBridge, RunEnd, launch_argv
-from slideformer.gui.models.formatting import short_path
+from slideformer.gui.models.formatting import resource_title, short_path
 from slideformer.gui.models.runs import CONFIG_FILE, latest_checkpoint
 from slideformer.gui.theme import PLOT_COLORS
 from slideformer.gui.pages.train.dashboard import Dashboard
@@ -187,8 +187,9 @@ class TrainPage(QWidget):
         if plan is None:
             return
         predicted = plan.speed.tokens_per_s
+        bound = resource_title(plan.speed.bound, plan.device)  # "CPU compute" on the CPU backend
         text = (f"Plan: {plan.verdict} on {plan.hardware.name}; predicted {predicted:,.0f} "
-                f"tokens/s ({plan.speed.step_time:.2f} s per step, bound by {plan.speed.bound})")
+                f"tokens/s ({plan.speed.step_time:.2f} s per step, bound by {bound})")
         if not self.plan_matches():
             text += ". The settings changed since: plan them again on the Plan page."
         elif self._measured_tps is not None and self.run_plan is plan:
