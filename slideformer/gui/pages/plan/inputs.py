@@ -127,6 +127,14 @@ class PlanInputs(QWidget):
         defaults = RunConfig()
         self._clip_norm = defaults.optim.max_grad_norm if defaults.optim.max_grad_norm > 0 else 1.0
 
+        self._boxes = QBoxLayout(QBoxLayout.Direction.LeftToRight, self)
+        self._boxes.setContentsMargins(0, 0, 0, 0)
+        self._boxes.addWidget(self._build_machine_box(), 1)
+        self._boxes.addWidget(self._build_run_box(defaults), 1)
+        self._bind_fields(defaults)
+
+    def _build_machine_box(self) -> QGroupBox:
+        """The machine to plan for, what it has, and the budgets of each memory tier."""
         self.target = QComboBox()
         for name, key in targets():
             self.target.addItem(name, key)
@@ -163,7 +171,10 @@ class PlanInputs(QWidget):
         form.addRow("Host RAM", self.ram)
         form.addRow("NVMe folder", nvme_row)
         form.addRow("NVMe budget", self.nvme_size)
+        return machine_box
 
+    def _build_run_box(self, defaults: RunConfig) -> QGroupBox:
+        """The method and the shape of the run: sequence, batch, checkpoints, slots, precision."""
         self.seq_len = PowerOfTwoSpin(minimum=8, maximum=1 << 20)
         self.seq_len.setValue(defaults.data.max_seq_len)
         self.micro_batch = QSpinBox(minimum=1, maximum=1 << 16)
@@ -215,12 +226,10 @@ class PlanInputs(QWidget):
         run.addRow("Layer slots", self.slots)
         run.addRow("GPU-updated layers", self.gpu_layers)
         run.addRow(precision)
+        return run_box
 
-        self._boxes = QBoxLayout(QBoxLayout.Direction.LeftToRight, self)
-        self._boxes.setContentsMargins(0, 0, 0, 0)
-        self._boxes.addWidget(machine_box, 1)
-        self._boxes.addWidget(run_box, 1)
-
+    def _bind_fields(self, defaults: RunConfig) -> None:
+        """Bind every input to its run-config key, start from the defaults, and signal edits."""
         # Every input, as the run-config key it sets: (read it, set it from a config value).
         self._fields = {
             "budget.vram": (self._vram_text, lambda v: self.vram.set_value(parse_bytes(v) / GiB)),
