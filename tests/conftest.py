@@ -1,7 +1,7 @@
 """Shared fixtures.
 
-Model folders handed out here are built once per session and shared between tests: treat them as
-read-only, and copy one (``shutil.copytree``) before breaking it on purpose.
+Model folders and data files handed out here are built once per session and shared between tests:
+treat them as read-only, and copy one (``shutil.copytree``) before breaking it on purpose.
 """
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from slideformer.engine import config as config_mod
 from slideformer.engine.models.model import DenseModel
 from slideformer.engine.models.spec import SUPPORTED, load_spec
 from slideformer.engine.models.tiny import TinyShape, make_tiny_model
 from slideformer.engine.models.weights import Checkpoint
+from slideformer.engine.train.demo import write_task
 
 
 # ---- tiny model folders ------------------------------------------------------------------------
@@ -38,6 +40,49 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model(request, tiny_model_factory) -> Path:
     """A tiny model folder (default odd shape) of each supported family, in turn."""
     return tiny_model_factory(request.param)
+
+
+# ---- tiny training runs ------------------------------------------------------------------------
+SMALL = TinyShape(layers=3, hidden=32, heads=2, kv_heads=1, intermediate=48)
+"""The default model of a tiny run: three layers, a few thousand parameters each."""
+RUN = {"data.max_seq_len": 32, "optim.lr": 2e-3, "optim.warmup_steps": 2,
+       "optim.weight_decay": 0.01, "train.micro_batch": 2, "train.max_steps": 6,
+       "train.device": "cpu", "budget.slots": 2}
+"""The settings of a tiny run that its overrides start from."""
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tiny_model_factory, tmp_path_factory):
+    """``make(run_dir, over=None, *, arch="llama", shape=SMALL, seed=3, rows=200, validation=0)
+    -> RunConfig``: a CPU run of a tiny model on the demo task (engine.train.demo).
+
+    ``over`` maps dotted config keys to values (``{"train.max_steps": 4}``), applied over
+    :data:`RUN`; ``seed`` seeds the model's weights; ``rows`` and ``validation`` are the training
+    and validation records (seeds 1 and 2; 0 validation rows: no validation file). The model
+    folder and the data files are built once per session (read-only: see the module docstring).
+    """
+    tasks: dict[tuple[int, int], Path] = {}
+    root = tmp_path_factory.mktemp("tiny-tasks")
+
+    def task(rows: int, seed: int) -> Path:
+        if (rows, seed) not in tasks:
+            tasks[rows, seed] = root / f"task-{rows}-{seed}.jsonl"
+            write_task(tasks[rows, seed], rows, seed)
+        return tasks[rows, seed]
+
+    def make(run_dir: Path, over: dict | None = None, *, arch: str = "llama",
+             shape: TinyShape = SMALL, seed: int = 3, rows: int = 200,
+             validation: int = 0) -> config_mod.RunConfig:
+        data: dict = {"model": {"path": str(tiny_model_factory(arch, shape, seed=seed))},
+                      "data": {"train": str(task(rows, 1))}, "output": {"run_dir": str(run_dir)}}
+        if validation:
+            data["data"]["validation"] = str(task(validation, 2))
+        for key, value in {**RUN, **(over or {})}.items():
+            section, _, name = key.partition(".")
+            data.setdefault(section, {})[name] = value
+        return config_mod.from_dict(data)
+
+    return make
 
 
 # ---- loaders -----------------------------------------------------------------------------------

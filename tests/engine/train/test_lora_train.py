@@ -2,42 +2,49 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from slideformer.engine.cli import main
 from slideformer.engine.events import StepMetrics, read_events
-from slideformer.engine.models.tiny import TinyShape, make_tiny_model
+from slideformer.engine.models.tiny import TinyShape
 from slideformer.engine.train.commands import run_training
-from slideformer.engine.train.demo import write_task
-from test_train import run_cfg, step_losses
+from test_train import TRAIN, step_losses
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 
+TASK = dict(arch="llama", shape=TinyShape(layers=3), seed=21, rows=200, validation=10)
+"""This module's tiny model and data."""
+
+
 @pytest.fixture(scope="module")
-def setup_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lora")
-    make_tiny_model(root / "model", "llama", TinyShape(layers=3), seed=21)
-    write_task(root / "train.jsonl", 200, 1)
-    write_task(root / "val.jsonl", 10, 2)
-    return root
+def lora_cfg(tiny_run):
+    """``make(run_dir, method="lora", **train) -> RunConfig``: test_train's run training adapters
+    on this module's model; ``train`` sets train.* keys."""
+    def make(run_dir, method="lora", **train):
+        return tiny_run(run_dir, {**TRAIN, "train.method": method,
+                                  **{f"train.{k}": v for k, v in train.items()},
+                                  "optim.lr": 2e-2, "lora.rank": 4, "lora.alpha": 8.0}, **TASK)
+    return make
 
 
-def lora_cfg(root, run_dir, method="lora", **train):
-    from slideformer.engine import config as config_mod
-    cfg = run_cfg(root, run_dir, method=method, **train)
-    return config_mod.override(cfg, {"optim.lr": 2e-2, "lora.rank": 4, "lora.alpha": 8.0})
+@pytest.fixture(scope="module")
+def files(lora_cfg, tmp_path_factory):
+    """(model folder, training data) of this module's runs."""
+    cfg = lora_cfg(tmp_path_factory.mktemp("lora") / "run")
+    return Path(cfg.model.path), Path(cfg.data.train)
 
 
-def test_cli_lora_run_exports_an_adapter_peft_loads(setup_dir, tmp_path, capsys):
+def test_cli_lora_run_exports_an_adapter_peft_loads(files, tmp_path, capsys):
     """`slideformer train --set train.method=lora`: the final folder loads with
     PeftModel.from_pretrained onto the HF base with the logits of our merged export, which
     transformers loads on its own."""
     run = tmp_path / "run"
-    args = ["train", "--model", str(setup_dir / "model"), "--data", str(setup_dir / "train.jsonl"),
+    args = ["train", "--model", str(files[0]), "--data", str(files[1]),
             "--run-dir", str(run), "--max-steps", "4", "--seq-len", "48", "--device", "cpu",
             "--lr", "2e-2", "--set", "train.method=\"lora\"", "--set", "lora.rank=4",
             "--set", "lora.export_merged=true", "--set", "lora.target_modules=\"q_proj,v_proj,down_proj\""]
@@ -46,7 +53,7 @@ def test_cli_lora_run_exports_an_adapter_peft_loads(setup_dir, tmp_path, capsys)
     final = run / "final"
     cfg = json.loads((final / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["target_modules"] == ["q_proj", "v_proj", "down_proj"]
-    base = transformers.AutoModelForCausalLM.from_pretrained(setup_dir / "model", dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(files[0], dtype=torch.float32)
     ids = torch.randint(0, base.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = base(input_ids=ids).logits
@@ -61,13 +68,13 @@ def test_cli_lora_run_exports_an_adapter_peft_loads(setup_dir, tmp_path, capsys)
     assert len(keys) == 3 * 3 * 2
 
 
-def test_resumed_lora_run_equals_uninterrupted(setup_dir, tmp_path):
+def test_resumed_lora_run_equals_uninterrupted(lora_cfg, tmp_path):
     """Checkpoints hold the adapters, their moments and the data position (not the base):
     stop at step 3, resume, and the losses and the adapters equal an uninterrupted run's."""
     from safetensors.torch import load_file
     from slideformer.engine.train.trainer import Trainer
-    run_training(lora_cfg(setup_dir, tmp_path / "a"))
-    cfg = lora_cfg(setup_dir, tmp_path / "b")
+    run_training(lora_cfg(tmp_path / "a"))
+    cfg = lora_cfg(tmp_path / "b")
     t = Trainer(cfg, callbacks=[lambda ev: isinstance(ev, StepMetrics) and ev.step == 3 and t.stop(True)])
     t.setup()
     assert t.train() == "stopped"
@@ -86,8 +93,8 @@ def test_resumed_lora_run_equals_uninterrupted(setup_dir, tmp_path):
 @pytest.mark.parametrize("key,value,needle", [
     ("train.method", "\"dora\"", "train.method"), ("lora.rank", "0", "lora.rank"),
     ("lora.target_modules", "\"q_proj,qkv\"", "lora.target_modules")])
-def test_bad_lora_settings_are_one_clear_error(setup_dir, tmp_path, capsys, key, value, needle):
-    args = ["train", "--model", str(setup_dir / "model"), "--data", str(setup_dir / "train.jsonl"),
+def test_bad_lora_settings_are_one_clear_error(files, tmp_path, capsys, key, value, needle):
+    args = ["train", "--model", str(files[0]), "--data", str(files[1]),
             "--run-dir", str(tmp_path / "r"), "--device", "cpu", "--set", "train.method=\"lora\"",
             "--set", f"{key}={value}"]
     assert main(args) != 0
@@ -95,7 +102,7 @@ def test_bad_lora_settings_are_one_clear_error(setup_dir, tmp_path, capsys, key,
     assert needle in err and "Traceback" not in err
 
 
-def test_qlora_run_trains_and_its_merged_export_is_base_nf4_plus_adapters(setup_dir, tmp_path):
+def test_qlora_run_trains_and_its_merged_export_is_base_nf4_plus_adapters(lora_cfg, files, tmp_path):
     """train.method = qlora: the decoder layers are NF4 on the host; the merged export is the
     dequantised base plus the adapters, with the logits PEFT gives on that base."""
     from slideformer.engine import config as config_mod
@@ -104,15 +111,15 @@ def test_qlora_run_trains_and_its_merged_export_is_base_nf4_plus_adapters(setup_
     from slideformer.engine.runtime.backend import CpuBackend
     from slideformer.engine.models.lora import lora_spec
     from slideformer.engine.train.state import build_frozen_state, load_weights, master_tensors
-    cfg = config_mod.override(lora_cfg(setup_dir, tmp_path / "q", method="qlora"),
+    cfg = config_mod.override(lora_cfg(tmp_path / "q", method="qlora"),
                               {"lora.export_merged": True, "train.max_steps": 3})
     assert run_training(cfg) == "finished"
-    spec = load_spec(setup_dir / "model")
+    spec = load_spec(files[0])
     host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32,
                               lora_spec(cfg.lora), nf4=True)
-    load_weights(host, spec, setup_dir / "model")
+    load_weights(host, spec, files[0])
     deq = write_hf_folder(tmp_path / "deq", spec, master_tensors(host, spec), dtype=torch.float32,
-                          tokenizer_dir=setup_dir / "model")
+                          tokenizer_dir=files[0])
     base = transformers.AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
     ids = torch.randint(0, base.config.vocab_size, (1, 13), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -9,29 +9,21 @@ import torch
 from slideformer.engine import config as config_mod
 from slideformer.engine.cli import main
 from slideformer.engine.events import StepMetrics, read_events
-from slideformer.engine.models.tiny import TinyShape, make_tiny_model
+from slideformer.engine.models.tiny import TinyShape
 from slideformer.engine.train.commands import run_demo, run_training
-from slideformer.engine.train.demo import write_task
+
+
+TRAIN = {"data.max_seq_len": 64, "train.grad_accum": 2}
+"""This module's run settings over the tiny run's (tests/conftest.py)."""
+TASK = dict(arch="qwen2", shape=TinyShape(layers=3, tie=True), seed=4, rows=300, validation=20)
+"""This module's tiny model (tied embeddings) and data (with a validation set)."""
 
 
 @pytest.fixture(scope="module")
-def setup_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("train")
-    make_tiny_model(root / "model", "qwen2", TinyShape(layers=3, tie=True), seed=4)
-    write_task(root / "train.jsonl", 300, 1)
-    write_task(root / "val.jsonl", 20, 2)
-    return root
-
-
-def run_cfg(root, run_dir, **train):
-    return config_mod.from_dict({
-        "model": {"path": str(root / "model")},
-        "data": {"train": str(root / "train.jsonl"), "validation": str(root / "val.jsonl"),
-                 "max_seq_len": 64},
-        "optim": {"lr": 2e-3, "warmup_steps": 2, "weight_decay": 0.01},
-        "train": {"micro_batch": 2, "grad_accum": 2, "max_steps": 6, "device": "cpu", **train},
-        "budget": {"slots": 2},
-        "output": {"run_dir": str(run_dir)}})
+def run_cfg(tiny_run):
+    """``make(run_dir, **train) -> RunConfig``: this module's run; ``train`` sets train.* keys."""
+    return lambda run_dir, **train: tiny_run(
+        run_dir, {**TRAIN, **{f"train.{k}": v for k, v in train.items()}}, **TASK)
 
 
 def step_losses(run_dir):
@@ -47,11 +39,11 @@ def final_weights(run_dir):
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
-def test_interrupted_and_resumed_run_equals_uninterrupted(setup_dir, tmp_path):
-    run_training(run_cfg(setup_dir, tmp_path / "a"))
+def test_interrupted_and_resumed_run_equals_uninterrupted(run_cfg, tmp_path):
+    run_training(run_cfg(tmp_path / "a"))
 
     from slideformer.engine.train.trainer import Trainer
-    cfg = run_cfg(setup_dir, tmp_path / "b")
+    cfg = run_cfg(tmp_path / "b")
     t = Trainer(cfg, callbacks=[lambda ev: isinstance(ev, StepMetrics) and ev.step == 3 and t.stop(True)])
     t.setup()
     assert t.train() == "stopped"
@@ -65,9 +57,9 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(setup_dir, tmp_path):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_cli_train_from_toml_and_export_loads_in_transformers(setup_dir, tmp_path, capsys):
+def test_cli_train_from_toml_and_export_loads_in_transformers(run_cfg, tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
-    cfg = run_cfg(setup_dir, tmp_path / "run")
+    cfg = run_cfg(tmp_path / "run")
     path = tmp_path / "run.toml"
     path.write_text(config_mod.dumps(cfg))
     assert main(["train", "--config", str(path), "--max-steps", "4", "--set", "optim.lr=1e-3"]) == 0
@@ -98,10 +90,10 @@ def test_cli_train_bad_config(args, needle, tmp_path, capsys):
     assert needle in err and "fix:" in err and "Traceback" not in err
 
 
-def test_run_dir_in_use_is_refused(setup_dir, tmp_path, capsys):
+def test_run_dir_in_use_is_refused(run_cfg, tmp_path, capsys):
     (tmp_path / "used").mkdir()
     (tmp_path / "used" / "notes.txt").write_text("mine")
-    cfg = run_cfg(setup_dir, tmp_path / "used")
+    cfg = run_cfg(tmp_path / "used")
     path = tmp_path / "c.toml"
     path.write_text(config_mod.dumps(cfg))
     assert main(["train", "--config", str(path)]) == 2
@@ -117,10 +109,10 @@ def test_demo_learns(tmp_path):
     assert r["score_after"] > r["score_before"]
 
 
-def test_step_events_carry_the_rate_the_step_used(setup_dir, tmp_path):
+def test_step_events_carry_the_rate_the_step_used(run_cfg, tmp_path):
     """Step k's event shows lr_at(k): warmup 1/2, 2/2 of lr, then the cosine decay."""
     from slideformer.engine.train.schedule import lr_at
-    cfg = run_cfg(setup_dir, tmp_path / "run", max_steps=4)
+    cfg = run_cfg(tmp_path / "run", max_steps=4)
     run_training(cfg)
     events = [ev for ev in read_events(tmp_path / "run" / "events.jsonl") if isinstance(ev, StepMetrics)]
     assert [ev.step for ev in events] == [1, 2, 3, 4]
