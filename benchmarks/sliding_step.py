@@ -2,9 +2,10 @@
 
 Runs on the reference GPU machine: builds the host state with random weights (no checkpoint on
 disk), caps VRAM in-process to emulate a consumer card, runs warm-up and timed steps on random
-tokens, and prints one JSON line per configuration: tokens/s (median), model TFLOP/s
-(6 * N * tokens/s), peak VRAM allocated and reserved, peak host RSS, CPU update params/s
-(from the optimizer spans of the timeline) and the per-lane busy time of the last step.
+tokens, and prints one JSON line per configuration: tokens/s (median), the process's CPU time
+per step (for shared machines), model TFLOP/s (6 * N * tokens/s), peak VRAM allocated and
+reserved, peak host RSS, CPU update params/s (from the optimizer spans of the timeline) and the
+per-lane busy time of the last step. ``--device cpu --shape small`` runs on the CPU backend.
 
     python benchmarks/sliding_step.py --shape llama-3.2-3b --micro-batch 8 --grad-accum 1 4
 """
@@ -39,6 +40,9 @@ SHAPES = {  # published config.json values of the public models
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          tie_word_embeddings=False, head_dim=128),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,  # CPU timings
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                  tie_word_embeddings=False, head_dim=64),
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,  # CPU dry runs
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                  tie_word_embeddings=True, head_dim=16),
@@ -87,8 +91,13 @@ def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch
     return host
 
 
+def residual(precision: str):
+    """The executor's residual stream dtype for ``train.precision``."""
+    return torch.float32 if precision == "autocast" else torch.bfloat16
+
+
 def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_gib: float,
-               device: str = "cuda"):
+               device: str = "cuda", precision: str = "bf16"):
     """The plan the engine's planner makes for this run: VRAM budget ``vram_gib`` (0: the GPU's
     free memory less a margin), the machine's available RAM, its measured or reference
     hardware profile. Its exec_shape is what ``slideformer train`` would run."""
@@ -100,7 +109,8 @@ def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_g
     vram = f"{int(vram_gib * 2**30)}" if vram_gib else "auto"
     budgets = resolve_budgets(BudgetConfig(vram=vram), device, hw, gpu_memory(), host_memory())
     knobs = Knobs(seq_len=seq, micro_batch=micro_batch, grad_accum=accum,
-                  precision=Precision(torch.bfloat16, torch.float32), clip=clip > 0, packed=False)
+                  precision=Precision(torch.bfloat16, torch.float32, residual=residual(precision)),
+                  clip=clip > 0, packed=False)
     return make_plan(spec, knobs, device, budgets, hw)
 
 
@@ -110,15 +120,17 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
     shape = shape or ExecShape(micro_batch=args.micro_batch, seq_len=args.seq, n_micro=accum,
                                slots=args.slots, checkpoints=args.checkpoints,
                                head_chunk=args.head_chunk)
-    ex = SlidingExecutor(spec, backend, host, shape, torch.bfloat16)
+    ex = SlidingExecutor(spec, backend, host, shape, torch.bfloat16,
+                         residual_dtype=residual(args.precision))
     mbs = random_batches(spec.vocab_size, args.micro_batch, args.seq, accum)
     hyper = lambda coef: AdamHyper(1e-5, 0.9, 0.999, 1e-8, 0.0, 1, coef)  # noqa: E731
-    times, outs = [], []
+    times, cpu, outs = [], [], []
     backend.reset_peak()
     for k in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = ex.train_step(mbs, hyper, args.clip)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         outs.append(out)
     t0 = time.perf_counter()
     ex.drain()
@@ -133,9 +145,11 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
     opt_params = sum(host[s.item].numel for s in opt)
     res = dict(config=args.shape, micro_batch=args.micro_batch, grad_accum=accum, seq=args.seq,
                tokens_per_step=tokens, slots=ex.k, checkpoints=shape.checkpoints, clip=args.clip,
+               precision=args.precision,
                device_update=shape.device_update, device_layers=shape.device_layers,
                vram_cap_gib=args.vram_cap, step_time_s=round(med, 4),
                step_times_s=[round(t, 4) for t in times], drain_s=round(drain, 4),
+               step_cpu_s=round(statistics.median(cpu[args.warmup:]), 4),
                tokens_per_s=round(tokens / med, 1),
                model_tflops=round(6 * spec.num_params * tokens / med / 1e12, 1),
                peak_vram_alloc_gib=_gib(torch.cuda.max_memory_allocated()) if cuda else None,
@@ -205,6 +219,10 @@ def main() -> None:
     ap.add_argument("--head-chunk", type=int, default=2048)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--moments", default="float32")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: the CPU backend in bf16 (timings of the small shapes)")
+    ap.add_argument("--precision", choices=["autocast", "bf16"], default="bf16",
+                    help="train.precision: autocast (fp32 residual stream) or bf16")
     ap.add_argument("--vram-cap", type=float, default=24.0, help="GiB; 0 = uncapped")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
@@ -221,8 +239,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     if not args.grad_accum:
         return
-    backend = make_backend("cuda")
-    if args.vram_cap:
+    backend = make_backend(args.device)
+    if args.vram_cap and backend.is_cuda:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.vram_cap * 2**30 / total)
     spec = shape_spec(args.shape)
@@ -243,7 +261,8 @@ def run_micro_batch(spec, host, backend, args) -> None:
     for accum in args.grad_accum:
         shape = None
         if args.plan:
-            plan = plan_shape(spec, args.micro_batch, args.seq, accum, args.clip, args.vram_cap)
+            plan = plan_shape(spec, args.micro_batch, args.seq, accum, args.clip, args.vram_cap,
+                              precision=args.precision)
             shape = plan.exec_shape
             if args.spec_layers is not None:  # the planner's shape with another speculation depth
                 shape = replace(shape, spec_layers=args.spec_layers)

@@ -160,6 +160,11 @@ class TrainConfig:
     """Seed for dropout-free numerics that still need randomness (init, sampling)."""
     compute_dtype: str = "auto"
     """auto (bfloat16 on CUDA, float32 on CPU), bfloat16 or float32."""
+    precision: str = "bf16"
+    """With bfloat16 compute: bf16 (the residual stream, checkpoints, norm weights and RoPE in
+    bf16: the least activation memory) or autocast (those in fp32, norms scaled in fp32 and
+    rounded once for the matmuls: the numerics of torch.autocast on an fp32 model, as close to
+    fp32 training; twice the checkpoint memory). No effect with float32 compute."""
     device: str = "auto"
     """auto, cuda or cpu."""
     method: str = "full"

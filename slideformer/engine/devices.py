@@ -2,7 +2,8 @@
 
 ``train.device`` is ``auto`` (a CUDA GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N``;
 ``train.compute_dtype`` is ``auto`` (bfloat16 on a GPU, float32 on the CPU), ``bfloat16`` or
-``float32``; ``optim.moments_dtype`` is ``float32`` or ``bfloat16``. The trainer, the planner and
+``float32``; ``optim.moments_dtype`` is ``float32`` or ``bfloat16``; ``train.precision`` is
+``autocast`` (an fp32 residual stream under bf16 compute) or ``bf16``. The trainer, the planner and
 the backends all ask here, so a name one accepts is accepted by all.
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ if TYPE_CHECKING:  # the checks need no torch (the planner runs without it)
 
 TRAIN_DTYPES = ("float32", "bfloat16")
 """Formats of compute and of AdamW moments."""
+PRECISIONS = ("autocast", "bf16")
+"""train.precision values."""
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
@@ -42,6 +45,15 @@ def compute_dtype_name(name: str, kind: str) -> str:
         raise UserError("train.compute_dtype", f"{name!r} is not supported",
                         "use auto, bfloat16 or float32")
     return name
+
+
+def residual_dtype_name(precision: str, compute: str) -> str:
+    """The format of the residual stream (hidden states between layers, their gradients and the
+    RoPE tables) for ``train.precision`` over the compute format ``compute``."""
+    if precision not in PRECISIONS:
+        raise UserError("train.precision", f"{precision!r} is not supported",
+                        "use \"autocast\" (fp32 residual stream) or \"bf16\"")
+    return "float32" if precision == "autocast" else compute
 
 
 def moments_dtype_name(name: str) -> str:

@@ -19,6 +19,7 @@ from dataclasses import fields
 from typing import get_origin, get_type_hints
 
 from slideformer.engine.config import METHODS, RunConfig, parse_bytes
+from slideformer.engine.devices import PRECISIONS
 from slideformer.engine.errors import UserError
 
 MAX_SEQ_LEN = 1 << 20
@@ -161,6 +162,7 @@ def _check_train(cfg: RunConfig) -> None:
         from slideformer.engine.models.lora import lora_spec  # torch: only for adapter runs
         lora_spec(cfg.lora)  # rank, alpha, dropout and targets, each named when wrong
     _choice("train.compute_dtype", t.compute_dtype, COMPUTE_DTYPES)
+    _choice("train.precision", t.precision, PRECISIONS)
     if t.device not in ("auto", "cpu", "cuda") and not re.fullmatch(r"cuda:\d{1,3}", t.device):
         raise UserError("train.device", f"{t.device!r} is not a device",
                         "use auto, cuda, cuda:N or cpu")

@@ -32,6 +32,7 @@ BAD = {
     "train.max_steps": [-1, 10**15],
     "train.seed": [-1, 2**64],
     "train.compute_dtype": ["fp8"],
+    "train.precision": ["fp32", "amp", ""],
     "train.device": ["tpu", "cuda:x", "cuda:12345"],
     "train.save_every": [-1],
     "train.keep_checkpoints": [0],

@@ -186,6 +186,7 @@ def _rank_main(rank: int, world: int, init: str, cfg: RunConfig, shape: ExecShap
     """Ranks 1..N-1: run the steps rank 0 hands out, on this rank's GPU, until told to stop."""
     import torch.distributed as dist
 
+    from slideformer.engine.devices import residual_dtype_name, torch_dtype
     from slideformer.engine.models.spec import load_spec
     from slideformer.engine.runtime.backend import CpuBackend, CudaBackend
     from slideformer.engine.runtime.executor import SlidingExecutor
@@ -198,8 +199,10 @@ def _rank_main(rank: int, world: int, init: str, cfg: RunConfig, shape: ExecShap
                             world_size=world, timeout=TIMEOUT)
     backend = CudaBackend(f"cuda:{rank}") if cuda else CpuBackend()
     pins = Pins(host, cuda)
+    compute = str(dtype).removeprefix("torch.")
     ex = SlidingExecutor(load_spec(cfg.model.path), backend, host, shape, dtype,
-                         seed=cfg.train.seed, group=RankGroup(rank, world))
+                         seed=cfg.train.seed, group=RankGroup(rank, world),
+                         residual_dtype=torch_dtype(residual_dtype_name(cfg.train.precision, compute)))
     clip = cfg.optim.max_grad_norm
     while True:
         msg = [None]

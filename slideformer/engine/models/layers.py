@@ -4,6 +4,12 @@ Every function takes the parameter views of :meth:`Layout.views` (a dict keyed b
 names without the ``model.layers.{i}.`` prefix), so the same code runs on a GPU slot, a host
 buffer or an ``nn.Parameter``. The numerics follow Hugging Face's implementations (norms in
 fp32, RoPE tables in fp32 cast to the activation dtype) so logits agree to rounding.
+
+The residual stream ``x`` may be wider than the weights (fp32 under bf16 matmuls, the
+``autocast`` precision of slideformer.engine.config.TrainConfig): the layer then computes as
+``torch.autocast(bfloat16)`` does on an fp32 model. Norms scale in fp32 and round once for the
+matmuls, RoPE rotates in fp32 with fp32 tables and rounds once, and the residual additions stay in
+fp32 (forward and backward).
 """
 from __future__ import annotations
 
@@ -17,13 +23,21 @@ from slideformer.engine.kernels.attention import attend, packed_causal_mask  # n
 from slideformer.engine.models.spec import ModelSpec
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """y = w * x / sqrt(mean(x^2) + eps), the statistics in fp32."""
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
+             out: torch.dtype | None = None) -> torch.Tensor:
+    """y = w * x / sqrt(mean(x^2) + eps), the statistics in fp32.
+
+    ``out``: the dtype y is used in. None, or x's own: Hugging Face's rounding (the normalised
+    value rounded to x's dtype, then scaled by w). Another: the scaling in fp32, rounded once to
+    ``out`` (an fp32 stream feeding bf16 matmuls, or fp32 q/k ahead of fp32 RoPE).
+    """
     if dispatch.use_triton(x):
-        return dispatch.rms_norm(x, w, eps)
+        return dispatch.rms_norm(x, w, eps, out)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * xf.to(x.dtype)
+    if out is None or out == x.dtype:
+        return w * xf.to(x.dtype)
+    return (w.float() * xf).to(out)
 
 
 def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
@@ -61,11 +75,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate (B, heads, T, hd) by the tables (B, 1, T, hd)."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               out: torch.dtype | None = None) -> torch.Tensor:
+    """Rotate (B, heads, T, hd) by the tables (B, 1, T, hd), in the wider of the two dtypes;
+    the result in ``out`` (default: x's dtype)."""
     if dispatch.use_triton(x):
-        return dispatch.apply_rope(x, cos, sin)
-    return x * cos + _rotate_half(x) * sin
+        return dispatch.apply_rope(x, cos, sin, out)
+    return (x * cos + _rotate_half(x) * sin).to(out or x.dtype)
 
 
 def linear(p: dict, name: str, x: torch.Tensor, lora=None) -> torch.Tensor:
@@ -91,11 +107,11 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
     k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(B, T, nkv, hd).transpose(1, 2)
-    if spec.qk_norm:
-        q = rms_norm(q, p["self_attn.q_norm.weight"], spec.rms_norm_eps)
-        k = rms_norm(k, p["self_attn.k_norm.weight"], spec.rms_norm_eps)
     cos, sin = rope
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if spec.qk_norm:  # normed q, k in the tables' dtype: fp32 tables rotate fp32 values
+        q = rms_norm(q, p["self_attn.q_norm.weight"], spec.rms_norm_eps, cos.dtype)
+        k = rms_norm(k, p["self_attn.k_norm.weight"], spec.rms_norm_eps, cos.dtype)
+    q, k = apply_rope(q, cos, sin, v.dtype), apply_rope(k, cos, sin, v.dtype)
     if cache is not None:
         k, v = cache.extend(k, v)  # (B, nkv, past + T, hd)
     # is_causal aligns the mask top-left; with cached keys the caller passes the mask
@@ -126,7 +142,8 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
 
     Args:
         p: parameter views of :attr:`ModelSpec.layer_layout`.
-        rope: (cos, sin) from :func:`rope_tables`.
+        x: the residual stream, in the weights' dtype or wider (fp32; module docstring).
+        rope: (cos, sin) from :func:`rope_tables`, in x's dtype.
         mask: None for plain causal attention, else a boolean (B, 1, T, T) mask
             (True = may attend), e.g. block-diagonal causal for packed documents, or the
             FlexAttention BlockMask of ``kernels.attention.document_mask``; with a
@@ -134,6 +151,6 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
         cache: the layer's KV cache when generating (see :func:`attention`).
         lora: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
     """
-    eps = spec.rms_norm_eps
-    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps), rope, mask, cache, lora)
-    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps), lora)
+    eps, c = spec.rms_norm_eps, p["self_attn.q_proj.weight"].dtype
+    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps, c), rope, mask, cache, lora)
+    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps, c), lora)

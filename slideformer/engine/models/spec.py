@@ -46,6 +46,10 @@ class Layout:
     def shape(self, name: str) -> tuple[int, ...]:
         return next(s for n, _, s in self.entries if n == name)
 
+    def norms(self) -> list[tuple[str, int, int]]:
+        """(name, offset, length) of the RMSNorm weights."""
+        return [(n, o, s[0]) for n, o, s in self.entries if n.endswith("norm.weight")]
+
     def no_decay_mask(self) -> list[tuple[int, int]]:
         """(offset, numel) spans excluded from weight decay: norms and biases (1-D tensors)."""
         return [(o, math.prod(s)) for _, o, s in self.entries if len(s) == 1]

@@ -2,9 +2,9 @@
 
 Each fix changes one setting and is evaluated by the same memory model as the plan itself:
 smaller micro-batch; the same global batch through more accumulation; checkpoints to host;
-fewer parameter slots; bf16 moments (changes the numerics: opt-in); optimizer state on disk
-(the NVMe tier: the moments of the fewest layers that make host RAM fit); another method (LoRA or
-QLoRA adapters over a frozen base). They come cheapest first: those that make the run fit, exact
+fewer parameter slots; bf16 moments or a bf16 residual stream (change the numerics: opt-in);
+optimizer state on disk (the NVMe tier: the moments of the fewest layers that make host RAM
+fit); another method (LoRA or QLoRA adapters over a frozen base). They come cheapest first: those that make the run fit, exact
 ones before numerics-changing ones, the chosen method before another, faster ones first.
 """
 from __future__ import annotations
@@ -112,6 +112,16 @@ def _bf16_moments(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> lis
                  {"optim.moments_dtype": "bfloat16"}, exact=False)]
 
 
+def _bf16_residual(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
+    """train.precision bf16: half the activation checkpoints and hidden states."""
+    if not k.precision.wide:
+        return []
+    kk = replace(k, precision=replace(k.precision, residual=None))
+    return [_fix(ev, base, kk, goal, "bf16 residual stream",
+                 "train.precision autocast -> bf16 (checkpoints in bf16; further from fp32)",
+                 {"train.precision": "bf16"}, exact=False)]
+
+
 def _states_to_disk(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
     """The NVMe tier with room for what host RAM needs moved (the planner then moves exactly
     that: the fewest layers that fit, see slideformer.engine.plan.evaluate). Only for a host over its
@@ -152,7 +162,7 @@ def find_fixes(ev: Evaluator, base: Evaluation, k: Knobs, tiers: tuple[str, ...]
     goal = _Goal(tiers, share)
     fixes = []
     for make in (_smaller_micro_batch, _checkpoints_to_host, _fewer_slots, _bf16_moments,
-                 _states_to_disk, _frozen_base):
+                 _bf16_residual, _states_to_disk, _frozen_base):
         fixes += [f for f in make(ev, base, k, goal) if f is not None]
     # another training method comes after every change within the chosen one
     return tuple(sorted(fixes, key=lambda f: (not f.fits, not f.available, not f.exact,

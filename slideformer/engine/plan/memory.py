@@ -85,10 +85,23 @@ class Precision:
     """AdamW m and v on the host: float32 or bfloat16."""
     file_bytes: int = 2
     """Bytes per parameter in the model's safetensors files."""
+    residual: torch.dtype | None = None
+    """The residual stream between layers, its gradients, the activation checkpoints and the
+    RoPE tables (train.precision: float32 for autocast); None: the compute dtype."""
 
     @property
     def c(self) -> int:
         return torch.empty((), dtype=self.compute).element_size()
+
+    @property
+    def r(self) -> int:
+        """Bytes per element of the residual stream."""
+        return torch.empty((), dtype=self.residual or self.compute).element_size()
+
+    @property
+    def wide(self) -> bool:
+        """The residual stream is wider than the compute dtype."""
+        return self.r > self.c
 
     @property
     def mo(self) -> int:
@@ -183,14 +196,16 @@ def device_buffers(spec: ModelSpec, shape: ExecShape, prec: Precision, device: s
            Allocation("gpu", "gradient slots", shape.grad_slots * P * 4,  # gslots
                       f"{shape.grad_slots} slots x {P:,} params x 4 B (fp32)")]
     out += checkpoint_store(spec, shape, prec)
+    if prec.wide:
+        out += norm_remainders(spec, shape)
     out.append(optimizer_scratch(prec))
     out += device_optimizer(spec, shape, prec)
     return out + cuda_fixed(device)
 
 
 def checkpoint_store(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list[Allocation]:
-    """The activation checkpoints: one layer input per layer and micro-batch."""
-    c, L = prec.c, spec.num_layers
+    """The activation checkpoints: one layer input per layer and micro-batch (residual dtype)."""
+    c, L = prec.r, spec.num_layers
     act = shape.micro_batch * shape.seq_len * spec.hidden_size * c  # one checkpoint (B, T, H)
     ck = f"{shape.n_micro} micro-batches x {shape.micro_batch}x{shape.seq_len}x{spec.hidden_size} x {c} B"
     if shape.checkpoints == "host":  # HostStore: pinned host copy + two device staging layers
@@ -198,6 +213,17 @@ def checkpoint_store(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list
                 Allocation("host", "pinned activation checkpoints", L * shape.n_micro * act,
                            f"{L} layers x {ck}")]
     return [Allocation("gpu", "activation checkpoints", L * shape.n_micro * act, f"{L} layers x {ck}")]  # DeviceStore
+
+
+def norm_remainders(spec: ModelSpec, shape: ExecShape) -> list[Allocation]:
+    """NormMasters: the remainders of the norm weights of the host-updated layers and head, on
+    the device and in their pinned host staging (int16)."""
+    G = min(shape.device_layers, spec.num_layers)
+    n = (spec.num_layers - G) * sum(k for _, _, k in spec.layer_layout.norms())
+    n += 0 if shape.device_update else sum(k for _, _, k in spec.head_layout.norms())
+    note = f"{n:,} norm weights x 2 B (int16)"
+    return [Allocation("gpu", "norm weight remainders", 2 * n, note),
+            Allocation("host", "norm remainder staging", 2 * n, note + " (pinned)")]
 
 
 def cuda_fixed(device: str) -> list[Allocation]:
@@ -249,20 +275,20 @@ def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, packed: 
                     fused_ce: bool = False) -> list[Allocation]:
     """Tensors of one train_step: inputs, hidden states, and the peak of each part of the step.
     ``fused_ce``: the LM-head loss runs the Triton kernel (CUDA with triton)."""
-    c, H, n = prec.c, spec.hidden_size, shape.n_micro
+    r, H, n = prec.r, spec.hidden_size, shape.n_micro
     B, T = shape.micro_batch, shape.seq_len
     N = B * T  # tokens of one micro-batch
     mb = f"{n} micro-batches x {B}x{T}"
     ints = 3 if packed else 2  # input_ids, labels (+ doc_ids) as int64, per micro-batch on device
-    rope = 2 * spec.head_dim * c  # rope_tables: cos, sin (B, 1, T, head_dim)
+    rope = 2 * spec.head_dim * r  # rope_tables: cos, sin (B, 1, T, head_dim), residual dtype
     out = [Allocation("gpu", "inputs and RoPE tables", n * N * (8 * ints + rope), mb, "step")]
     if packed:  # packed_causal_mask: bool (B, 1, T, T) per micro-batch
         out.append(Allocation("gpu", "attention masks", n * B * T * T, f"{mb}x{T} (bool)", "step"))
     # train_step holds the forward's outputs (xs) until it returns, and the backward's gradients
     # (gys) replace them layer by layer: 2 per micro-batch (the gradients counted from the start:
     # a small overestimate of the forward).
-    out.append(Allocation("gpu", "hidden states and their grads", 2 * n * N * H * c,
-                          f"2 x {mb}x{H} x {c} B", "step"))
+    out.append(Allocation("gpu", "hidden states and their grads", 2 * n * N * H * r,
+                          f"2 x {mb}x{H} x {r} B", "step"))
     out += [forward_scratch(spec, N, B, T, prec, packed), head_scratch(spec, shape, prec, fused_ce)]
     out += recompute_scratch(spec, N, B, T, prec, packed)
     return out
@@ -270,9 +296,10 @@ def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, packed: 
 
 def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, packed: bool) -> Allocation:
     """decoder_layer without autograd, one micro-batch: SwiGLU's gate, up, silu and product
-    (N x I each) next to the residual and its norm; or RMSNorm's fp32 temporaries."""
+    (N x I each) next to the residual and its norm (in the residual dtype); or RMSNorm's fp32
+    temporaries."""
     c, H, I = prec.c, spec.hidden_size, spec.intermediate_size
-    mlp = N * (4 * I + 2 * H) * c
+    mlp = N * ((4 * I + H) * c + H * prec.r)
     norm = N * H * (c + 12)  # x, and x.float(), its square, the normalised fp32 copy
     mask = B * T * T * c if packed else 0  # SDPA turns the bool mask into an additive one
     return Allocation("gpu", "layer forward scratch", max(mlp, norm) + mask,
@@ -293,7 +320,9 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
         softmax += nc * V * c
     rows = min(V, GW_ROWS)  # linear_ce._add_outer: one block of vocabulary rows at a time
     wgrad = nc * V * c + rows * H * (c + up)
-    norm = N * H * (8 + c)  # saved x.float()/normalised/output (8 B per element) + gh
+    # saved x.float()/normalised/output (8 B per element) + gh; an fp32 stream needs no copy
+    # but keeps the fp32 normalised value and the rounded output
+    norm = N * H * (4 + 2 * c if prec.wide else 8 + c)
     return Allocation("gpu", "LM-head chunk and loss", norm + max(softmax, wgrad),
                       f"{nc:,} tokens x {V:,} vocab per chunk, fp32 softmax", "head")
 
@@ -309,21 +338,23 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     Saved per token: the two RMSNorms (their fp32 input copy when the compute dtype is narrower,
     normalised value and output), the output; rotated q, attention output (2 per q element),
     rotated k and v (2 per kv element); gate, up, silu (3 per I) and their three grads; the
-    attention log-sum-exp (fp32 per head) and the norms' rsqrt (fp32).
+    attention log-sum-exp (fp32 per head) and the norms' rsqrt (fp32). A wider residual stream
+    widens the mid-layer residual and, with QK-norm, the normed q and k ahead of fp32 RoPE.
     """
     c, H, I, P = prec.c, spec.hidden_size, spec.intermediate_size, spec.params_per_layer
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     norms = (4 if c < 4 else 0) + 4 + 5 * c  # per H element: norm1, norm2, output
     qk = (q + kv) * ((4 if c < 4 else c) + c) if spec.qk_norm else 0
-    per_token = H * norms + 2 * q * c + 2 * kv * c + 6 * I * c + qk + 4 * spec.num_heads + 8
+    wide = (H + (q + kv if spec.qk_norm else 0)) * (prec.r - c)
+    per_token = H * norms + 2 * q * c + 2 * kv * c + 6 * I * c + qk + wide + 4 * spec.num_heads + 8
     mask = B * T * T * c if packed else 0
     mlp_acts, mlp_grads = N * per_token + mask, H * I * c
     # adding a narrower grad into the fp32 slot goes through an fp32 copy of that tensor
-    end_acts, end_grads = 2 * N * H * c, P * c + (_largest_layer_tensor(spec) * 4 if c < 4 else 0)
+    end_acts, end_grads = 2 * N * H * prec.r, P * c + (_largest_layer_tensor(spec) * 4 if c < 4 else 0)
     # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
     # fp32 temporaries of the norm's backward, the output, the residual grad and dL/dh
     norm1_acts, norm1_grads = N * H * (20 + 3 * c), P * c
-    embed_grad = N * H * 4 if c < 4 else 0  # _embed_backward: gy.float() per micro-batch
+    embed_grad = N * H * 4 if prec.r < 4 else 0  # _embed_backward: gy.float() per micro-batch
     acts, grads = max((mlp_acts, mlp_grads), (end_acts, end_grads), (norm1_acts, norm1_grads),
                       (embed_grad, 0), key=lambda ag: ag[0] + ag[1])
     return [Allocation("gpu", "recompute activations", acts,
@@ -342,7 +373,7 @@ def allocator_reserve(allocs: list[Allocation], shape: ExecShape, spec: ModelSpe
     parts = sum(a.bytes for a in allocs if a.tier == "gpu" and a.phase in STEP_PARTS)
     held = 0
     if shape.checkpoints == "host":  # HostStore.save keeps each input alive until its copy ends
-        held = 2 * shape.n_micro * shape.micro_batch * shape.seq_len * spec.hidden_size * prec.c
+        held = 2 * shape.n_micro * shape.micro_batch * shape.seq_len * spec.hidden_size * prec.r
     return Allocation("gpu", "allocator reserve", ALLOCATOR_FLOOR + int(ALLOCATOR_SLACK * parts) + held,
                       f"{ALLOCATOR_SLACK:.0%} of the forward/head/backward transients"
                       + (" + inputs awaiting their checkpoint copies" if held else ""))

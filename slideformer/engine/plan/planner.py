@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass, replace
 
 from slideformer.engine.config import RunConfig, format_bytes
-from slideformer.engine.devices import compute_dtype_name, device_kind, moments_dtype_name, torch_dtype
+from slideformer.engine.devices import (compute_dtype_name, device_kind, moments_dtype_name,
+                                        residual_dtype_name, torch_dtype)
 from slideformer.engine.errors import UserError
 from slideformer.engine.kernels import cpu_adam
 from slideformer.engine.models.lora import lora_spec
@@ -145,9 +146,11 @@ def run_device(cfg: RunConfig, hardware: HardwareProfile) -> str:
 def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     """The planner's settings of a run config (one that slideformer.engine.validate accepts)."""
     t, o, b = cfg.train, cfg.optim, cfg.budget
-    compute = torch_dtype(compute_dtype_name(t.compute_dtype, device))
+    compute_name = compute_dtype_name(t.compute_dtype, device)
+    compute = torch_dtype(compute_name)
     moments = torch_dtype(moments_dtype_name(o.moments_dtype))
-    prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2))
+    residual = torch_dtype(residual_dtype_name(t.precision, compute_name))
+    prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2), residual)
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                  precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
                  clip=o.max_grad_norm > 0, packed=cfg.data.packing, method=t.method,

@@ -125,7 +125,7 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
     one, both = hw.h2d_gbs * 1e9, hw.duplex_gbs * 1e9
     host_ck = shape.checkpoints == "host"
-    ck = tokens * spec.hidden_size * c if host_ck else 0  # one layer's checkpoints
+    ck = tokens * spec.hidden_size * prec.r if host_ck else 0  # one layer's checkpoints
     u = 1.0 / hw.adam_params_per_s
     head = 6.0 * tokens * spec.vocab_size * spec.hidden_size / rate
     return _Times(f=f_fwd / rate, b=f_bwd / rate, head=head,

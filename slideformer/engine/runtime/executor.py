@@ -51,6 +51,7 @@ from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.runtime.activations import DeviceStore, HostStore
 from slideformer.engine.runtime.grad_ring import GradRing, Speculation
 from slideformer.engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
+from slideformer.engine.runtime.norms import NormMasters
 from slideformer.engine.runtime.protocols import Backend
 from slideformer.engine.runtime.shapes import DEVICE_CHUNK, ExecShape, speculative_layers
 from slideformer.engine.runtime.slots import SlotPool
@@ -77,13 +78,17 @@ class SlidingExecutor:
 
     def __init__(self, spec: ModelSpec, backend: Backend, host: dict[str, HostItem],
                  shape: ExecShape, compute_dtype: torch.dtype, lora: LoraSpec | None = None,
-                 seed: int = 0, group=None):
+                 seed: int = 0, group=None, residual_dtype: torch.dtype | None = None):
         """``lora``: train the adapters ``lora{i}`` of ``host`` over a frozen base (``seed``
         seeds their dropout masks). ``group``: the ranks of a data-parallel run sharing
-        ``host`` (slideformer.engine.dist.group); None: this process alone."""
+        ``host`` (slideformer.engine.dist.group); None: this process alone. ``residual_dtype``:
+        the hidden states between layers, their gradients, activation checkpoints and RoPE tables
+        (fp32 under bf16 compute: autocast's numerics, slideformer.engine.models.layers); None:
+        the compute dtype."""
         self.spec, self.backend, self.host, self.shape = spec, backend, host, shape
         self.group = group or Single()
         self.dtype = compute_dtype
+        self.act = residual_dtype or compute_dtype
         self.lora, self.seed, self.step_no = lora, seed, 0
         L, n = spec.num_layers, spec.params_per_layer
         self.k = max(1, min(shape.slots, L))
@@ -108,6 +113,9 @@ class SlidingExecutor:
         """Every item in update order: the embedding, the decoder layers, the head."""
         self.embed, *self.layers, self.head = self.items
         dev = self.dev
+        wide = self.act != compute_dtype and self.quant is None and lora is None
+        self.norms = NormMasters(backend, spec, host, dev) if wide else None
+        """With a wider residual stream, the norm weights in fp32 (engine.runtime.norms)."""
         self.dev_ws = None if not dev else AdamWorkspace(
             DEVICE_CHUNK, backend.device, next(iter(dev.values())).m.dtype != torch.float32)
         self.dev_loaded = False
@@ -132,7 +140,7 @@ class SlidingExecutor:
         """Per gradient slot: copies out of it that must finish before it is zeroed again."""
         store = HostStore if shape.checkpoints == "host" else DeviceStore
         self.store = store(backend, L, shape.n_micro,
-                           (shape.micro_batch, shape.seq_len, spec.hidden_size), dtype)
+                           (shape.micro_batch, shape.seq_len, spec.hidden_size), self.act)
         self.norm_sq = backend.alloc((), torch.float32)
         self.health = backend.alloc(L + 1, torch.float32)
         self.health_host = backend.host_alloc(L + 1, torch.float32)
@@ -188,6 +196,8 @@ class SlidingExecutor:
             tl.device_span("h2d", item.name, h.start, h)
             self.backend.compute_waits(h)
             item.stale = False
+            if self.norms is not None and item.name == "head":
+                self.norms.load(item.name)
 
     def _prefetch(self, layer: int, tl: StepTimeline) -> None:
         """Load a layer ahead of need only if its update already finished: the forward must not
@@ -204,6 +214,12 @@ class SlidingExecutor:
         self.updates.wait(item)
         h = self.pool.start_load(layer, item.host.w)
         tl.device_span("h2d", item.name, h.start, h)
+        if self.norms is not None:
+            self.norms.load(item.name)
+
+    def _norm_views(self, name: str, p: dict) -> dict:
+        """An item's parameter views, with fp32 norm weights when the residual stream is wider."""
+        return p if self.norms is None else self.norms.views(name, p)
 
     # ---- one step --------------------------------------------------------------------------
     def train_step(self, micro_batches, hyper: Callable[[float], AdamHyper],
@@ -273,7 +289,7 @@ class SlidingExecutor:
         dev = self.backend.device
         ids = mb.input_ids.to(dev, non_blocking=True)
         doc = None if mb.doc_ids is None else mb.doc_ids.to(dev, non_blocking=True)
-        rope = rope_tables(self.spec, positions_for(ids, doc), self.dtype)
+        rope = rope_tables(self.spec, positions_for(ids, doc), self.act)
         mask = None if doc is None else packed_causal_mask(doc)
         return ids, mb.labels.to(dev, non_blocking=True), rope, mask
 
@@ -285,13 +301,13 @@ class SlidingExecutor:
         spec, L, k = self.spec, self.spec.num_layers, self.k
         emb = spec.embed_layout.views(self.embed_w)
         with torch.no_grad():
-            xs = [embed(spec, emb, ids) for ids, *_ in inp]
+            xs = [embed(spec, emb, ids).to(self.act) for ids, *_ in inp]
             for i in range(L):
                 self._load(i, tl)
                 ahead = max(i + 1, self.G)  # the device layers need no slot
                 for j in range(ahead, min(ahead + k - 1, L)):
                     self._prefetch(j, tl)
-                p = spec.layer_layout.views(self._weights(i))
+                p = self._norm_views(f"layer{i}", spec.layer_layout.views(self._weights(i)))
                 t0 = self.backend.mark()
                 for mb, (_, _, rope, mask) in enumerate(inp):
                     if save:
@@ -307,7 +323,7 @@ class SlidingExecutor:
         """Loss of every micro-batch and the gradients w.r.t. the last hidden states."""
         spec = self.spec
         t0 = self.backend.mark()
-        head = spec.head_layout.views(self.head_w)
+        head = self._norm_views("head", spec.head_layout.views(self.head_w))
         w = head_weight(spec, head, spec.embed_layout.views(self.embed_w))
         trained = self.lora is None  # else the head is frozen: dL/dx only
         if trained:
@@ -320,7 +336,7 @@ class SlidingExecutor:
         for x, (_, labels, _, _) in zip(xs, inp):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                h = rms_norm(x, nw, spec.rms_norm_eps)
+                h = rms_norm(x, nw, spec.rms_norm_eps, self.dtype)
             lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk,
                                         gw if trained else None)
             loss += lmb
@@ -420,7 +436,7 @@ class SlidingExecutor:
         """Recompute one layer for one micro-batch, add its trained parameters' grads (the
         layer's, or with a frozen base its adapters') to g; return dL/dx."""
         spec = self.spec
-        base = spec.layer_layout.views(w)
+        base = self._norm_views(f"layer{layer}", spec.layer_layout.views(w))
         if self.lora is None:
             layout, leaves = spec.layer_layout, {k: v.detach().requires_grad_() for k, v in base.items()}
             base, adapters = leaves, None
@@ -489,11 +505,11 @@ class SlidingExecutor:
         self._refresh(self.embed, tl)
         xs = self.forward_window(inp, tl, save=False)
         self._refresh(self.head, tl)
-        head = self.spec.head_layout.views(self.head_w)
+        head = self._norm_views("head", self.spec.head_layout.views(self.head_w))
         w = (self.spec.embed_layout.views(self.embed_w)["embed_tokens.weight"]
              if self.spec.tie_word_embeddings else head["lm_head.weight"])
         with torch.no_grad():
-            h = rms_norm(xs[0], head["norm.weight"], self.spec.rms_norm_eps)
+            h = rms_norm(xs[0], head["norm.weight"], self.spec.rms_norm_eps, self.dtype)
             loss = linear_ce_loss(h, w, inp[0][1], self.shape.head_chunk)
         for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
             if self.pool.has(i):

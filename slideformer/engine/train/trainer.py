@@ -25,7 +25,8 @@ import torch
 from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, parse_bytes
 from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shape, start_ranks
-from slideformer.engine.devices import compute_dtype_name, moments_dtype_name, torch_dtype
+from slideformer.engine.devices import (compute_dtype_name, moments_dtype_name, residual_dtype_name,
+                                        torch_dtype)
 from slideformer.engine.errors import UserError
 from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
                            Timeline, read_events)
@@ -134,8 +135,9 @@ class Trainer:
         # the budgets for the sizes config.json claims
         Checkpoint(cfg.model.path).check(self.spec)
         self.backend = make_backend(cfg.train.device)
-        self.dtype = torch_dtype(compute_dtype_name(cfg.train.compute_dtype,
-                                                    "cuda" if self.backend.is_cuda else "cpu"))
+        compute = compute_dtype_name(cfg.train.compute_dtype, "cuda" if self.backend.is_cuda else "cpu")
+        self.dtype = torch_dtype(compute)
+        residual = torch_dtype(residual_dtype_name(cfg.train.precision, compute))
         moments = torch_dtype(moments_dtype_name(cfg.optim.moments_dtype))
         self.world = gpu_count(cfg)
         shape = rank_shape(self.make_plan().exec_shape, self.world)
@@ -149,7 +151,7 @@ class Trainer:
         self.ranks = start_ranks(cfg, self.host, shape, self.dtype, self.world,
                                  self.backend.is_cuda)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
-                                        self.lora, cfg.train.seed, self.ranks.group)
+                                        self.lora, cfg.train.seed, self.ranks.group, residual)
         if cpu_adam.unavailable_reason() and self.lora is None:
             self.emit(Log("warning", f"compiled CPU AdamW unavailable "
                                      f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "

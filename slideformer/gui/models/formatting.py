@@ -14,6 +14,13 @@ def human_count(n: int) -> str:
     return str(n)
 
 
+def home_relative(text: str) -> str:
+    """``text`` (an engine message) with every path in the home folder written as "~/..." like
+    the paths the app shows itself."""
+    home = str(Path.home()).rstrip("/\\")
+    return text.replace(home + "/", "~/").replace(home + "\\", "~\\")
+
+
 def short_path(p: Path | str) -> str:
     """``p`` with the home folder written as "~"."""
     p = Path(p)

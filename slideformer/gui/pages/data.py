@@ -22,7 +22,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
 
 from slideformer.engine.api import FORMATS, DataConfig, Preview
 from slideformer.gui.context import AppContext
-from slideformer.gui.models.formatting import human_count, short_path
+from slideformer.gui.models.formatting import home_relative, human_count, short_path
 from slideformer.gui.pages.data_report import (MASKED_COLOR, AnalysisProgress, DataReport,
                                                analyse, dropped_file, make_demo_dataset,
                                                sample_html)
@@ -418,7 +418,7 @@ class DataPage(QWidget):
             return
         self.report = None
         self._clear_figures()
-        self._show_status("error", message)
+        self._show_status("error", home_relative(message))
 
     def _clear_figures(self) -> None:
         """No figures for settings that failed: the last good file's would mislead."""

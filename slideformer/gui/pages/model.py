@@ -18,7 +18,8 @@ from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout,
 from slideformer.engine.api import SMOLLM2_INSTALL, UserError, inspect_model, smollm2_gguf
 from slideformer.gui.context import AppContext
 from slideformer.gui.workers.command import run_engine_command
-from slideformer.gui.models.formatting import human_bytes, human_count, short_path
+from slideformer.gui.models.formatting import (home_relative, human_bytes, human_count,
+                                               short_path)
 from slideformer.gui.pages.model_fit import FitBox
 from slideformer.gui.pages.gguf_actions import ensure_smollm2_model, import_gguf_file
 from slideformer.gui.workers.thread import run_task
@@ -212,7 +213,7 @@ class ModelPage(QWidget):
     def _on_error(self, path: str, message: str) -> None:
         if path != self._pending:
             return
-        self._show_status("error", message)
+        self._show_status("error", home_relative(message))
 
     # ---- demo model ----------------------------------------------------------------------
     @Slot()

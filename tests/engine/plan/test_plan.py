@@ -266,3 +266,19 @@ def test_spare_vram_goes_to_the_device_optimizer(tmp_path):
                    hardware=REFERENCE)
     assert not cpu.exec_shape.device_update
 
+
+
+def test_bf16_residual_stream_is_offered_and_saves_the_checkpoints_half(tmp_path):
+    """train.precision autocast keeps fp32 checkpoints; over budget, bf16 is a (numerics-
+    changing) fix that saves half of the host checkpoints."""
+    spec = load_spec(model_folder(tmp_path, "llama-3.1-8b"))
+    extra = {**CONSUMER, "budget.nvme_dir": str(tmp_path), "train.micro_batch": 8, "train.grad_accum": 16,
+             "budget.checkpoints": "host"}
+    plan = lambda **kw: plan_run(override(RunConfig(), {**extra, **kw}), spec, hardware=REFERENCE)  # noqa: E731
+    wide, narrow = plan(**{"train.precision": "autocast"}), plan(**{"train.precision": "bf16"})
+    ck = lambda p: sum(a.bytes for a in p.allocations if a.purpose == "pinned activation checkpoints")  # noqa: E731
+    assert ck(wide) == 2 * ck(narrow) > 0
+    fix = next(f for f in wide.fixes if f.name == "bf16 residual stream")
+    assert dict(fix.settings) == {"train.precision": "bf16"} and not fix.exact
+    assert fix.saves > 0
+    assert not any(f.name == "bf16 residual stream" for f in narrow.fixes)

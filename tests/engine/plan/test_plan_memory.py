@@ -23,6 +23,7 @@ from slideformer.engine.runtime.shapes import speculative_layers
 from slideformer.engine.train.state import build_host_state
 
 MiB = 1 << 20
+F32 = torch.float32
 
 
 def _spec(arch="llama", **kw):
@@ -39,19 +40,21 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-@pytest.mark.parametrize("compute,moments,ckpt,clip,dev,spec_n", [
-    (torch.float32, torch.float32, "gpu", True, 0, 0), (torch.bfloat16, torch.bfloat16, "host", True, 2, 2),
-    (torch.bfloat16, torch.float32, "gpu", True, 0, 3), (torch.bfloat16, torch.float32, "gpu", False, 1, 0),
-    (torch.float32, torch.float32, "gpu", True, 1, 9), (torch.bfloat16, torch.float32, "gpu", False, 0, 2)])
-def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, spec_n):
+@pytest.mark.parametrize("compute,moments,ckpt,clip,dev,spec_n,res", [
+    (torch.float32, torch.float32, "gpu", True, 0, 0, None), (torch.bfloat16, torch.bfloat16, "host", True, 2, 2, None),
+    (torch.bfloat16, torch.float32, "gpu", True, 0, 3, None), (torch.bfloat16, torch.float32, "gpu", False, 1, 0, None),
+    (torch.float32, torch.float32, "gpu", True, 1, 9, None), (torch.bfloat16, torch.float32, "gpu", False, 0, 2, None),
+    (torch.bfloat16, torch.float32, "host", True, 1, 2, F32), (torch.bfloat16, torch.float32, "gpu", True, 0, 0, F32)])
+def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, spec_n, res):
     spec = _spec("qwen2", layers=5, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=200, tie=True)
     shape = ExecShape(micro_batch=3, seq_len=10, n_micro=2, slots=3, checkpoints=ckpt,
                       device_update=bool(dev), device_layers=dev, spec_layers=spec_n)
     backend = CpuBackend()
     host = build_host_state(spec, backend, compute, moments, layer_grads=clip,
                             borrowed=speculative_layers(5, dev, spec_n))
-    ex = SlidingExecutor(spec, backend, host, shape, compute)
-    allocs = M.allocations(spec, shape, M.Precision(compute, moments), "cpu", packed=True, clip=clip)
+    ex = SlidingExecutor(spec, backend, host, shape, compute, residual_dtype=res)
+    allocs = M.allocations(spec, shape, M.Precision(compute, moments, residual=res), "cpu",
+                           packed=True, clip=clip)
     items = host.values()
     name = str(compute).removeprefix("torch.")
     assert _rows(allocs, f"{name} weights") == _nbytes(*(i.w for i in items))
@@ -76,6 +79,9 @@ def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, 
         ws = ex.dev_ws
         assert _rows(allocs, "device optimizer scratch") == _nbytes(ws.p, ws.m, ws.v)
         assert len(ex.dev) == 2 + dev
+    if res is not None:
+        assert _rows(allocs, "norm weight remainders") == _nbytes(*ex.norms.rem.values())
+        assert _rows(allocs, "norm remainder staging") == _nbytes(*ex.norms.staging.values())
     if ckpt == "host":
         assert _rows(allocs, "checkpoint staging") == _nbytes(ex.store.staging)
         assert _rows(allocs, "pinned activation checkpoints") == _nbytes(ex.store.host)
@@ -97,28 +103,35 @@ def _peak_live(fn) -> int:
     return top
 
 
-CASES = [  # (arch, shape, B, T, dtype, packed, head_chunk)
+CASES = [  # (arch, shape, B, T, dtype, packed, head_chunk[, residual dtype])
     ("llama", dict(hidden=256, heads=4, kv_heads=4, intermediate=688), 4, 128, torch.float32, False, 4096),
     ("llama", dict(hidden=256, heads=8, kv_heads=2, intermediate=512), 2, 96, torch.bfloat16, False, 4096),
     ("qwen2", dict(hidden=192, heads=6, kv_heads=2, intermediate=500), 3, 100, torch.float32, True, 4096),
     ("qwen3", dict(hidden=128, heads=4, kv_heads=2, intermediate=384, head_dim=48), 2, 128,
      torch.bfloat16, False, 4096),
     ("mistral", dict(hidden=128, heads=4, kv_heads=4, intermediate=344), 2, 256, torch.float32, False, 128),
+    # train.precision = "autocast": an fp32 residual stream under bf16 compute
+    ("llama", dict(hidden=256, heads=8, kv_heads=2, intermediate=512), 2, 96, torch.bfloat16, False, 4096, F32),
+    ("llama", dict(hidden=256, heads=4, kv_heads=4, intermediate=688), 4, 128, torch.bfloat16, False, 4096, F32),
+    ("qwen2", dict(hidden=192, heads=6, kv_heads=2, intermediate=500), 3, 100, torch.bfloat16, True, 4096, F32),
+    ("qwen3", dict(hidden=128, heads=4, kv_heads=2, intermediate=384, head_dim=48), 2, 128,
+     torch.bfloat16, False, 4096, F32),
+    ("mistral", dict(hidden=128, heads=4, kv_heads=4, intermediate=344), 2, 256, torch.bfloat16, False, 128, F32),
 ]
 
 
-@pytest.mark.parametrize("arch,kw,B,T,dt,packed,chunk", CASES)
-def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk):
+@pytest.mark.parametrize("arch,kw,B,T,dt,packed,chunk,res", [c + (None,) * (8 - len(c)) for c in CASES])
+def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk, res):
     torch.manual_seed(0)
     spec = _spec(arch, layers=1, vocab=4000, **kw)
-    prec, N = M.Precision(dt, torch.float32), B * T
+    prec, N, res = M.Precision(dt, torch.float32, residual=res), B * T, res or dt
     w = (0.02 * torch.randn(spec.params_per_layer)).to(dt)
     ids = torch.randint(0, spec.vocab_size, (B, T))
     doc = (torch.arange(T) >= T // 3).long().expand(B, T).clone() if packed else None
-    rope = rope_tables(spec, positions_for(ids, doc), dt)
+    rope = rope_tables(spec, positions_for(ids, doc), res)
     mask = None if doc is None else packed_causal_mask(doc)
-    x, gy = torch.randn(B, T, spec.hidden_size).to(dt), torch.randn(B, T, spec.hidden_size).to(dt)
-    holder = type("Holder", (), {"spec": spec, "lora": None})()
+    x, gy = torch.randn(B, T, spec.hidden_size).to(res), torch.randn(B, T, spec.hidden_size).to(res)
+    holder = type("Holder", (), {"spec": spec, "lora": None, "_norm_views": lambda self, n, p: p})()
     head_w = (0.02 * torch.randn(spec.vocab_size, spec.hidden_size)).to(dt)
     norm_w = torch.ones(spec.hidden_size, dtype=dt)
     head_g = torch.zeros(spec.vocab_size, spec.hidden_size)
@@ -131,7 +144,7 @@ def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk):
     def head():  # as SlidingExecutor.head_step does for one micro-batch
         xx, nw = x.detach().requires_grad_(), norm_w.detach().requires_grad_()
         with torch.enable_grad():
-            h = rms_norm(xx, nw, spec.rms_norm_eps)
+            h = rms_norm(xx, nw, spec.rms_norm_eps, dt)
         _, gh = linear_ce_fwd_bwd(h.detach(), head_w, ids, 1.0, chunk, head_g)
         torch.autograd.grad(h, [xx, nw], gh)
 

@@ -10,7 +10,7 @@ import torch
 from slideformer.engine.config import OptimConfig
 from slideformer.engine.models.spec import load_spec
 from slideformer.engine.models.tiny import TinyShape, make_tiny_model
-from slideformer.engine.models.weights import Checkpoint, item_layout, item_names
+from slideformer.engine.models.weights import item_names
 from slideformer.engine.runtime import backend as backend_mod
 from slideformer.engine.runtime.backend import CudaBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
@@ -82,12 +82,13 @@ class MegatronReference(DenseReference):
         return torch.cat([self.master[idx[id(self.items[item][n])]].reshape(-1) for n in names]).cpu()
 
 
-def run(spec, d, steps, shape, optim=OPTIM):
+def run(spec, d, steps, shape, optim=OPTIM, residual=None):
+    """``residual``: the executor's residual stream dtype (float32: train.precision autocast)."""
     be = CudaBackend()
     host = build_host_state(spec, be, torch.bfloat16, torch.float32,
                             layer_grads=optim.max_grad_norm > 0)
     load_weights(host, spec, d)
-    ex = SlidingExecutor(spec, be, host, shape, torch.bfloat16)
+    ex = SlidingExecutor(spec, be, host, shape, torch.bfloat16, residual_dtype=residual)
     losses, segs = [], []
     for k, mbs in enumerate(steps, start=1):
         hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, optim), optim.beta1, optim.beta2,  # noqa: E731
@@ -132,6 +133,31 @@ def test_bf16_matches_megatron_reference(model, ckpt, device_layers):
         assert ours <= 1.5 * theirs + 1e-5, item
 
 
+@pytest.mark.parametrize("ckpt,device_layers", [("host", None), ("gpu", 2)])
+def test_autocast_setting_is_closer_to_fp32(model, ckpt, device_layers):
+    """train.precision autocast on CUDA: the whole model no farther from the fp32 run than the
+    Megatron-style bf16 reference, and each item within the tolerance above."""
+    spec, d = model
+    steps = make_batches(spec, n_micro=2, B=2, T=64, seed=5)
+    ref = MegatronReference(spec, d, OPTIM)
+    for k, mbs in enumerate(steps, start=1):
+        ref.step(mbs, k, STEPS)
+    exact = DenseReference(spec, d, OPTIM)  # fp32 on the CPU
+    for k, mbs in enumerate(steps, start=1):
+        exact.step(mbs, k, STEPS)
+    dev = {} if device_layers is None else dict(device_update=True, device_layers=device_layers)
+    _, masters, _ = run(spec, d, steps, ExecShape(2, 64, 2, slots=2, checkpoints=ckpt, **dev),
+                        residual=torch.float32)
+    names = item_names(spec)
+    flat = lambda get: torch.cat([get(n) for n in names])  # noqa: E731
+    truth = flat(exact.flat)
+    ours, theirs = rel(flat(masters.get), truth), rel(flat(ref.flat), truth)
+    print(f"autocast setting vs fp32 {ours:.2e}, megatron-bf16 vs fp32 {theirs:.2e}")
+    assert ours <= theirs
+    for item in names:
+        assert rel(masters[item], exact.flat(item)) <= 1.5 * rel(ref.flat(item), exact.flat(item)) + 1e-5, item
+
+
 def stall_copies(monkeypatch) -> None:
     """Delay every copy on its stream (~1 ms at ~2 GHz) after the events it waits for."""
     original = backend_mod.CudaBackend._copy
@@ -146,18 +172,20 @@ def stall_copies(monkeypatch) -> None:
     monkeypatch.setattr(backend_mod.CudaBackend, "_copy", slow_copy)
 
 
-@pytest.mark.parametrize("clip,device_layers", [(1.0, 0), (0.0, 0), (0.0, 2)])
-def test_stalled_copy_streams_still_match(model, monkeypatch, clip, device_layers):
+@pytest.mark.parametrize("clip,device_layers,residual", [(1.0, 0, None), (0.0, 0, None), (0.0, 2, None),
+                                                   (1.0, 2, torch.float32), (0.0, 0, torch.float32)])
+def test_stalled_copy_streams_still_match(model, monkeypatch, clip, device_layers, residual):
     """Delay every copy on its stream: a missing wait would read stale or torn buffers (without
-    clipping the layers' gradients also pass through the 4-buffer host ring)."""
+    clipping the layers' gradients also pass through the 4-buffer host ring; with an fp32
+    residual stream the norm weights' remainders travel too)."""
     spec, d = model
     steps = make_batches(spec, n_micro=2, B=2, T=64, seed=6)
     shape = ExecShape(2, 64, 2, slots=2, checkpoints="host", device_update=bool(device_layers),
                       device_layers=device_layers)
     optim = replace(OPTIM, max_grad_norm=clip)
-    base, base_w, _ = run(spec, d, steps, shape, optim)
+    base, base_w, _ = run(spec, d, steps, shape, optim, residual)
     stall_copies(monkeypatch)
-    stalled, stalled_w, _ = run(spec, d, steps, shape, optim)
+    stalled, stalled_w, _ = run(spec, d, steps, shape, optim, residual)
     torch.testing.assert_close(torch.tensor(stalled), torch.tensor(base), rtol=1e-4, atol=0)
     for item in item_names(spec):
         assert rel(stalled_w[item], base_w[item]) < 1e-3, item
