@@ -11,7 +11,7 @@ from slideformer.gui.pages.chat.page import ChatPage
 from slideformer.gui.pages.chat.transcript import Turn, messages_for_engine, render_html
 from slideformer.gui.models.runs import summarize
 
-FAKE = str(Path(__file__).with_name("fake_chat_engine.py"))
+FAKE = str(Path(__file__).parents[1] / "fake_chat_engine.py")
 WAIT = 15000
 
 
