@@ -15,14 +15,26 @@ from slideformer.gui.theme import icon
 
 
 def make_application() -> QApplication:
-    """The process's QApplication (created once), named so QSettings finds its file."""
+    """The process's QApplication (created once), named so QSettings finds its file, with
+    garbage collection moved to the GUI thread (:func:`collect_in_gui_thread`)."""
     app = QApplication.instance() or QApplication(sys.argv[:1])
+    collect_in_gui_thread(app)
     app.setOrganizationName(ORGANISATION)
     app.setApplicationName(APPLICATION)
     app.setApplicationVersion(__version__)
     app.setStyle("Fusion")  # the style sheets are written against Fusion on every platform
     app.setWindowIcon(icon("slideformer.svg"))
     return app
+
+
+def collect_in_gui_thread(app: QApplication) -> None:
+    """Run Python's cyclic garbage collector on a GUI-thread timer only (pyqtgraph's
+    GarbageCollector). Automatic collection runs in whichever thread allocates: a cycle holding
+    Qt objects collected in a worker thread (the machine probe, the planner's reader) deletes
+    them off their thread and crashed the process (a segfault in the GUI suite, 2026-12-01)."""
+    from pyqtgraph.util.garbage_collector import GarbageCollector
+    if getattr(app, "_collector", None) is None:
+        app._collector = GarbageCollector(interval=0.5)
 
 
 def freeze_heap() -> None:

@@ -13,6 +13,20 @@ GIB = 1 << 30
 
 
 @pytest.fixture(autouse=True)
+def _collect_in_gui_thread(qapp):
+    """As in the app: cyclic garbage collection on a GUI-thread timer only (a collection in a
+    worker thread that frees Qt objects crashes); automatic collection is restored after the
+    test, so the other test folders run as usual."""
+    import gc
+    from slideformer.gui.app import collect_in_gui_thread
+    collect_in_gui_thread(qapp)
+    yield
+    qapp._collector.timer.stop()
+    qapp._collector = None
+    gc.enable()
+
+
+@pytest.fixture(autouse=True)
 def _no_user_files(tmp_path, monkeypatch):
     """No test reads or writes the real user's settings or data folder."""
     QSettings.setDefaultFormat(QSettings.Format.IniFormat)
