@@ -28,7 +28,8 @@ from slideformer.engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Alloc
                                 allocator_reserve, checkpoint_store, cuda_fixed,
                                 device_optimizer_scratch, loading, step_transients)
 from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
-                               LAYER_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result)
+                               LAYER_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
+                               cpu_dispatch_s)
 from slideformer.engine.kernels.linear_ce import fused_ce_available
 from slideformer.engine.runtime.shapes import ExecShape
 from slideformer.engine.runtime.nf4 import CHUNK as NF4_CHUNK, Nf4Layout
@@ -110,7 +111,7 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     lb = layer_bytes(spec, prec, method)
     A = adapter_params(spec, lora)
     if device != "cuda":
-        busy = {"gpu compute": flops / (hw.cpu_tflops * 1e12),
+        busy = {"gpu compute": flops / (hw.cpu_tflops * 1e12) + cpu_dispatch_s(L, n),
                 "pcie h2d": 2 * L * lb / (CPU_COPY_GBS * 1e9), "pcie d2h": 0.0,
                 "cpu optimizer": A * DEVICE_ADAM_BYTES / (CPU_COPY_GBS * 1e9), "disk": 0.0}
         return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")

@@ -51,6 +51,16 @@ DEVICE_ADAM_BYTES = 32  # bf16 w + remainder + fp32 grad + fp32 m, v: read all, 
 DEVICE_MEMORY_GBS = 1000.0
 # The CPU backend copies with memcpy and runs everything in one thread of control.
 CPU_COPY_GBS = 10.0
+# It runs each layer's forward, recompute and backward as eager PyTorch ops, each with a fixed
+# dispatch cost that bounds small models: about CPU_OPS_PER_PASS ops per layer, micro-batch and
+# pass at CPU_OP_S each (2-core development machine, 2026-12-01: the tiny demo model's steps).
+CPU_OPS_PER_PASS = 60
+CPU_OP_S = 20e-6
+
+
+def cpu_dispatch_s(layers: int, n_micro: int) -> float:
+    """Fixed op costs of one CPU-backend step: forward, recompute and backward of every layer."""
+    return 3 * layers * n_micro * CPU_OPS_PER_PASS * CPU_OP_S
 
 def snapshot_share(c: int, mo: int) -> float:
     """A speculative layer's snapshot copy (w, rem, m, v read and written) in units of its AdamW
@@ -220,7 +230,8 @@ def _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk) -> SpeedEstimate:
     L, P, c = spec.num_layers, spec.params_per_layer, prec.c
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     copies = (2 * L * P * c + L * P * 4 + (E + Hd) * (c + 4)) / (CPU_COPY_GBS * 1e9)
-    busy = {"gpu compute": flops / (hw.cpu_tflops * 1e12), "pcie h2d": copies, "pcie d2h": 0.0,
+    compute = flops / (hw.cpu_tflops * 1e12) + cpu_dispatch_s(L, shape.n_micro)
+    busy = {"gpu compute": compute, "pcie h2d": copies, "pcie d2h": 0.0,
             "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": disk}
     return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")
 

@@ -79,7 +79,11 @@ LANE_GBS = {3: 0.985, 4: 1.969, 5: 3.938}
 """Usable bytes per lane and direction of each PCIe generation, GB/s (after line coding)."""
 
 # Host figures of a machine nothing was measured on: a typical desktop (assumed, said so).
-ASSUMED = dict(cpu_tflops=0.3, adam_params_per_s=1.0e9, disk_read_gbs=1.5, disk_write_gbs=1.0)
+ASSUMED = dict(adam_params_per_s=1.0e9, disk_read_gbs=1.5, disk_write_gbs=1.0)
+CORE_TFLOPS = 0.05
+"""fp32 matmul rate per physical core a training step reaches (AVX2/AVX-512 desktop cores run
+0.05-0.1 on large matrices; SmolLM2-135M's steps reached 0.049 per core on the 2-core development
+machine, 2026-12-01)."""
 
 
 def gpu_names() -> str:
@@ -115,10 +119,10 @@ def detected() -> HardwareProfile:
                          f"{preset.name}")
         fields.update(preset_fields(preset), gpu=gpu.name, vram_total=gpu.total)
     what = gpu.name if gpu else "no NVIDIA GPU"
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     return HardwareProfile(name=f"this machine ({what}, not measured)",
-                           ram_total=psutil.virtual_memory().total,
-                           cpu_cores=psutil.cpu_count(logical=False) or os.cpu_count() or 1,
-                           notes=tuple(notes), **fields)
+                           ram_total=psutil.virtual_memory().total, cpu_cores=cores,
+                           cpu_tflops=CORE_TFLOPS * cores, notes=tuple(notes), **fields)
 
 
 def this_machine() -> HardwareProfile:
