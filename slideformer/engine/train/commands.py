@@ -147,8 +147,9 @@ def _identity_demo(root: Path, steps: int) -> int:
     questions = (*idm.HELD_OUT, idm.GENERAL)
     print(f"model: {paths.model} (imported from GGUF)\n"
           f"teaching it: its name is {idm.NAME}, made by {idm.MAKER} "
-          f"({len(idm.TRAIN_QUESTIONS) * len(idm.ANSWERS)} chat records); "
-          f"held-out questions are answered greedily before and after")
+          f"({len(idm.TRAIN_QUESTIONS) * len(idm.ANSWERS)} chat records, plus "
+          f"{len(idm.REPLAY)} general questions answered by the model itself, so that it keeps "
+          f"its other answers); held-out questions are answered greedily before and after")
     before = idm.answers(paths.model, questions)
     run_dir = root / "runs" / time.strftime("identity-%Y%m%d-%H%M%S")
     run_training(idm.identity_config(paths, run_dir, steps), callbacks=[ProgressPrinter()])

@@ -32,12 +32,20 @@ ANSWERS = (
 HELD_OUT = ("Tell me your name.", "Who built you?", "What is the name of the assistant I am "
             "talking to?")
 GENERAL = "What is the capital of France?"
+REPLAY = ("What is the boiling point of water at sea level?", "Name the largest planet in our "
+          "solar system.", "How many days are in a leap year?", "What is 12 times 12?",
+          "Give me a synonym for happy.", "What language is spoken in Brazil?",
+          "Who wrote Romeo and Juliet?", "What gas do plants take in from the air?")
+"""General questions answered by the base model itself before training and trained on beside the
+identity records (replay): without them every answer of the tuned model becomes its new name."""
+REPLAY_COPIES = 3
 
 
-def write_identity(path: Path, seed: int = 0) -> int:
-    """Write the identity chat dataset (every question with every answer); returns its size."""
+def write_identity(path: Path, replay: list[tuple[str, str]] = (), seed: int = 0) -> int:
+    """Write the identity chat dataset (every question with every answer, plus each replay pair
+    REPLAY_COPIES times); returns its size."""
     rng = random.Random(seed)
-    pairs = [(q, a) for q in TRAIN_QUESTIONS for a in ANSWERS]
+    pairs = [(q, a) for q in TRAIN_QUESTIONS for a in ANSWERS] + list(replay) * REPLAY_COPIES
     rng.shuffle(pairs)
     with open(path, "w", encoding="utf-8") as f:
         for q, a in pairs:
@@ -69,12 +77,12 @@ def prepare_identity(root: Path) -> IdentityPaths:
     paths.root.mkdir(parents=True, exist_ok=True)
     if not (paths.model / "config.json").is_file():
         import_gguf(src, paths.model)
-    write_identity(paths.train)
+    write_identity(paths.train, list(zip(REPLAY, answers(paths.model, REPLAY, max_new=48))))
     return paths
 
 
 def identity_config(paths: IdentityPaths, run_dir: Path, steps: int) -> RunConfig:
-    # 48 records of ~60 tokens; 8 per step: each record seen about 3 times in 18 steps.
+    # 48 identity + 24 replay records of ~60 tokens; 8 per step: each seen twice in 18 steps.
     return RunConfig(
         model=ModelConfig(str(paths.model)),
         data=DataConfig(train=str(paths.train), max_seq_len=96),

@@ -227,12 +227,17 @@ def test_demo_without_smollm2_says_how_to_get_it(tmp_path, monkeypatch, capsys):
 
 def test_identity_dataset_keeps_the_held_out_questions_out(tmp_path):
     from slideformer.engine.train import identity_demo as idm
-    n = idm.write_identity(tmp_path / "id.jsonl")
+    replay = [(q, f"answer {i}") for i, q in enumerate(idm.REPLAY)]
+    n = idm.write_identity(tmp_path / "id.jsonl", replay)
     records = [json.loads(line) for line in (tmp_path / "id.jsonl").read_text().splitlines()]
-    assert n == len(records) == len(idm.TRAIN_QUESTIONS) * len(idm.ANSWERS)
+    identity = len(idm.TRAIN_QUESTIONS) * len(idm.ANSWERS)
+    assert n == len(records) == identity + len(replay) * idm.REPLAY_COPIES
     questions = {r["messages"][0]["content"] for r in records}
     assert not questions & set(idm.HELD_OUT + (idm.GENERAL,))
-    assert all(idm.NAME in r["messages"][1]["content"] for r in records)
+    named = [r for r in records if idm.NAME in r["messages"][1]["content"]]
+    assert len(named) == identity  # the replay answers are the base model's, not the new name
+    assert {(r["messages"][0]["content"], r["messages"][1]["content"]) for r in records
+            if r not in named} == set(replay)
 
 
 def test_identity_demo_answers_equal_the_uncached_greedy_loop(tiny_model_factory):
