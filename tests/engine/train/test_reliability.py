@@ -430,7 +430,8 @@ def _write_cfg(base: Path, cfg: config_mod.RunConfig) -> tuple[Path, Path]:
     return path, Path(cfg.output.run_dir)
 
 
-def _wait_for(pred, timeout: float = 60.0, every: float = 0.002) -> None:
+def _wait_for(pred, timeout: float = 300.0, every: float = 0.002) -> None:
+    """Poll until ``pred``; the timeout only turns a hang into a failure (no latency bound)."""
     end = time.monotonic() + timeout
     while not pred():
         assert time.monotonic() < end, "timed out"
