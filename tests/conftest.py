@@ -19,6 +19,18 @@ from slideformer.engine.models.weights import Checkpoint
 from slideformer.engine.train.demo import write_task
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models' matmuls on one OpenMP thread: on a busy two-core machine, waking a second
+    thread made a (16, 96) x (96, 160) matmul take 0.1-4 ms instead of 9 us (measured), which
+    made a test file's run time swing from 3 to 90 s. Results are compared within one setting.
+    Modules that need it say ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # ---- tiny model folders ------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):

@@ -216,7 +216,8 @@ class BudgetConfig:
     embedding and head too); -1 lets the planner use spare VRAM, 0 keeps all optimizer work on
     the CPU."""
     nvme_dir: str = ""
-    """Folder for the NVMe tier (optimizer state on disk); empty: none."""
+    """Folder for the NVMe tier (on disk: the optimizer state of full fine-tuning, or the frozen
+    base of lora / qlora, of the layers host RAM cannot hold); empty: none."""
     nvme_size: str = "0"
     """Disk budget for the NVMe tier."""
 

@@ -9,7 +9,9 @@
 - NVMe tier (with a disk budget): when the host state exceeds the RAM budget, the moments of the
   fewest decoder layers that bring it within go to disk (every disk layer costs a read and a
   write per step; a "tight" host is left alone). The first layers moved save nothing while
-  each still gets its own staging buffer (slideformer.engine.runtime.nvme.BUFFERS of them).
+  each still gets its own staging buffer (slideformer.engine.runtime.nvme.BUFFERS of them). With a
+  frozen base (lora, qlora) the same search moves the base weights of the fewest layers
+  (read once or twice per step, never written; slideformer.engine.plan.frozen).
 - device optimizer (CUDA, no NVMe tier): with VRAM to spare, the embedding and head, and then
   as many first decoder layers as keep the budgets' last 10% free, hold their master weights and
   moments on the GPU and are updated there (at most DEVICE_SLOTS slots then: spare VRAM buys
@@ -122,7 +124,7 @@ class Evaluator:
         if k.disk_layers is not None:
             return self._evaluate(k, shape, k.disk_layers)
         e = self._evaluate(k, shape, 0)
-        if not self.budgets.disk or e.tiers[1].peak <= e.tiers[1].budget or k.method != "full":
+        if not self.budgets.disk or e.tiers[1].peak <= e.tiers[1].budget:
             return e
         def host_fits(n: int) -> bool:
             return self._evaluate(k, shape, n).tiers[1].peak <= e.tiers[1].budget
@@ -139,7 +141,7 @@ class Evaluator:
                                  k.clip)
         else:
             allocs = frozen_allocations(self.spec, shape, k.precision, self.device, k.packed,
-                                        k.method, k.lora)
+                                        k.method, k.lora, disk_layers)
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),
@@ -209,7 +211,7 @@ class Evaluator:
     def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
         if k.method != "full":
             return frozen_estimate(self.spec, e.shape, k.precision, self.device, self.hw,
-                                   k.method, k.lora)
+                                   k.method, k.lora, e.disk_layers)
         return estimate(self.spec, e.shape, k.precision, self.device, k.clip, self.hw, e.disk_layers)
 
     @staticmethod

@@ -4,7 +4,7 @@ Each fix changes one setting and is evaluated by the same memory model as the pl
 smaller micro-batch; the same global batch through more accumulation; checkpoints to host;
 fewer parameter slots; bf16 moments or a bf16 residual stream (change the numerics: opt-in);
 optimizer state on disk (the NVMe tier: the moments of the fewest layers that make host RAM
-fit); another method (LoRA or QLoRA adapters over a frozen base). They come cheapest first: those that make the run fit, exact
+fit), or with a frozen base the base of the fewest layers; another method (LoRA or QLoRA adapters over a frozen base). They come cheapest first: those that make the run fit, exact
 ones before numerics-changing ones, the chosen method before another, faster ones first.
 """
 from __future__ import annotations
@@ -124,10 +124,10 @@ def _bf16_residual(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> li
 
 def _states_to_disk(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
     """The NVMe tier with room for what host RAM needs moved (the planner then moves exactly
-    that: the fewest layers that fit, see slideformer.engine.plan.evaluate). Only for a host over its
-    budget: a tight one stays in RAM (disk layers cost a read and a write per step)."""
-    if ("host" not in goal.tiers or goal.share < 1.0 or base.disk_layers == ev.spec.num_layers
-            or k.method != "full"):
+    that: the fewest layers that fit, see slideformer.engine.plan.evaluate): the AdamW moments of full
+    training, or the frozen base of lora / qlora. Only for a host over its budget: a tight one
+    stays in RAM (disk layers cost reads, and with moments writes, every step)."""
+    if "host" not in goal.tiers or goal.share < 1.0 or base.disk_layers == ev.spec.num_layers:
         return []
     roomy = Evaluator(ev.spec, ev.device, replace(ev.budgets, disk=_NO_LIMIT), ev.hw)
     e = roomy.choose(k)
@@ -135,8 +135,10 @@ def _states_to_disk(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> l
     if not e.disk_layers or need <= ev.budgets.disk:
         return []
     size = f"{math.ceil(need / 2**30)}GiB"
-    fix = _fix(roomy, base, k, goal, "optimizer state on disk",
-               f"AdamW moments of {e.disk_layers} of {ev.spec.num_layers} layers on the NVMe tier "
+    name, what = (("optimizer state on disk", "AdamW moments") if k.method == "full" else
+                  ("move the base to NVMe", "frozen base weights"))
+    fix = _fix(roomy, base, k, goal, name,
+               f"{what} of {e.disk_layers} of {ev.spec.num_layers} layers on the NVMe tier "
                f"({size} of disk)", {"budget.nvme_dir": ev.budgets.disk_path or "<folder on an NVMe disk>",
                                      "budget.nvme_size": size})
     return [fix] if fix is not None else []
@@ -176,8 +178,10 @@ _RESIDENT_PARTS = ("embedding weights", "head weights", "embedding grads", "head
 
 def floor_notes(ev: Evaluator, k: Knobs, tiers: tuple[str, ...]) -> tuple[str, ...]:
     """When no setting can make a tier fit: the least it needs with every fix combined."""
+    frozen = k.method != "full"
     least = replace(k, micro_batch=1, grad_accum=1, checkpoints="host", slots=min(2, ev.spec.num_layers), gpu_layers=0,
-                    precision=replace(k.precision, moments=torch.bfloat16))
+                    precision=replace(k.precision, moments=torch.bfloat16),
+                    disk_layers=ev.spec.num_layers if frozen else k.disk_layers)
     e = ev.choose(least)
     notes = []
     for t in e.tiers:
@@ -192,7 +196,9 @@ def floor_notes(ev: Evaluator, k: Knobs, tiers: tuple[str, ...]) -> tuple[str, .
                     groups[name] = groups.get(name, 0) + a.bytes
             big = ", ".join(f"{n} {format_bytes(b)}" for n, b in
                             sorted(groups.items(), key=lambda nb: -nb[1])[:3])
+            fixes = ("2 slots and the base's layers on disk" if frozen else
+                     "2 slots, bf16 moments and the moments on disk")
             notes.append(f"no setting makes {t.tier} fit: with micro-batch 1, host checkpoints, "
-                         f"2 slots, bf16 moments and the moments on disk it still needs "
-                         f"{format_bytes(need)} of {format_bytes(t.budget)} ({big})")
+                         f"{fixes} it still needs {format_bytes(need)} of "
+                         f"{format_bytes(t.budget)} ({big})")
     return tuple(notes)

@@ -14,6 +14,14 @@ from the previous step and again in the backward; the backward computes input gr
 (2 P N in the recompute, 2 P N for dL/dx: no weight-gradient GEMM), the head 4 N V H (no dL/dW);
 NF4 layers are dequantised twice per step at the device's memory bandwidth; the adapters are
 updated on the device after the backward. No CPU optimizer, no gradient traffic.
+
+NVMe tier (``disk_layers``, slideformer.engine.runtime.lora.BaseReader): the base of that many
+decoder layers (slideformer.engine.runtime.shapes.disk_layers says which) lives in files instead of
+host RAM: the host keeps the rest, plus the tier's staging buffers (written while loading, so
+held from then on); the disk holds one padded file per layer. A step reads each disk layer
+once per window that loads it (:func:`base_reads`) at the disk's read rate; the reads run
+ahead of the loads, so they add a stage to each window's load/compute pipeline (the disk's
+share per streamed layer), as the full-training disk term does. Nothing is written back.
 """
 from __future__ import annotations
 
@@ -31,7 +39,8 @@ from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVI
                                LAYER_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
                                cpu_dispatch_s)
 from slideformer.engine.kernels.linear_ce import fused_ce_available
-from slideformer.engine.runtime.shapes import ExecShape
+from slideformer.engine.runtime.shapes import BUFFERS, ExecShape, padded
+from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 from slideformer.engine.runtime.nf4 import CHUNK as NF4_CHUNK, Nf4Layout
 
 
@@ -46,24 +55,52 @@ def adapter_params(spec: ModelSpec, lora: LoraSpec) -> int:
     return spec.num_layers * adapter_layout(spec, lora).numel
 
 
+def base_reads(num_layers: int, slots: int, disk: list[int], buffers: int = BUFFERS) -> int:
+    """Disk reads of base layers in a step after the first two (module docstring).
+
+    The forward loads the layers not kept in a slot since the last backward (all but the first
+    K), the backward those no longer in a slot after the forward (all but the last K); a layer
+    still in one of the tier's ``buffers`` staging buffers (the least recently used is reused
+    first) is not read again.
+    """
+    L, k, on = num_layers, max(1, min(slots, num_layers)), set(disk)
+    windows = ([i for i in range(k, L) if i in on], [i for i in reversed(range(L - k)) if i in on])
+    staged: list[int] = []  # the buffers' layers, least recently used first
+    for _ in range(3):
+        reads = 0
+        for window in windows:
+            for i in window:
+                if i in staged:
+                    staged.remove(i)
+                else:
+                    reads += 1
+                    del staged[:len(staged) + 1 - buffers]
+                staged.append(i)
+    return reads
+
+
 def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
-                       packed: bool, method: str, lora: LoraSpec) -> tuple[Allocation, ...]:
-    """Every allocation of a frozen-base run (module docstring)."""
+                       packed: bool, method: str, lora: LoraSpec,
+                       disk_layers: int = 0) -> tuple[Allocation, ...]:
+    """Every allocation of a frozen-base run (module docstring); the base of ``disk_layers``
+    decoder layers on the NVMe tier."""
     c, L, P = prec.c, spec.num_layers, spec.params_per_layer
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     lb, A = layer_bytes(spec, prec, method), adapter_params(spec, lora)
     rem = 2 if prec.compute == torch.bfloat16 else 0
     pinned = " (pinned)" if device == "cuda" else ""
     kind = "NF4 + double-quantised scales" if method == "qlora" else f"{c} B/param"
-    out = [Allocation("host", "frozen base weights", L * lb + (E + Hd) * c,  # FrozenItem.w
-                      f"{L} layers x {lb:,} B ({kind}) + embedding and head x {c} B{pinned}", "state"),
+    n = L - disk_layers
+    out = [Allocation("host", "frozen base weights", n * lb + (E + Hd) * c,  # FrozenItem.w
+                      f"{n} layers x {lb:,} B ({kind}) + embedding and head x {c} B{pinned}"
+                      + (f"; {disk_layers} layers on disk" if disk_layers else ""), "state"),
            Allocation("host", "adapters (checkpoint copy)", A * (c + rem + 2 * prec.mo),
                       f"{A:,} adapter params x {c + rem + 2 * prec.mo} B (weights, remainder, m, v)",
                       "state"),
            Allocation("host", "runtime baseline", HOST_RUNTIME[device], "Python, torch", "state"),
            Allocation("host", "runtime working memory", RUNTIME_WORKING,
                       "heap and library buffers kept across steps", "run")]
-    out += loading(spec, prec)
+    out += loading(spec, prec) + base_on_disk(spec, prec, method, disk_layers)
     if method == "qlora":  # Nf4Layout.quantize: fp32 blocks, int64 indices per chunk
         out.append(Allocation("host", "quantisation scratch", NF4_CHUNK * 24,
                               f"chunks of {NF4_CHUNK:,} weights", "setup"))
@@ -89,6 +126,17 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
     return tuple(out)
 
 
+def base_on_disk(spec: ModelSpec, prec: Precision, method: str, disk_layers: int) -> list[Allocation]:
+    """NvmeTier.place (a padded file per layer) and its staging buffers (NvmeTier._take_buffer:
+    at most BUFFERS, one per disk layer at most; allocated by the loading's writes)."""
+    if not disk_layers:
+        return []
+    b, k = padded(layer_bytes(spec, prec, method)), min(disk_layers, BUFFERS)
+    return [Allocation("host", "base staging buffers", k * b, f"{k} x one layer's base", "state"),
+            Allocation("disk", "frozen base on NVMe", disk_layers * b, f"{disk_layers} of "
+                       f"{spec.num_layers} layers ({b / (1 << 30):.2f} GiB each)")]
+
+
 def dequant_scratch(spec: ModelSpec) -> Allocation:
     """Nf4Layout.dequantize: per chunk the int64 codes, the fp32 pairs and their product; per
     matrix its absmax codes as int64 and three fp32 vectors."""
@@ -99,7 +147,8 @@ def dequant_scratch(spec: ModelSpec) -> Allocation:
 
 
 def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
-                    hw: HardwareProfile, method: str, lora: LoraSpec) -> SpeedEstimate:
+                    hw: HardwareProfile, method: str, lora: LoraSpec,
+                    disk_layers: int = 0) -> SpeedEstimate:
     """Step time of a frozen-base run (module docstring)."""
     L, P, k = spec.num_layers, spec.params_per_layer, max(1, min(shape.slots, spec.num_layers))
     B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
@@ -110,10 +159,11 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     flops = L * (lin + att + 2 * lin + 3 * att) + head_f
     lb = layer_bytes(spec, prec, method)
     A = adapter_params(spec, lora)
+    read = base_reads(L, k, nvme_layers(L, disk_layers)) * padded(lb) / (hw.disk_read_gbs * 1e9)
     if device != "cuda":
         busy = {"gpu compute": flops / (hw.cpu_tflops * 1e12) + cpu_dispatch_s(L, n),
                 "pcie h2d": 2 * L * lb / (CPU_COPY_GBS * 1e9), "pcie d2h": 0.0,
-                "cpu optimizer": A * DEVICE_ADAM_BYTES / (CPU_COPY_GBS * 1e9), "disk": 0.0}
+                "cpu optimizer": A * DEVICE_ADAM_BYTES / (CPU_COPY_GBS * 1e9), "disk": read}
         return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")
     rate = hw.matmul_tflops * 1e12 * LAYER_EFFICIENCY
     mem = DEVICE_MEMORY_GBS * 1e9
@@ -122,11 +172,12 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     load = lb / (hw.h2d_gbs * 1e9)
     upd = A * DEVICE_ADAM_BYTES / mem
     streamed = L - k  # the first K layers stay resident across steps
-    fwd = (_pipeline(streamed, [load, f]) if streamed else 0.0) + k * f
-    bwd = (_pipeline(streamed, [load, b]) if streamed else 0.0) + k * b
+    disk = read / (2 * streamed) if streamed else 0.0  # per streamed layer and window
+    fwd = (_pipeline(streamed, [load, f, disk]) if streamed else 0.0) + k * f
+    bwd = (_pipeline(streamed, [load, b, disk]) if streamed else 0.0) + k * b
     step = fwd + head_f / rate + bwd + upd
     busy = {"gpu compute": L * (f + b) + head_f / rate + upd, "pcie h2d": 2 * (L - k) * load,
-            "pcie d2h": 0.0, "cpu optimizer": 0.0, "disk": 0.0}
+            "pcie d2h": 0.0, "cpu optimizer": 0.0, "disk": read}
     note = ""
     if step > SERIAL * max(busy.values()):
         note = "layer loads and compute take turns: the pipeline fills and drains"

@@ -64,8 +64,8 @@ class Plan:
     notes: tuple[str, ...] = ()
     """What no single fix can change (the least each short tier needs)."""
     disk_layers: int = 0
-    """Decoder layers whose AdamW moments live in the NVMe tier (slideformer.engine.runtime.nvme.disk_layers
-    says which)."""
+    """Decoder layers whose AdamW moments (full) or frozen base weights (lora, qlora) live in
+    the NVMe tier (slideformer.engine.runtime.shapes.disk_layers says which)."""
     method: str = "full"
     """full, lora or qlora (train.method)."""
 

@@ -32,6 +32,8 @@ parameter slots (DESIGN §3.3):
               (runtime.lora) train, updated on the device after the backward; the
               backward of a layer computes its input and adapter gradients only, and the base
               layers still resident when a step ends serve the next forward without a copy.
+              Base layers in the NVMe tier are read ahead in the order each window loads them
+              (runtime.lora.BaseReader) and copied to their slots from the staging buffers.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.runtime.activations import DeviceStore, HostStore
 from slideformer.engine.runtime.grad_ring import GradRing, Speculation
 from slideformer.engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
+from slideformer.engine.runtime.lora import BaseReader
 from slideformer.engine.runtime.norms import NormMasters
 from slideformer.engine.runtime.protocols import Backend
 from slideformer.engine.runtime.shapes import DEVICE_CHUNK, ExecShape, speculative_layers
@@ -119,6 +122,7 @@ class SlidingExecutor:
         self.dev_ws = None if not dev else AdamWorkspace(
             DEVICE_CHUNK, backend.device, next(iter(dev.values())).m.dtype != torch.float32)
         self.dev_loaded = False
+        self.base = BaseReader()
 
     def _alloc_device_buffers(self, trained: bool) -> None:
         """Slots, the resident embedding and head, gradient slots, checkpoints, norms."""
@@ -212,7 +216,7 @@ class SlidingExecutor:
             return
         item = self.layers[layer]
         self.updates.wait(item)
-        h = self.pool.start_load(layer, item.host.w)
+        h = self.base.start_load(self.pool, layer, item.host, tl)
         tl.device_span("h2d", item.name, h.start, h)
         if self.norms is not None:
             self.norms.load(item.name)
@@ -299,6 +303,7 @@ class SlidingExecutor:
         ``save`` keeps each layer's inputs as activation checkpoints (training).
         """
         spec, L, k = self.spec, self.spec.num_layers, self.k
+        self._read_ahead(range(self.G, L), tl)
         emb = spec.embed_layout.views(self.embed_w)
         with torch.no_grad():
             xs = [embed(spec, emb, ids).to(self.act) for ids, *_ in inp]
@@ -317,7 +322,12 @@ class SlidingExecutor:
                 tl.device_span("compute", self.layers[i].name, t0, self.backend.mark())
                 if i >= self.G:
                     self.pool.release(i, evict=i < L - k)
+        self.base.settle()
         return xs
+
+    def _read_ahead(self, layers, tl: StepTimeline) -> None:
+        """Start reading the base weights on disk of the ``layers`` not in a slot, in order."""
+        self.base.read_ahead([self.layers[i].host for i in layers if not self.pool.has(i)], tl)
 
     def head_step(self, xs, inp, scale: float, tl: StepTimeline):
         """Loss of every micro-batch and the gradients w.r.t. the last hidden states."""
@@ -367,6 +377,7 @@ class SlidingExecutor:
         """
         L, k = self.spec.num_layers, self.k
         watched = guard is not None or hyper_spec is not None  # norms on the host, per layer
+        self._read_ahead(reversed(range(self.G, L)), tl)
         for i in reversed(range(L)):
             self.store.prefetch(i - 1)
             for j in range(i, max(i - k, -1), -1):
@@ -392,6 +403,7 @@ class SlidingExecutor:
                                                         hyper_spec, watched)
                 self.pool.release(i, evict=True)
             self.store.done_with(i)
+        self.base.settle()
         self._embed_backward(gys, inp, tl)
 
     def _grad_buffer(self, layer: int) -> tuple[torch.Tensor, int | None]:

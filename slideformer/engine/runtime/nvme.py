@@ -1,4 +1,5 @@
-"""The NVMe tier: the AdamW moments (and optionally the remainders) of chosen layers live on disk.
+"""The NVMe tier: the AdamW moments (and optionally the remainders) of chosen layers live on disk,
+or, with a frozen base (train.method lora / qlora), the base weights of chosen layers.
 
 Which layers (:func:`disk_layers`): only decoder layers, so every staging buffer has one layer's
 size (the embedding and the head can be the largest items and stay in RAM). The planner
@@ -6,7 +7,9 @@ size (the embedding and the head can be the largest items and stay in RAM). The 
 budget; they are spread evenly over the depth (layers 1 and 3 of 4 for n = 2). In the update order
 (embed, 0 .. L-1, head) a disk layer then follows RAM layers whose updates hide its read, and
 the next forward, which waits for each layer's update in turn, meets the disk layers one at a
-time rather than in one block at the end.
+time rather than in one block at the end. A frozen layer's file holds its weights (``w``: the
+compute dtype, or its NF4 bytes), written once while the model loads and only read after that
+(slideformer.engine.runtime.lora: read ahead in the order the step loads the layers).
 
 Files: one per item in the chosen folder, created at setup with its full size (posix_fallocate;
 a sparse ftruncate where the filesystem cannot preallocate) and unlinked as soon as it is open.
@@ -32,7 +35,8 @@ A READY buffer always equals the file, so it can be taken back at any time; one 
 prefetch asked for is taken first, then the least recently used. ``acquire`` of an item not yet
 read reads it at once (taking back a READY buffer if the pool is full), so a prefetch that is
 never followed by its acquire (a step cut short) costs a read but never blocks. The pool holds
-at most ``buffers`` buffers; one thread holds at most one item at a time.
+at most ``buffers`` buffers; a thread holds fewer items than that at a time (the optimizer one,
+the frozen base's reader those whose copies to the device are in flight).
 
 Checkpoints see the moments through :meth:`DiskItem.mapped`: tensors over a shared mapping of
 the item's file (no copy in RAM: the writer reads the file, the reader writes it). The item's
@@ -85,6 +89,7 @@ class DiskItem:
     def __init__(self, tier: "NvmeTier", name: str, numel: int, fields: dict[str, torch.dtype]):
         self.tier, self.name, self.numel = tier, name, numel
         self.fields = tuple(fields)
+        self.buffers = tier.n_buffers
         self.offsets: dict[str, tuple[int, torch.dtype]] = {}
         off = 0
         for key, dtype in fields.items():
@@ -185,7 +190,7 @@ class NvmeTier:
         """The item's file holding those of ``fields`` the tier keeps, if the item is chosen."""
         if name not in self.items:
             return None
-        keep = ("rem", "m", "v") if self.remainders else ("m", "v")
+        keep = ("w", "rem", "m", "v") if self.remainders else ("w", "m", "v")  # w: frozen only
         item = DiskItem(self, name, numel, {k: d for k, d in fields.items() if k in keep})
         if self._allocated:
             raise RuntimeError("NVMe tier: items are placed before the first staging")
@@ -426,9 +431,10 @@ class NvmeTier:
             op.tl.host_span("disk", item.name, op.t0, time.perf_counter())
         if op.error is not None:
             e, what = op.error, "writing" if op.write else "reading"
+            state = "base weights" if "w" in item.fields else "optimizer state"
             self._error = self._error or OSError(
                 getattr(e, "errno", None) or errno.EIO,
-                f"NVMe tier: {what} the optimizer state of {item.name} in {self.folder} failed: "
+                f"NVMe tier: {what} the {state} of {item.name} in {self.folder} failed: "
                 f"{getattr(e, 'strerror', None) or e}")
             self._free.append(item.buf)
             item.where, item.buf = Where.ON_DISK, None

@@ -81,17 +81,21 @@ class Backend(Protocol):
 
 @runtime_checkable
 class DiskFile(Protocol):
-    """One item's fields (moments, maybe the remainder) in a disk tier, and its staging calls.
+    """One item's fields (moments, maybe the remainder; a frozen item's weights) in a disk tier,
+    and its staging calls.
 
     ``prefetch`` reads ahead; ``acquire`` hands the fields in a staging buffer (reading them if
-    needed) and ``release`` gives it back, written behind if ``write``. One thread holds at most
-    one item at a time.
+    needed) and ``release`` gives it back, written behind if ``write``. A thread holds fewer
+    items at a time than the tier has ``buffers`` (the optimizer one, the frozen base's reader
+    those whose copies to the device are in flight).
     """
 
     name: str
     """The item's name (``layer{i}``)."""
     fields: tuple[str, ...]
-    """The fields it holds instead of RAM: of ``rem``, ``m``, ``v``."""
+    """The fields it holds instead of RAM: of ``rem``, ``m``, ``v`` (trained), ``w`` (frozen)."""
+    buffers: int
+    """Staging buffers of its tier: a thread holding several items keeps fewer than this."""
 
     def prefetch(self, tl=None) -> None:
         """Start reading the fields ahead of :meth:`acquire` (spans go to timeline ``tl``)."""

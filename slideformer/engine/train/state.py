@@ -39,12 +39,15 @@ def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
 
 
 def build_frozen_state(spec: ModelSpec, backend, compute_dtype, moments_dtype, lora,
-                       nf4: bool = False) -> dict[str, HostItem | FrozenItem]:
+                       nf4: bool = False, tier=None) -> dict[str, HostItem | FrozenItem]:
     """The host state of adapter training (slideformer.engine.runtime.lora): the base items frozen in the
     compute dtype (``nf4``: the decoder layers in NF4, as QLoRA; the embedding and head stay
-    unquantised), and one trained adapter item ``lora{i}`` per decoder layer."""
+    unquantised), and one trained adapter item ``lora{i}`` per decoder layer.
+
+    ``tier``: an slideformer.engine.runtime.nvme.NvmeTier; the layers it chose keep their base weights
+    on disk (written as :func:`load_weights` sets them, one layer at a time)."""
     host: dict = {name: FrozenItem(name, item_layout(spec, name), compute_dtype, backend.host_alloc,
-                                   nf4=nf4 and name.startswith("layer"))
+                                   nf4=nf4 and name.startswith("layer"), tier=tier)
                   for name in item_names(spec)}
     host.update(build_adapters(spec, lora, backend, compute_dtype, moments_dtype))
     return host
@@ -55,7 +58,8 @@ def _alloc(numel: int, dtype) -> torch.Tensor:
 
 
 def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | str, emit=None) -> None:
-    """Fill every model item's master from the model folder (one item in memory at a time)."""
+    """Fill every model item's master from the model folder (one item in memory at a time);
+    returns once the items in the NVMe tier are written (a failed write is raised here)."""
     ckpt = Checkpoint(model_dir)
     ckpt.check(spec)
     names = item_names(spec)
@@ -68,6 +72,9 @@ def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | s
             from slideformer.engine.events import Progress
             emit(Progress("loading weights", k + 1, len(names)))
     ckpt.close()
+    for item in host.values():
+        if item.disk is not None:
+            item.disk.flush()
 
 
 def _check_finite(ckpt: Checkpoint, spec: ModelSpec, item: str, flat: torch.Tensor) -> None:

@@ -184,7 +184,7 @@ class Trainer:
                                          borrowed=speculative)
         else:
             self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
-                                           nf4=cfg.train.method == "qlora")
+                                           nf4=cfg.train.method == "qlora", tier=self.tier)
         if not (resume and self.lora is None):  # else the checkpoint holds the whole state
             load_weights(self.host, self.spec, cfg.model.path, self.emit)
         if self.lora is not None and not resume:
@@ -206,11 +206,13 @@ class Trainer:
         return self.plan
 
     def _open_tier(self) -> NvmeTier | None:
-        """The NVMe tier for the layers whose moments the plan put on disk (None: none)."""
+        """The NVMe tier for the layers whose moments (full) or frozen base weights (lora,
+        qlora) the plan put on disk (None: none)."""
         n, L = self.plan.disk_layers, self.spec.num_layers
         if not n:
             return None
-        self.emit(Log("info", f"NVMe tier: AdamW moments of {n} of {L} layers in "
+        what = "AdamW moments" if self.lora is None else "frozen base weights"
+        self.emit(Log("info", f"NVMe tier: {what} of {n} of {L} layers in "
                               f"{self.cfg.budget.nvme_dir}"))
         return NvmeTier(self.cfg.budget.nvme_dir, [f"layer{i}" for i in disk_layers(L, n)],
                         size_limit=self.plan.budgets.disk)

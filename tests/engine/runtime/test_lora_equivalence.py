@@ -79,10 +79,11 @@ def peft_steps(model, steps, optim: OptimConfig):
     return losses
 
 
-def lora_host(spec, model_dir, lora, seed=0, nf4=False):
+def lora_host(spec, model_dir, lora, seed=0, nf4=False, tier=None):
     """Frozen base + adapters with PEFT's init of A and a random B (so the first step already
-    moves the output and both A and B get gradients)."""
-    host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32, lora, nf4=nf4)
+    moves the output and both A and B get gradients); ``tier``: base layers on the NVMe tier."""
+    host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32, lora, nf4=nf4,
+                              tier=tier)
     load_weights(host, spec, model_dir)
     init_adapters({k: v for k, v in host.items() if k.startswith("lora")}, seed)
     g = torch.Generator().manual_seed(seed + 1)

@@ -25,17 +25,7 @@ from slideformer.engine.runtime.shapes import file_bytes
 from slideformer.engine.train.state import build_host_state, load_weights
 
 STEPS = 3
-
-
-@pytest.fixture(autouse=True)
-def one_torch_thread():
-    """The model's matmuls are tiny: on a busy two-core machine, waking a second OpenMP thread
-    made a (16, 96) x (96, 160) matmul take 0.1-4 ms instead of 9 us (measured), which made this
-    file's run time swing from 3 to 90 s. Results are compared within one setting."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py: tiny matmuls
 SHAPE = ExecShape(micro_batch=1, seq_len=16, n_micro=1, slots=2)
 
 

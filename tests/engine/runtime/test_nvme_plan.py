@@ -26,8 +26,8 @@ from slideformer.engine.train.commands import run_training
 from slideformer.engine.train.state import build_host_state
 from slideformer.engine.train.trainer import Trainer
 
-from test_nvme import one_torch_thread  # noqa: F401,E402 -- autouse: one OpenMP thread here too
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py: tiny matmuls
 GiB = 1 << 30
 CONFIGS = Path(__file__).parents[2] / "fixtures" / "configs"
 EIGHT_B = {"budget.vram": "24GiB", "budget.ram": "96GiB", "data.max_seq_len": 2048,

@@ -64,7 +64,8 @@ CATEGORIES = (
 )
 _PURPOSES = {
     "Weights": ("bfloat16 weights", "float32 weights", "weight remainders", "parameter slots",
-                "embedding weights", "head weights", "device layers"),
+                "embedding weights", "head weights", "device layers", "frozen base weights",
+                "base staging buffers", "frozen base on NVMe"),
     "Optimizer state": ("AdamW moments m, v", "optimizer scratch", "NVMe staging buffers",
                         "NVMe tier", "embedding and head optimizer state",
                         "device optimizer scratch"),
@@ -169,7 +170,7 @@ RESOURCE_HELP = {
     "pcie h2d": "layer weights (and host checkpoints) copied to the GPU",
     "pcie d2h": "fp32 gradients (and checkpoints) copied back to host RAM",
     "cpu optimizer": "AdamW on the CPU over every parameter, once per step",
-    "disk": "optimizer state read and written on the NVMe tier",
+    "disk": "optimizer state read and written, or a frozen base read, on the NVMe tier",
 }
 BOUND_COLOR, BUSY_COLOR = "#f97316", "#64748b"
 
