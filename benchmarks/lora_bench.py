@@ -32,16 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from sliding_step import SHAPES, random_batches  # noqa: E402
+from sliding_step import random_batches, shape_config  # noqa: E402
 
-BIG = {  # published config.json values
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                          tie_word_embeddings=False, head_dim=128),
-    "mistral-large-2": dict(hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
-                            num_attention_heads=96, num_key_value_heads=8, vocab_size=32768,
-                            tie_word_embeddings=False, head_dim=128),
-}
 TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 1024)
     "8b": ("llama-3.1-8b", ("ours-lora", "ours-qlora", "hf-lora", "hf-qlora"), ((4, 4), (4, 16))),
     "70b": ("llama-3.1-70b", ("ours-qlora",), ((8, 8),)),
@@ -52,12 +44,6 @@ MARK = "@@LORA "
 # HF + bnb saves and reloads the model to quantise it as users load one: in RAM where possible
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.statvfs("/dev/shm").f_bavail * \
     os.statvfs("/dev/shm").f_frsize > 40 * (1 << 30) else None
-
-
-def shape_config(name: str) -> dict:
-    shape = {**SHAPES, **BIG}[name]
-    return dict(shape, model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
-                max_position_embeddings=131072, torch_dtype="bfloat16")
 
 
 def peak_rss() -> float:
