@@ -43,22 +43,23 @@ RUN = {"train.method": "qlora", "lora.rank": 4, "lora.alpha": 8.0, "optim.lr": 2
 
 @pytest.fixture(scope="module")
 def bnb_folder(tiny_model_factory, tmp_path_factory):
-    """``make(**BitsAndBytesConfig kwargs) -> folder``: the tiny model saved by transformers in
-    4 bits (default: NF4 with double quantisation, as the *-bnb-4bit releases), tokenizer added."""
+    """``make(shard="5GB", **BitsAndBytesConfig kwargs) -> folder``: the tiny model saved by
+    transformers in 4 bits (default: NF4 with double quantisation, as the *-bnb-4bit releases)
+    in shards of at most ``shard``, tokenizer added."""
     from transformers.utils import logging
     logging.disable_progress_bar()
     src, built = tiny_model_factory("llama", SHAPE, seed=5), {}
 
-    def make(**kw) -> Path:
+    def make(shard: str = "5GB", **kw) -> Path:
         kw = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, **kw}
-        key = json.dumps(kw, sort_keys=True)
+        key = repr((shard, sorted(kw.items())))
         if key not in built:
             q = transformers.BitsAndBytesConfig(load_in_4bit=True, **kw,
                                                 bnb_4bit_compute_dtype=torch.bfloat16)
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 src, quantization_config=q, device_map="cpu", dtype=torch.bfloat16)
             out = tmp_path_factory.mktemp("bnb4") / "model"
-            model.save_pretrained(out)
+            model.save_pretrained(out, max_shard_size=shard)
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
                     shutil.copy2(src / f, out / f)
@@ -85,9 +86,7 @@ def test_qlora_state_holds_the_stored_bytes_and_dequantises_as_bitsandbytes(bnb_
     1-D tensors and the unquantised embedding and head are the stored bf16 values."""
     folder = bnb_folder()
     spec, tensors = load_spec(folder), load_file(str(folder / "model.safetensors"))
-    host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32,
-                              lora_spec(config_mod.LoraConfig()), nf4=True)
-    load_weights(host, spec, folder)
+    host = qlora_state(folder)
     for i, local in quantised_names(spec):
         name, item = hf_name(f"layer{i}", local), host[f"layer{i}"]
         t = next(t for t in item.quant.tensors if t.name == local)
@@ -103,6 +102,28 @@ def test_qlora_state_holds_the_stored_bytes_and_dequantises_as_bitsandbytes(bnb_
         for local, v in item.layout.views(item.master()).items():
             if v.dim() == 1 or item.quant is None:
                 assert torch.equal(v, tensors[hf_name(name, local)].float()), local
+
+
+def qlora_state(folder):
+    spec = load_spec(folder)
+    host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32,
+                              lora_spec(config_mod.LoraConfig()), nf4=True)
+    load_weights(host, spec, folder)
+    return host
+
+
+@pytest.mark.parametrize("how", [{"shard": "40KB"}, {"bnb_4bit_quant_storage": torch.bfloat16}])
+def test_sharded_and_bf16_stored_folders_load_the_same_bytes(how, bnb_folder):
+    """Weights and their parts spread over shards (an index), or codes stored as bf16 (FSDP's
+    quant storage, the same bytes), load into the same NF4 state as the one-file uint8 folder."""
+    folder = bnb_folder(**how)
+    codes = Checkpoint(folder).meta["model.layers.0.mlp.up_proj.weight"]
+    assert (folder / "model.safetensors.index.json").is_file() == ("shard" in how)
+    assert codes["dtype"] == ("U8" if "shard" in how else "BF16")
+    ours, ref = qlora_state(folder), qlora_state(bnb_folder())
+    for name, item in ref.items():
+        if name.startswith("layer"):
+            assert torch.equal(ours[name].w, item.w), name
 
 
 def test_dense_logits_equal_transformers_on_its_dequantised_weights(bnb_folder, load_hf):
