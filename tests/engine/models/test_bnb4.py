@@ -224,15 +224,21 @@ def test_other_4_bit_variants_are_refused_by_name(kw, problem, bnb_folder, tiny_
     assert "Traceback" not in err and err.count("error:") == 1
 
 
-def test_a_foreign_code_table_is_refused_when_read(bnb_folder, tmp_path):
-    """A quant_map that is not NF4 (the bytes would decode to other values) is refused by name."""
+@pytest.mark.parametrize("part,change,problem", [
+    (".quant_map", lambda t: t * 0.5, "is not NF4"),
+    (".nested_absmax", lambda t: t.index_fill(0, torch.tensor([0]), float("nan")), "holds 1 NaN")])
+def test_a_foreign_table_or_a_nan_scale_is_refused_when_read(part, change, problem, bnb_folder,
+                                                              tmp_path):
+    """A quant_map that is not NF4 (the codes would mean other values) or a NaN second-level
+    scale is refused by name as the weights load."""
     from slideformer.engine.errors import UserError
     name = "model.layers.0.mlp.down_proj.weight"
-    folder = tmp_path / "other-map"
+    folder = tmp_path / "changed"
     shutil.copytree(bnb_folder(), folder)
     tensors = load_file(str(folder / "model.safetensors"))
-    tensors[name + ".quant_map"] = tensors[name + ".quant_map"] * 0.5
+    tensors[name + part] = change(tensors[name + part])
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     spec = load_spec(folder)
-    with pytest.raises(UserError, match=rf"tensor '{name}.quant_map' is not NF4"):
+    Checkpoint(folder).check(spec)  # the headers and quant states are sound
+    with pytest.raises(UserError, match=rf"tensor '{re.escape(name + part)}' {problem}"):
         Checkpoint(folder).read_item(spec, "layer0", torch.empty(spec.params_per_layer))
