@@ -28,7 +28,7 @@ from slideformer.engine.models.lora import lora_spec  # noqa: E402
 from slideformer.engine.models.model import DenseModel  # noqa: E402
 from slideformer.engine.models.spec import load_spec  # noqa: E402
 from slideformer.engine.models.tiny import TinyShape  # noqa: E402
-from slideformer.engine.models.weights import TOKENIZER_FILES, Checkpoint, hf_name  # noqa: E402
+from slideformer.engine.models.weights import Checkpoint, hf_name  # noqa: E402
 from slideformer.engine.runtime.backend import CpuBackend  # noqa: E402
 from slideformer.engine.train.commands import run_training  # noqa: E402
 from slideformer.engine.train.state import build_frozen_state, load_weights  # noqa: E402
@@ -42,31 +42,11 @@ RUN = {"train.method": "qlora", "lora.rank": 4, "lora.alpha": 8.0, "optim.lr": 2
 
 
 @pytest.fixture(scope="module")
-def bnb_folder(tiny_model_factory, tmp_path_factory):
-    """``make(shard="5GB", **BitsAndBytesConfig kwargs) -> folder``: the tiny model saved by
-    transformers in 4 bits (default: NF4 with double quantisation, as the *-bnb-4bit releases)
-    in shards of at most ``shard``, tokenizer added."""
-    from transformers.utils import logging
-    logging.disable_progress_bar()
-    src, built = tiny_model_factory("llama", SHAPE, seed=5), {}
-
-    def make(shard: str = "5GB", **kw) -> Path:
-        kw = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, **kw}
-        key = repr((shard, sorted(kw.items())))
-        if key not in built:
-            q = transformers.BitsAndBytesConfig(load_in_4bit=True, **kw,
-                                                bnb_4bit_compute_dtype=torch.bfloat16)
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                src, quantization_config=q, device_map="cpu", dtype=torch.bfloat16)
-            out = tmp_path_factory.mktemp("bnb4") / "model"
-            model.save_pretrained(out, max_shard_size=shard)
-            for f in TOKENIZER_FILES:
-                if (src / f).is_file():
-                    shutil.copy2(src / f, out / f)
-            built[key] = out
-        return built[key]
-
-    return make
+def bnb_folder(bnb4_folder_factory, tiny_model_factory):
+    """``make(shard="5GB", **BitsAndBytesConfig kwargs) -> folder``: this module's tiny model
+    in 4 bits (tests/conftest.py: bnb4_folder_factory)."""
+    src = tiny_model_factory("llama", SHAPE, seed=5)
+    return lambda **kw: bnb4_folder_factory(src, **kw)
 
 
 def stored_state(tensors: dict, name: str):
