@@ -28,7 +28,7 @@ from slideformer.engine.models.lora import lora_spec  # noqa: E402
 from slideformer.engine.models.model import DenseModel  # noqa: E402
 from slideformer.engine.models.spec import load_spec  # noqa: E402
 from slideformer.engine.models.tiny import TinyShape  # noqa: E402
-from slideformer.engine.models.weights import TOKENIZER_FILES, Checkpoint, hf_name  # noqa: E402
+from slideformer.engine.models.weights import Checkpoint, hf_name  # noqa: E402
 from slideformer.engine.runtime.backend import CpuBackend  # noqa: E402
 from slideformer.engine.train.commands import run_training  # noqa: E402
 from slideformer.engine.train.state import build_frozen_state, load_weights  # noqa: E402
@@ -42,31 +42,11 @@ RUN = {"train.method": "qlora", "lora.rank": 4, "lora.alpha": 8.0, "optim.lr": 2
 
 
 @pytest.fixture(scope="module")
-def bnb_folder(tiny_model_factory, tmp_path_factory):
-    """``make(shard="5GB", **BitsAndBytesConfig kwargs) -> folder``: the tiny model saved by
-    transformers in 4 bits (default: NF4 with double quantisation, as the *-bnb-4bit releases)
-    in shards of at most ``shard``, tokenizer added."""
-    from transformers.utils import logging
-    logging.disable_progress_bar()
-    src, built = tiny_model_factory("llama", SHAPE, seed=5), {}
-
-    def make(shard: str = "5GB", **kw) -> Path:
-        kw = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, **kw}
-        key = repr((shard, sorted(kw.items())))
-        if key not in built:
-            q = transformers.BitsAndBytesConfig(load_in_4bit=True, **kw,
-                                                bnb_4bit_compute_dtype=torch.bfloat16)
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                src, quantization_config=q, device_map="cpu", dtype=torch.bfloat16)
-            out = tmp_path_factory.mktemp("bnb4") / "model"
-            model.save_pretrained(out, max_shard_size=shard)
-            for f in TOKENIZER_FILES:
-                if (src / f).is_file():
-                    shutil.copy2(src / f, out / f)
-            built[key] = out
-        return built[key]
-
-    return make
+def bnb_folder(bnb4_folder_factory, tiny_model_factory):
+    """``make(shard="5GB", **BitsAndBytesConfig kwargs) -> folder``: this module's tiny model
+    in 4 bits (tests/conftest.py: bnb4_folder_factory)."""
+    src = tiny_model_factory("llama", SHAPE, seed=5)
+    return lambda **kw: bnb4_folder_factory(src, **kw)
 
 
 def stored_state(tensors: dict, name: str):
@@ -224,15 +204,21 @@ def test_other_4_bit_variants_are_refused_by_name(kw, problem, bnb_folder, tiny_
     assert "Traceback" not in err and err.count("error:") == 1
 
 
-def test_a_foreign_code_table_is_refused_when_read(bnb_folder, tmp_path):
-    """A quant_map that is not NF4 (the bytes would decode to other values) is refused by name."""
+@pytest.mark.parametrize("part,change,problem", [
+    (".quant_map", lambda t: t * 0.5, "is not NF4"),
+    (".nested_absmax", lambda t: t.index_fill(0, torch.tensor([0]), float("nan")), "holds 1 NaN")])
+def test_a_foreign_table_or_a_nan_scale_is_refused_when_read(part, change, problem, bnb_folder,
+                                                              tmp_path):
+    """A quant_map that is not NF4 (the codes would mean other values) or a NaN second-level
+    scale is refused by name as the weights load."""
     from slideformer.engine.errors import UserError
     name = "model.layers.0.mlp.down_proj.weight"
-    folder = tmp_path / "other-map"
+    folder = tmp_path / "changed"
     shutil.copytree(bnb_folder(), folder)
     tensors = load_file(str(folder / "model.safetensors"))
-    tensors[name + ".quant_map"] = tensors[name + ".quant_map"] * 0.5
+    tensors[name + part] = change(tensors[name + part])
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     spec = load_spec(folder)
-    with pytest.raises(UserError, match=rf"tensor '{name}.quant_map' is not NF4"):
+    Checkpoint(folder).check(spec)  # the headers and quant states are sound
+    with pytest.raises(UserError, match=rf"tensor '{re.escape(name + part)}' {problem}"):
         Checkpoint(folder).read_item(spec, "layer0", torch.empty(spec.params_per_layer))
