@@ -23,7 +23,10 @@ def format_plan(plan: Plan) -> str:
              f"hardware: {plan.hardware.name}",
              f"executor: {s.slots} parameter slots ({L.detail}), checkpoints on "
              f"{'the GPU' if s.checkpoints == 'gpu' else 'the host'}, LM-head chunks of "
-             f"{s.head_chunk} tokens", ""]
+             f"{s.head_chunk} tokens"]
+    if plan.speed.kernels:  # CUDA plans: what their memory and speed assume
+        lines.append(f"GPU kernels: {plan.speed.kernels}")
+    lines.append("")
     lines += _table(plan)
     lines += ["", "peaks:"]
     for t in plan.tiers:

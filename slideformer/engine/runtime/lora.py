@@ -8,6 +8,9 @@ device; the host copy is what checkpoints and the export read.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import torch
 
 from slideformer.engine.models.lora import LoraSpec, adapter_layout, init_adapter
@@ -22,8 +25,9 @@ class FrozenItem:
     ``nf4``: ``w`` holds the item quantised (slideformer.engine.runtime.nf4: its matrices in NF4, the 1-D
     tensors in ``dtype``); it is quantised as it is set, one item at a time while loading.
     ``tier``: an NVMe tier (slideformer.engine.runtime.nvme) that holds the weights of the layers it
-    chose: ``w`` is then None and the bytes live in the item's file, written once by
-    :meth:`set_master` and read through the tier's staging buffers (:class:`BaseReader`).
+    chose: ``w`` is then None and the bytes live in the item's file, written once
+    while loading (:meth:`stored`) and read through the tier's staging buffers
+    (:class:`BaseReader`).
     """
 
     def __init__(self, name: str, layout: Layout, dtype: torch.dtype, alloc_pinned,
@@ -37,27 +41,28 @@ class FrozenItem:
         self.w = alloc_pinned(size, stored) if self.disk is None else None
         self.g = None
 
-    def set_master(self, master: torch.Tensor) -> None:
-        """Set the weights (quantised if NF4); an item on disk writes its file (the staging
-        buffer's read of the not yet written file is of unwritten extents: no disk traffic)."""
+    @contextmanager
+    def stored(self, write: bool) -> Iterator[torch.Tensor]:
+        """The stored weights ``w`` for the block: in RAM, or for an item on disk in a staging
+        buffer of its file (written to the file after the block if ``write``; the buffer's read
+        of a file not yet written is of unwritten extents, so it costs no disk traffic)."""
         if self.disk is None:
-            self._fill(self.w, master)
-            return
-        with self.disk.staged(write=True) as staged:
-            self._fill(staged["w"], master)
-
-    def _fill(self, w: torch.Tensor, master: torch.Tensor) -> None:
-        if self.quant is None:
-            w.copy_(master)
+            yield self.w
         else:
-            self.quant.quantize(master, w)
+            with self.disk.staged(write) as staged:
+                yield staged["w"]
+
+    def set_master(self, master: torch.Tensor) -> None:
+        with self.stored(write=True) as w:
+            if self.quant is None:
+                w.copy_(master)
+            else:
+                self.quant.quantize(master, w)
 
     def master(self) -> torch.Tensor:
         """The weights as fp32 (a new tensor; dequantised if quantised; read if on disk)."""
-        if self.disk is None:
-            return self._unpack(self.w)
-        with self.disk.staged(write=False) as staged:
-            return self._unpack(staged["w"])
+        with self.stored(write=False) as w:
+            return self._unpack(w)
 
     def _unpack(self, w: torch.Tensor) -> torch.Tensor:
         if self.quant is None:
