@@ -115,9 +115,11 @@ class SlidingExecutor:
         self.updates = HostUpdates(backend.is_cuda, self.snapshots, self.health_host, L, self.group)
         borrow = [i for i in range(L)
                   if trained and host[f"layer{i}"].g is None and i not in self.snapshots]
-        self.ring = GradRing(backend.host_alloc, min(shape.grad_ring, L) if borrow else 0, n)
         self.gradless = [i for i in borrow if i not in self.regen]
         """Layers without a gradient of their own that clipping has no other way to serve."""
+        # with clipping only the regenerated layers borrow, one at a time in pass 2
+        ring = min(shape.grad_ring, L if self.gradless else len(borrow))
+        self.ring = GradRing(backend.host_alloc, ring, n)
         resident = {"embed": (self.embed_w, self.embed_g), "head": (self.head_w, self.head_g)}
         self.items = build_items(host, L, backend, resident, shape.device_update, self.G, not trained)
         """Every item in update order: the embedding, the decoder layers, the head."""

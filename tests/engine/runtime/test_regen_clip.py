@@ -73,3 +73,27 @@ def test_regenerated_above_device_layers_equals_barrier(model):
     barrier, regen_run, _ = _compare(spec, d, "always", 2, 23, 2, slots=2, device_update=True,
                                      device_layers=1)
     assert_bitwise(barrier, regen_run)
+
+
+def test_trainer_with_clip_regen_equals_without(tiny_run, tmp_path):
+    """train.clip_regen through the trainer: the plan's shape carries it, the regenerated
+    layers own no host gradient, and the run's losses and exported weights are those of the
+    same run without it (CPU fp32, bit for bit)."""
+    from slideformer.engine.train.trainer import Trainer
+    from tests.engine.train.test_train import final_weights, step_losses
+    runs = []
+    for regen in (0, 2):
+        cfg = tiny_run(tmp_path / f"regen{regen}", {"train.clip_regen": regen,
+                                                    "optim.max_grad_norm": 0.05})
+        t = Trainer(cfg)
+        t.setup()
+        assert t.executor.shape.regen_layers == regen
+        assert t.executor.regen.layers == list(range(regen))
+        assert all(t.host[f"layer{i}"].g is None and i not in t.executor.snapshots
+                   for i in range(regen))
+        assert t.train() == "finished"
+        t.cleanup()
+        runs.append((step_losses(tmp_path / f"regen{regen}"), final_weights(tmp_path / f"regen{regen}")))
+    (losses_a, wa), (losses_b, wb) = runs
+    assert losses_a == losses_b and wa.keys() == wb.keys()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
