@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.sliding_step import shape_spec  # noqa: E402
 from slideformer.engine.kernels import attention as attn, dispatch  # noqa: E402
 from slideformer.engine.models import layers  # noqa: E402
-from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rope_tables  # noqa: E402
+from slideformer.engine.kernels.attention import packed_causal_mask  # noqa: E402
+from slideformer.engine.models.layers import decoder_layer, rope_tables  # noqa: E402
 from slideformer.engine.models.model import positions_for  # noqa: E402
 from slideformer.engine.plan.speed import layer_flops  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape  # noqa: E402

@@ -32,16 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from sliding_step import SHAPES, random_batches  # noqa: E402
+from sliding_step import random_batches, shape_config  # noqa: E402
 
-BIG = {  # published config.json values
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                          tie_word_embeddings=False, head_dim=128),
-    "mistral-large-2": dict(hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
-                            num_attention_heads=96, num_key_value_heads=8, vocab_size=32768,
-                            tie_word_embeddings=False, head_dim=128),
-}
 TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 1024)
     "8b": ("llama-3.1-8b", ("ours-lora", "ours-qlora", "hf-lora", "hf-qlora"), ((4, 4), (4, 16))),
     "70b": ("llama-3.1-70b", ("ours-qlora",), ((8, 8),)),
@@ -49,15 +41,10 @@ TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 102
 }
 GiB = 1 << 30
 MARK = "@@LORA "
+SETUP: dict = {}  # the HF contender's set-up figures, kept for the record of a run out of memory
 # HF + bnb saves and reloads the model to quantise it as users load one: in RAM where possible
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.statvfs("/dev/shm").f_bavail * \
     os.statvfs("/dev/shm").f_frsize > 40 * (1 << 30) else None
-
-
-def shape_config(name: str) -> dict:
-    shape = {**SHAPES, **BIG}[name]
-    return dict(shape, model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
-                max_position_embeddings=131072, torch_dtype="bfloat16")
 
 
 def peak_rss() -> float:
@@ -153,22 +140,51 @@ def run_ours(a: dict) -> dict:
 
 
 # ---- Hugging Face + PEFT -----------------------------------------------------------------------
+def write_random_folder(cfg, folder: str, dev: str, dtype: torch.dtype) -> None:
+    """A HF folder of N(0, 0.02) weights in ``dtype``, one tensor at a time: drawn on ``dev``,
+    moved to the host and written, so the full model never sits in VRAM or RAM (the names and
+    shapes come from a model built on the meta device)."""
+    import transformers
+    from safetensors.torch import save_file
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(cfg)
+    g = torch.Generator(dev).manual_seed(0)
+    shard, size, n, index = {}, 0, 0, {}
+    for name, p in meta.state_dict().items():
+        w = (torch.randn(p.shape, generator=g, device=dev) * 0.02).to(dtype)
+        if name.endswith("norm.weight"):  # RMSNorm weights start at one, as HF initialises them
+            w = torch.ones(p.shape, dtype=dtype, device=dev)
+        shard[name] = w.cpu()
+        size += w.numel() * w.element_size()
+        if size > 4 * GiB:
+            n += 1
+            save_file(shard, os.path.join(folder, f"model-{n:05d}.safetensors"), {"format": "pt"})
+            index.update({k: f"model-{n:05d}.safetensors" for k in shard})
+            shard, size = {}, 0
+    if shard:
+        n += 1
+        save_file(shard, os.path.join(folder, f"model-{n:05d}.safetensors"), {"format": "pt"})
+        index.update({k: f"model-{n:05d}.safetensors" for k in shard})
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump({"metadata": {}, "weight_map": index}, f)
+    cfg.save_pretrained(folder)
+
+
 def hf_model(a: dict, dev: str):
-    """The random-init HF model: bf16 for lora; for qlora saved and reloaded through
-    BitsAndBytesConfig (NF4, double quantisation, bf16 compute), as users load one."""
+    """The random-init HF model: bf16 for lora; for qlora written as a bf16 folder and loaded
+    through BitsAndBytesConfig (NF4, double quantisation, bf16 compute), as users load one.
+    The bf16 weights never occupy the GPU before the quantised load: what is allocated after
+    set-up is the 4-bit model (recorded as setup_vram_gib, also when training runs out of memory)."""
     import transformers
     cfg = transformers.LlamaConfig(**shape_config(a["shape"]))
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = transformers.LlamaForCausalLM(cfg).to(dtype)
     if a["contender"] == "hf-lora":
-        return model
+        torch.manual_seed(0)
+        with torch.device(dev):
+            return transformers.LlamaForCausalLM(cfg).to(dtype)
     import peft
     with tempfile.TemporaryDirectory(dir=a.get("tmp")) as d:
-        model.save_pretrained(d)
-        del model
-        gc.collect()  # HF modules hold reference cycles: without this the bf16 model stays in VRAM
+        write_random_folder(cfg, d, dev, dtype)
         if dev == "cuda":
             torch.cuda.empty_cache()
         q = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -192,6 +208,7 @@ def run_hf(a: dict) -> dict:
     model.enable_input_require_grads()
     setup = time.perf_counter() - t0
     setup_vram = torch.cuda.memory_allocated() / GiB if dev == "cuda" else 0.0
+    SETUP.update(setup_s=round(setup, 1), setup_vram_gib=round(setup_vram, 2))
     cap(a["vram_cap"])
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-4, fused=dev == "cuda")
@@ -221,7 +238,7 @@ def one(a: dict) -> None:
     try:
         res = run_ours(a) if a["contender"].startswith("ours") else run_hf(a)
     except torch.cuda.OutOfMemoryError as e:
-        res = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+        res = {**SETUP, "error": f"out of memory: {str(e).splitlines()[0]}"}
     except ImportError as e:
         res = {"error": f"not installed: {e}"}
     print(MARK + json.dumps({**a, **res}), flush=True)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 
-from contenders import CAPPED, CONTENDERS, MARK, BenchConfig
+from contenders_common import CAPPED, CONTENDERS, MARK, BenchConfig
 from sliding_step import SHAPES, shape_spec
 
 HERE = Path(__file__).resolve().parent

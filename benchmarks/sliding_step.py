@@ -40,6 +40,12 @@ SHAPES = {  # published config.json values of the public models
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                          tie_word_embeddings=False, head_dim=128),
+    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                          tie_word_embeddings=False, head_dim=128),
+    "mistral-large-2": dict(hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
+                            num_attention_heads=96, num_key_value_heads=8, vocab_size=32768,
+                            tie_word_embeddings=False, head_dim=128),
     "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,  # CPU timings
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
                   tie_word_embeddings=False, head_dim=64),
@@ -49,10 +55,14 @@ SHAPES = {  # published config.json values of the public models
 }
 
 
+def shape_config(name: str) -> dict:
+    """A config.json of the Llama-shaped model ``name`` (a key of SHAPES)."""
+    return dict(SHAPES[name], model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                max_position_embeddings=131072, torch_dtype="bfloat16")
+
+
 def shape_spec(name: str):
-    cfg = dict(SHAPES[name], model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
-               max_position_embeddings=131072, torch_dtype="bfloat16")
-    return spec_from_config(cfg)
+    return spec_from_config(shape_config(name))
 
 
 @dataclass

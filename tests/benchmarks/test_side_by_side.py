@@ -13,7 +13,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import side_by_side as sbs  # noqa: E402
-from contenders import MARK, BenchConfig  # noqa: E402
+from contenders_common import MARK, BenchConfig  # noqa: E402
 
 CFG = BenchConfig(shape="tiny", seq=32, micro_batch=2, grad_accum=(1, 4), vram_cap=24.0,
                   max_batch=True)

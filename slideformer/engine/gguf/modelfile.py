@@ -77,7 +77,7 @@ def _strip_bos(tok: TokenizerInfo, text: str) -> str:
 def modelfile(gguf_name: str, tok: TokenizerInfo, context: int) -> str:
     """The text of a Modelfile that runs ``gguf_name`` (a file next to it) in Ollama."""
     style, system = detect_style(tok)
-    lines = [f"# Ollama: ollama create <name> -f Modelfile && ollama run <name>",
+    lines = ["# Ollama: ollama create <name> -f Modelfile && ollama run <name>",
              f"FROM ./{gguf_name}", ""]
     stops = [s for s in dict.fromkeys([style.stop if style else None, tok.eos_token]) if s]
     if style is not None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from slideformer.engine.kernels import dispatch
-from slideformer.engine.kernels.attention import attend, packed_causal_mask  # noqa: F401 (the model's mask)
+from slideformer.engine.kernels.attention import attend
 from slideformer.engine.models.spec import ModelSpec
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from slideformer.engine.kernels.attention import packed_causal_mask
 from slideformer.engine.kernels.linear_ce import linear_cross_entropy
-from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
+from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
 from slideformer.engine.models.spec import ModelSpec
 
 

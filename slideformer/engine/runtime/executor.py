@@ -47,7 +47,8 @@ import torch
 from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
 from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
-from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
+from slideformer.engine.kernels.attention import packed_causal_mask
+from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
 from slideformer.engine.models.model import embed, head_weight, positions_for
 from slideformer.engine.models.spec import ModelSpec

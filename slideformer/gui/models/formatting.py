@@ -3,7 +3,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from slideformer.engine.api import format_bytes as human_bytes  # noqa: F401 - one size format everywhere
+# the engine's byte format under the GUI's name: one size format in messages and on every page
+from slideformer.engine.api import format_bytes as human_bytes
+
+__all__ = ["RESOURCE_TITLES", "home_relative", "human_bytes", "human_count", "resource_title",
+           "short_path"]
 
 
 def human_count(n: int) -> str:

@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from slideformer.engine.api import (CONFIG_FILE, EVENTS_FILE, LOG_FILE, TERMINAL_STATES, EventReader,
-                        RunClient, RunState, StepMetrics, UserError, checkpoints, from_json,
-                        load_config)
+from slideformer.engine.api import (CONFIG_FILE, EVENTS_FILE, LOG_FILE, TERMINAL_STATES, RunClient,
+                                    RunState, StepMetrics, UserError, checkpoints, from_json,
+                                    load_config)
 SUMMARY_TAIL_BYTES = 256 << 10
 """A summary reads at most this much of the end of ``events.jsonl`` (a long run's file holds
 tens of MB): enough for the last state change and step of any run."""

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from PySide6.QtCore import QThread, Signal
 
-from slideformer.engine.api import RunClient, RunState, train_argv
-from slideformer.gui.models.runs import TERMINAL_STATES, EventReader, engine_log, text_tail
+from slideformer.engine.api import EventReader, RunClient, RunState, train_argv
+from slideformer.gui.models.runs import TERMINAL_STATES, engine_log, text_tail
 
 POLL_S = 0.1
 """How often the bridge looks for new events (the plots repaint at 15 Hz anyway)."""

@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from slideformer.engine.kernels.attention import packed_causal_mask
 from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd
-from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
+from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
 from slideformer.engine.models.model import positions_for
 from slideformer.engine.models.spec import spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config

@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from slideformer.engine.config import OptimConfig
-from slideformer.engine.models.layers import decoder_layer, packed_causal_mask, rms_norm, rope_tables
+from slideformer.engine.kernels.attention import packed_causal_mask
+from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
 from slideformer.engine.models.model import positions_for
 from slideformer.engine.models.spec import load_spec
 from slideformer.engine.models.tiny import TinyShape, make_tiny_model
-from slideformer.engine.models.weights import Checkpoint, hf_name, item_layout, item_names
+from slideformer.engine.models.weights import Checkpoint, item_layout, item_names
 from slideformer.engine.runtime.backend import CpuBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
 from slideformer.engine.runtime.host_state import AdamHyper

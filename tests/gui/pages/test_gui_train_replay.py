@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from slideformer.engine import config as config_mod
+from slideformer.engine.api import EventReader
 from slideformer.engine.events import (CheckpointSaved, EvalMetrics, Log, RunState, Span, StepMetrics,
                            Timeline, to_json)
 from slideformer.engine.train.control import CONTROL_FILE
 from slideformer.gui.pages.train import dashboard as train_dashboard
 from slideformer.gui.models.presets import apply_preset, load_presets
-from slideformer.gui.models.runs import EventReader, scan_runs, summarize
+from slideformer.gui.models.runs import scan_runs, summarize
 from slideformer.gui.models.metrics import StepHistory, stall_seconds
 from slideformer.gui.pages.train.page import TrainPage
 
