@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -46,8 +45,9 @@ from benchmarks.sliding_step import shape_spec  # noqa: E402
 from slideformer.engine.kernels import attention as attn, dispatch  # noqa: E402
 from slideformer.engine.models import layers  # noqa: E402
 from slideformer.engine.kernels.attention import packed_causal_mask  # noqa: E402
-from slideformer.engine.models.layers import decoder_layer, rope_tables  # noqa: E402
+from slideformer.engine.models.layers import rope_tables  # noqa: E402
 from slideformer.engine.models.model import positions_for  # noqa: E402
+from slideformer.engine.plan.bench import kernel_switches, layer_passes  # noqa: E402
 from slideformer.engine.plan.speed import layer_flops  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape  # noqa: E402
 
@@ -88,23 +88,6 @@ def timer(device):
         fn()
         return (time.perf_counter() - t) * 1e3
     return cuda if device.type == "cuda" else cpu
-
-
-def phases(spec, p, x, rope, mask):
-    """(forward, recompute + backward) as the executor runs them."""
-    gy = torch.randn_like(x)
-    leaves = {k: v.detach().requires_grad_() for k, v in p.items()}
-
-    def forward():
-        with torch.no_grad():
-            decoder_layer(spec, p, x, rope, mask)
-
-    def backward():
-        xi = x.detach().requires_grad_()
-        with torch.enable_grad():
-            y = decoder_layer(spec, leaves, xi, rope, mask)
-            torch.autograd.grad(y, [xi, *leaves.values()], gy)
-    return forward, backward
 
 
 def median_ms(fn, device, reps):
@@ -180,28 +163,21 @@ def attention_variants(spec, B, T, device, dtype, reps) -> dict[str, float]:
     return out
 
 
-KERNELS = {"reference": {dispatch.ENV: "0", attn.ENV: "0"}, "fused": {}}
-"""Environment of each kernel choice (``fused``: the engine's default)."""
+KERNELS = {"reference": False, "fused": True}
+"""Each kernel choice: every switch off (``reference``) or the engine's default (``fused``)."""
 
 
 def with_kernels(name: str, fn):
     """fn() with the switches of KERNELS[name] set (and the other ones cleared)."""
-    saved = {k: os.environ.pop(k, None) for k in (dispatch.ENV, attn.ENV)}
-    os.environ.update(KERNELS[name])
-    try:
+    with kernel_switches(KERNELS[name], KERNELS[name]):
         return fn()
-    finally:
-        for k, v in saved.items():
-            os.environ.pop(k, None)
-            if v is not None:
-                os.environ[k] = v
 
 
 def case(spec, B, T, packed, device, dtype, reps, kernels: str) -> dict:
     launches = dict(dispatch.LAUNCHES)
     p = random_layer(spec, device, dtype)
     x, rope, mask, _ = inputs(spec, B, T, packed, device, dtype)
-    fwd, bwd = phases(spec, p, x, rope, mask)
+    fwd, bwd = layer_passes(spec, p, x, rope, mask)
     f_flops, b_flops = layer_flops(spec, ExecShape(micro_batch=B, seq_len=T, n_micro=1, slots=2))
     f_ms, b_ms = median_ms(fwd, device, reps), median_ms(bwd, device, reps)
     parts = components(spec, p, x, rope, mask, device, reps)

@@ -6,6 +6,7 @@ treat them as read-only, and copy one (``shutil.copytree``) before breaking it o
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,39 @@ def tiny_model_factory(tmp_path_factory):
 def tiny_model(request, tiny_model_factory) -> Path:
     """A tiny model folder (default odd shape) of each supported family, in turn."""
     return tiny_model_factory(request.param)
+
+
+@pytest.fixture(scope="session")
+def bnb4_folder_factory(tmp_path_factory):
+    """``make(src, shard="5GB", **BitsAndBytesConfig kwargs) -> folder``: the model folder
+    ``src`` saved in 4 bits by transformers itself (from_pretrained with the config on the CPU,
+    then save_pretrained), so the names and quant states are those of the *-bnb-4bit releases;
+    default NF4 with double quantisation; shards of at most ``shard``; tokenizer copied."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("bitsandbytes")
+    from transformers.utils import logging
+
+    from slideformer.engine.models.weights import TOKENIZER_FILES
+    logging.disable_progress_bar()
+    built: dict[str, Path] = {}
+
+    def make(src: Path, shard: str = "5GB", **kw) -> Path:
+        kw = {"bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True, **kw}
+        key = repr((str(src), shard, sorted(kw.items())))
+        if key not in built:
+            q = transformers.BitsAndBytesConfig(load_in_4bit=True, **kw,
+                                                bnb_4bit_compute_dtype=torch.bfloat16)
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                src, quantization_config=q, device_map="cpu", dtype=torch.bfloat16)
+            out = tmp_path_factory.mktemp("bnb4") / "model"
+            model.save_pretrained(out, max_shard_size=shard)
+            for f in TOKENIZER_FILES:
+                if (src / f).is_file():
+                    shutil.copy2(src / f, out / f)
+            built[key] = out
+        return built[key]
+
+    return make
 
 
 # ---- tiny training runs ------------------------------------------------------------------------

@@ -38,26 +38,35 @@ def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _flex():
-    """(compiled flex_attention, create_block_mask), or None where unavailable.
-
-    Compiled once per process: uncompiled, FlexAttention materialises the scores (its
-    reference path). Shapes that change between calls recompile once, then run dynamic.
-    """
+def _flex_module():
+    """torch.nn.attention.flex_attention, or None where this PyTorch has none."""
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention import flex_attention
     except ImportError:
         return None
-    return torch.compile(flex_attention), create_block_mask
+    return flex_attention
+
+
+@functools.cache
+def _flex():
+    """The compiled flex_attention.
+
+    Compiled once per process, on first use (torch.compile's import alone costs seconds, which
+    the planner, asking only :func:`flex_available`, does not pay): uncompiled, FlexAttention
+    materialises the scores (its reference path). Shapes that change between calls recompile
+    once, then run dynamic.
+    """
+    return torch.compile(_flex_module().flex_attention)
 
 
 def flex_available(device: torch.device | str, head_dim: int) -> bool:
-    """Whether packed documents on ``device`` take FlexAttention (for the planner and the tests).
+    """Whether packed documents on ``device`` take FlexAttention (the executor's masks, the
+    planner through slideformer.engine.kernels.dispatch.kernel_path, the tests).
 
     Its Triton kernels want a power-of-two head dimension of at least 16; other models keep
     the boolean mask."""
     return (torch.device(device).type == "cuda" and os.environ.get(ENV) != "0"
-            and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _flex() is not None)
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _flex_module() is not None)
 
 
 def document_mask(doc_ids: torch.Tensor, head_dim: int):
@@ -78,7 +87,8 @@ def document_block_mask(doc_ids: torch.Tensor):
 
     def same_document_causal(b, h, q, kv):
         return (docs[b, q] == docs[b, kv]) & (q >= kv)
-    return _flex()[1](same_document_causal, B, None, T, T, device=doc_ids.device)
+    return _flex_module().create_block_mask(same_document_causal, B, None, T, T,
+                                            device=doc_ids.device)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool,
@@ -94,4 +104,4 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=gqa)
     count_launch("flex_attention")  # only document_mask makes anything else: a BlockMask
-    return _flex()[0](q, k, v, block_mask=mask, enable_gqa=gqa)
+    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)

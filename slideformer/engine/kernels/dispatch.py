@@ -6,6 +6,10 @@ importable (CUDA builds of PyTorch ship it; it is not a dependency of the packag
 ``SLIDEFORMER_TRITON`` not ``0`` (the same switch turns off the cross-entropy kernel). The
 PyTorch code in ``layers`` is the reference and the path everywhere else.
 
+:func:`kernel_path` is the whole decision for a run, from the same predicates the ops and the
+executor's attention mask (``attention.document_mask``) ask: the planner predicts memory and
+speed with it, so the plan and the run cannot take different kernels.
+
 ``LAUNCHES`` counts the fused launches by op name, so a test or a benchmark can tell a kernel
 that ran from a silent fall-back.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -42,12 +47,57 @@ def triton_enabled() -> bool:
     return os.environ.get(ENV) != "0" and triton_available()
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether an op on ``x`` takes its fused Triton kernel: CUDA tensors, or any under Triton's
-    interpreter (``TRITON_INTERPRET=1`` runs the kernels on CPU tensors: the tests' way to check
-    them without a GPU)."""
-    on_device = x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+def fused_ops_on(device: str) -> bool:
+    """Whether RMSNorm, RoPE and SwiGLU on tensors of ``device`` (``cuda``, ``cpu``) take their
+    fused Triton kernels: CUDA, or any device under Triton's interpreter (``TRITON_INTERPRET=1``
+    runs the kernels on CPU tensors: the tests' way to check them without a GPU)."""
+    on_device = device == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     return on_device and triton_enabled()
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op on ``x`` takes its fused Triton kernel (:func:`fused_ops_on`)."""
+    return fused_ops_on(x.device.type)
+
+
+ATTENTION = ("causal", "flex", "mask")
+"""Attention kernels of a decoder layer: SDPA ``is_causal`` (flash) for unpacked rows,
+FlexAttention with a document BlockMask, SDPA on a boolean (B, 1, T, T) document mask."""
+
+PATHS = tuple(f"{ops}+{att}" for ops in ("fused", "torch") for att in ATTENTION)
+"""Every :attr:`KernelPath.key`."""
+
+
+@dataclass(frozen=True)
+class KernelPath:
+    """The kernels a run's decoder layers take (what the planner's memory and speed assume)."""
+    fused_ops: bool
+    """RMSNorm, RoPE and SwiGLU run as Triton kernels."""
+    fused_ce: bool
+    """The LM head's cross-entropy runs as a Triton kernel (kernels.linear_ce)."""
+    attention: str
+    """One of ATTENTION."""
+
+    @property
+    def key(self) -> str:
+        """``fused+flex``, ``torch+mask``...: the name of a measured efficiency."""
+        return f"{'fused' if self.fused_ops else 'torch'}+{self.attention}"
+
+    def describe(self) -> str:
+        ops = "fused Triton" if self.fused_ops else "PyTorch ops"
+        att = {"causal": "SDPA causal (flash)", "flex": "FlexAttention (document BlockMask)",
+               "mask": "SDPA on a boolean document mask"}[self.attention]
+        return f"{ops} + {att}"
+
+
+def kernel_path(device: str, head_dim: int, packed: bool) -> KernelPath:
+    """The kernels a run on ``device`` takes in this process (module docstring): ``packed``
+    micro-batches carry document masks; FlexAttention needs CUDA and a power-of-two head
+    dimension (slideformer.engine.kernels.attention.flex_available)."""
+    from slideformer.engine.kernels.attention import flex_available  # it imports this module
+    fused = fused_ops_on(device)
+    attention = "causal" if not packed else "flex" if flex_available(device, head_dim) else "mask"
+    return KernelPath(fused_ops=fused, fused_ce=fused and device == "cuda", attention=attention)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,

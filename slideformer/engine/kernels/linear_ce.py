@@ -35,11 +35,6 @@ def _triton_ce():
     return triton_ce
 
 
-def fused_ce_available() -> bool:
-    """Whether CUDA runs of this process take the Triton path (for the planner's memory model)."""
-    return os.environ.get("SLIDEFORMER_TRITON") != "0" and _triton_ce() is not None
-
-
 def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
     """None: Triton for CUDA tensors when available and not disabled by SLIDEFORMER_TRITON=0."""
     if use_triton is None:

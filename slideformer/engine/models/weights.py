@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # reading headers needs no torch (``info``); writing imports 
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import parse_json, read_json
+from slideformer.engine.models import bnb4
 from slideformer.engine.models.spec import Layout, ModelSpec
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
@@ -48,8 +49,12 @@ def item_layout(spec: ModelSpec, item: str) -> Layout:
     return spec.head_layout if item == "head" else spec.layer_layout
 
 
-def _read_header(path: Path) -> dict:
-    """Parse a safetensors header with a clear error for truncated or corrupt files."""
+def _read_header(path: Path) -> tuple[dict, int]:
+    """Parse a safetensors header with a clear error for truncated or corrupt files.
+
+    Returns:
+        The tensor entries, and the byte offset of the data their ``data_offsets`` count from.
+    """
     fix = "re-download or re-copy this file"
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -72,7 +77,7 @@ def _read_header(path: Path) -> dict:
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if 8 + n + end > size:
         raise UserError(path, f"is truncated ({size} bytes, header needs {8 + n + end})", fix)
-    return header
+    return header, 8 + n
 
 
 def _index_files(index: Path) -> list[str]:
@@ -133,19 +138,27 @@ class Checkpoint:
                                 "not loaded for safety; convert them to safetensors first)")
         self.where: dict[str, Path] = {}
         self.meta: dict[str, dict] = {}
+        self._data: dict[Path, int] = {}
+        """Where each file's tensor data starts (after its header)."""
         for f in files:
             path = self.dir / f
             if not _is_file(path):
                 raise UserError(path, f"is named in {index.name} but missing",
                                 "download the missing shard into the model folder")
-            for name, info in _read_header(path).items():
+            header, self._data[path] = _read_header(path)
+            for name, info in header.items():
                 self.where[name], self.meta[name] = path, info
+        self.quantized = any(bnb4.STATE in name for name in self.meta)
+        """Whether some weights are pre-quantised 4-bit (slideformer.engine.models.bnb4)."""
         self._open: dict[Path, object] = {}
 
     def size_on_disk(self) -> int:
         return sum(p.stat().st_size for p in set(self.where.values()))
 
     def dtype(self) -> str:
+        """The weights' storage type as reports show it ("BF16", or bnb4.DESCRIPTION)."""
+        if self.quantized:
+            return bnb4.DESCRIPTION
         return next(iter(self.meta.values()))["dtype"] if self.meta else "?"
 
     def _handle(self, path: Path):
@@ -163,7 +176,10 @@ class Checkpoint:
             for local, _, shape in item_layout(spec, item).entries:
                 self._meta_for(hf_name(item, local), shape)
 
-    def _meta_for(self, name: str, shape: tuple) -> dict:
+    def _meta_for(self, name: str, shape: tuple) -> None:
+        if name in self.meta and bnb4.is_quantised(self.meta, name):
+            bnb4.check_weight(self, name, tuple(shape))
+            return
         if name not in self.meta:
             files = f"the shards {self.index.name} names" if self.index else "the safetensors files"
             raise UserError(self.dir, f"tensor '{name}' is missing from {files}",
@@ -179,15 +195,63 @@ class Checkpoint:
             raise UserError(self.where[name], f"tensor '{name}' has shape {list(got)}, "
                             f"config.json implies {list(shape)}",
                             "the weights do not match config.json; use the matching files")
-        return self.meta[name]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One stored tensor as it is (memory-mapped)."""
+        return self._handle(self.where[name]).get_tensor(name)
+
+    def raw_bytes(self, name: str) -> bytes:
+        """One stored tensor's bytes, read without torch."""
+        begin, end = self.meta[name]["data_offsets"]
+        with open(self.where[name], "rb") as f:
+            f.seek(self._data[self.where[name]] + begin)
+            return f.read(end - begin)
 
     def read_item(self, spec: ModelSpec, item: str, out: torch.Tensor) -> torch.Tensor:
-        """Fill the flat buffer ``out`` with an item's tensors, converting dtype."""
+        """Fill the flat buffer ``out`` with an item's tensors, converting dtype (4-bit
+        weights are dequantised)."""
         for local, view in item_layout(spec, item).views(out).items():
             name = hf_name(item, local)
             self._meta_for(name, view.shape)
-            view.copy_(self._handle(self.where[name]).get_tensor(name))
+            if bnb4.is_quantised(self.meta, name):
+                bnb4.dequantize(self, name, view)
+            else:
+                view.copy_(self.tensor(name))
         return out
+
+    def read_nf4_item(self, spec: ModelSpec, item: str, quant, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (uint8, ``quant``: an slideformer.engine.runtime.nf4.Nf4Layout) with an item
+        quantised: 4-bit weights copied as stored, float ones quantised here one at a time
+        (peak: one tensor in fp32), each checked for NaN and infinity."""
+        layout = item_layout(spec, item)
+        shapes = {local: shape for local, _, shape in layout.entries}
+        for t in quant.tensors:
+            name = hf_name(item, t.name)
+            self._meta_for(name, t.shape)
+            if bnb4.is_quantised(self.meta, name):
+                bnb4.copy_weight(self, name, t.shape, quant, t, out)
+            else:
+                quant.quantize_tensor(t, self._finite(name), out)
+        for local, off in quant.raw:
+            name = hf_name(item, local)
+            self._meta_for(name, shapes[local])
+            quant.raw_view(out, off, math.prod(shapes[local])).copy_(self._finite(name))
+        return out
+
+    def _finite(self, name: str) -> torch.Tensor:
+        t = self.tensor(name)
+        self.check_finite(name, t)
+        return t
+
+    def check_finite(self, name: str, values: torch.Tensor) -> None:
+        """Refuse weights holding NaN or infinity (training from them only yields NaN losses)."""
+        import torch
+
+        bad = int((~torch.isfinite(values)).sum())
+        if bad:
+            raise UserError(self.where[name], f"tensor '{name}' holds {bad:,} NaN or infinite "
+                            "values", "the weights are damaged: download or copy them again, or "
+                            "use another checkpoint of the model")
 
     def close(self) -> None:
         self._open.clear()
@@ -237,6 +301,7 @@ def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tupl
     _write_index(tmp, weight_map, size, n)
     cfg = dict(spec.raw_config)
     cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+    cfg.pop("quantization_config", None)  # the tensors written are plain floats
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     if tokenizer_dir is not None:
         for f in TOKENIZER_FILES:

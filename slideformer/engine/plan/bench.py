@@ -6,12 +6,19 @@ What it measures (each a median of a few timed repeats after a warm-up):
 - CPU fp32 matmul, 2048^3 (the CPU backend's compute);
 - CPU AdamW: slideformer.engine.runtime.host_state.adam_update on a 64M-parameter HostItem with bf16
   compute (bf16 weights + int16 remainder, fp32 moments): exactly the engine's update;
-- disk: writing 1 GiB with fsync, then reading it back after dropping it from the page cache.
+- disk: writing 1 GiB with fsync, then reading it back after dropping it from the page cache;
+- GPU decoder layer (CUDA): one Llama-3.2-3B-shaped layer on 8 x 1024 tokens, its forward
+  without autograd, then the recompute with autograd and the backward, exactly as the executor
+  runs them (models.layers.decoder_layer, the kernels' dispatch and document masks), on every
+  kernel path this machine can take (kernels.dispatch.kernel_path under each setting of
+  SLIDEFORMER_TRITON / SLIDEFORMER_FLEX): its model FLOPs per second as a share of the measured
+  matmul rate, which the speed model prefers to its reference figures.
 Whatever cannot be measured (no GPU) keeps what slideformer.engine.plan.targets.detected assumes and is
 named in the profile's notes.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import platform
@@ -24,10 +31,16 @@ from typing import Callable
 import psutil
 import torch
 
-from slideformer.engine.models.spec import Layout
+from slideformer.engine.kernels import attention, dispatch
+from slideformer.engine.kernels.dispatch import kernel_path
+from slideformer.engine.models.layers import decoder_layer, rope_tables
+from slideformer.engine.models.model import positions_for
+from slideformer.engine.models.spec import Layout, ModelSpec, spec_from_config
 from slideformer.engine.plan.hardware import HardwareProfile
+from slideformer.engine.plan.speed import layer_flops
 from slideformer.engine.plan.targets import detected
 from slideformer.engine.runtime.host_state import AdamHyper, AdamWorkspace, HostItem, adam_update
+from slideformer.engine.runtime.shapes import ExecShape
 
 GiB = 1 << 30
 
@@ -116,6 +129,83 @@ def disk_gbs(folder: Path, nbytes: int = GiB) -> tuple[float, float]:
     return read, write
 
 
+LAYER = dict(model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+             num_hidden_layers=1, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+             rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072,
+             torch_dtype="bfloat16")
+"""The timed layer: Llama-3.2-3B's (the shape of benchmarks/layer_profile.py's figures)."""
+LAYER_TOKENS = (8, 1024)
+"""Its micro-batch: 8 sequences of 1024 tokens (a 3B layer's recompute needs ~1.5 GiB)."""
+
+
+@contextlib.contextmanager
+def kernel_switches(fused_ops: bool, flex: bool):
+    """SLIDEFORMER_TRITON / SLIDEFORMER_FLEX set for one kernel choice (False: ``0``; True: the
+    engine's default), restored afterwards."""
+    saved = {k: os.environ.pop(k, None) for k in (dispatch.ENV, attention.ENV)}
+    os.environ.update({k: "0" for k, on in ((dispatch.ENV, fused_ops), (attention.ENV, flex))
+                       if not on})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def layer_passes(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask):
+    """(forward, recompute + backward) of one decoder layer as the executor runs them: the
+    forward without autograd, then the layer again with autograd from the same input and the
+    gradients of the input and of every parameter for a random dL/dy."""
+    gy = torch.randn_like(x)
+    leaves = {k: v.detach().requires_grad_() for k, v in p.items()}
+
+    def forward():
+        with torch.no_grad():
+            decoder_layer(spec, p, x, rope, mask)
+
+    def backward():
+        xi = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = decoder_layer(spec, leaves, xi, rope, mask)
+            torch.autograd.grad(y, [xi, *leaves.values()], gy)
+    return forward, backward
+
+
+def layer_efficiency(matmul_tflops: float, device: str = "cuda", log: Callable[[str], None] = print,
+                     repeats: int = 5, config: dict = LAYER,
+                     tokens: tuple[int, int] = LAYER_TOKENS) -> tuple[tuple[str, float], ...]:
+    """(kernel path, share of ``matmul_tflops``) of one layer of ``config`` on ``tokens`` (B, T)
+    through each kernel path ``device`` can take; packed rows hold documents of T/8 tokens."""
+    spec, (B, T) = spec_from_config(config), tokens
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(0)
+    flat = (torch.randn(spec.params_per_layer, generator=g) * 0.02).to(device, dtype)
+    p = spec.layer_layout.views(flat)
+    x = torch.randn(B, T, spec.hidden_size, generator=g).to(device, dtype)
+    ids = torch.zeros(B, T, dtype=torch.long, device=device)
+    doc = (torch.arange(T, device=device) // (T // 8)).expand(B, T).contiguous()
+    f, b = layer_flops(spec, ExecShape(micro_batch=B, seq_len=T, n_micro=1, slots=1))
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
+    out = []
+    for key in dispatch.PATHS:
+        ops, att = key.split("+")
+        with kernel_switches(ops == "fused", att == "flex"):
+            packed = att != "causal"
+            if kernel_path(device, spec.head_dim, packed).key != key:
+                continue  # not a path this machine takes (no triton, or no FlexAttention)
+            mb_doc = doc if packed else None
+            mask = attention.document_mask(doc, spec.head_dim) if packed else None
+            rope = rope_tables(spec, positions_for(ids, mb_doc), dtype)
+            fwd, bwd = layer_passes(spec, p, x, rope, mask)
+            t = _median_time(lambda: (fwd(), bwd()), repeats, sync)
+        share = (f + b) / t / 1e12 / matmul_tflops
+        log(f"    {key}: {share:.2f} of the matmul rate ({(f + b) / t / 1e12:.0f} TFLOP/s)")
+        out.append((key, round(share, 3)))
+    return tuple(out)
+
+
 def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwareProfile:
     """Measure what this machine allows; the rest keeps what slideformer.engine.plan.targets.detected
     assumes (and says so)."""
@@ -129,6 +219,14 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
         vals["matmul_tflops"] = _step(log, "GPU bf16 matmul", gpu_matmul_tflops, "TFLOP/s")
         up, down, both = _step(log, "pinned PCIe copies", pcie_gbs, "GB/s")
         vals.update(h2d_gbs=up, d2h_gbs=down, duplex_gbs=both)
+        B, T = LAYER_TOKENS
+        log(f"  decoder layer (Llama-3.2-3B shape, {B} x {T} tokens), per kernel path:")
+        try:
+            vals["layer_efficiency"] = layer_efficiency(vals["matmul_tflops"], log=log)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            notes.append("decoder layer not timed (out of GPU memory): the planner keeps its "
+                         "reference layer efficiencies")
     else:
         vals.update(gpu=None, vram_total=None)
         notes.append("no CUDA GPU: nothing measured on a GPU; plans here use the CPU backend")
@@ -147,8 +245,8 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
     return dataclasses.replace(detected(), **vals, measured=measured, notes=tuple(notes))
 
 
-_MEASURABLE = ("matmul_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs", "cpu_tflops",
-               "adam_params_per_s", "adam_fallback_params_per_s", "disk_read_gbs",
+_MEASURABLE = ("matmul_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs", "layer_efficiency",
+               "cpu_tflops", "adam_params_per_s", "adam_fallback_params_per_s", "disk_read_gbs",
                "disk_write_gbs")
 
 

@@ -241,8 +241,9 @@ class Evaluator:
     def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
         if k.method != "full":
             return frozen_estimate(self.spec, e.shape, k.precision, self.device, self.hw,
-                                   k.method, k.lora)
-        return estimate(self.spec, e.shape, k.precision, self.device, k.clip, self.hw, e.disk_layers)
+                                   k.method, k.lora, k.packed)
+        return estimate(self.spec, e.shape, k.precision, self.device, k.clip, self.hw, e.disk_layers,
+                        k.packed)
 
     @staticmethod
     def largest(fits_at) -> int:

@@ -17,6 +17,7 @@ updated on the device after the backward. No CPU optimizer, no gradient traffic.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -28,9 +29,9 @@ from slideformer.engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Alloc
                                 allocator_reserve, checkpoint_store, cuda_fixed,
                                 device_optimizer_scratch, loading, step_transients)
 from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
-                               LAYER_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
-                               cpu_dispatch_s)
-from slideformer.engine.kernels.linear_ce import fused_ce_available
+                               HEAD_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
+                               cpu_dispatch_s, kernels_note, layer_efficiency)
+from slideformer.engine.kernels.dispatch import kernel_path
 from slideformer.engine.runtime.shapes import ExecShape
 from slideformer.engine.runtime.nf4 import CHUNK as NF4_CHUNK, Nf4Layout
 
@@ -79,7 +80,7 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
         out.append(Allocation("gpu", "dequantised layer", P * c, f"{P:,} params x {c} B"))
         out.append(dequant_scratch(spec))
     out += checkpoint_store(spec, shape, prec) + cuda_fixed(device)
-    steps = step_transients(spec, shape, prec, packed, device == "cuda" and fused_ce_available())
+    steps = step_transients(spec, shape, prec, kernel_path(device, spec.head_dim, packed))
     a_layer = adapter_layout(spec, lora).numel
     out += [a if a.purpose != "layer grads in compute dtype" else
             Allocation("gpu", "adapter grads", a_layer * (c + 4), "one layer's adapter grads as "
@@ -99,7 +100,8 @@ def dequant_scratch(spec: ModelSpec) -> Allocation:
 
 
 def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
-                    hw: HardwareProfile, method: str, lora: LoraSpec) -> SpeedEstimate:
+                    hw: HardwareProfile, method: str, lora: LoraSpec,
+                    packed: bool = True) -> SpeedEstimate:
     """Step time of a frozen-base run (module docstring)."""
     L, P, k = spec.num_layers, spec.params_per_layer, max(1, min(shape.slots, spec.num_layers))
     B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
@@ -115,7 +117,8 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
                 "pcie h2d": 2 * L * lb / (CPU_COPY_GBS * 1e9), "pcie d2h": 0.0,
                 "cpu optimizer": A * DEVICE_ADAM_BYTES / (CPU_COPY_GBS * 1e9), "disk": 0.0}
         return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")
-    rate = hw.matmul_tflops * 1e12 * LAYER_EFFICIENCY
+    path = kernel_path(device, spec.head_dim, packed)
+    rate = hw.matmul_tflops * 1e12 * layer_efficiency(path, hw)[0]
     mem = DEVICE_MEMORY_GBS * 1e9
     dq = (lb + P * prec.c) / mem if method == "qlora" else 0.0  # read NF4, write the layer
     f, b = (lin + att) / rate + dq, (2 * lin + 3 * att) / rate + dq
@@ -124,10 +127,12 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     streamed = L - k  # the first K layers stay resident across steps
     fwd = (_pipeline(streamed, [load, f]) if streamed else 0.0) + k * f
     bwd = (_pipeline(streamed, [load, b]) if streamed else 0.0) + k * b
-    step = fwd + head_f / rate + bwd + upd
-    busy = {"gpu compute": L * (f + b) + head_f / rate + upd, "pcie h2d": 2 * (L - k) * load,
+    head = head_f / (hw.matmul_tflops * 1e12 * HEAD_EFFICIENCY)
+    step = fwd + head + bwd + upd
+    busy = {"gpu compute": L * (f + b) + head + upd, "pcie h2d": 2 * (L - k) * load,
             "pcie d2h": 0.0, "cpu optimizer": 0.0, "disk": 0.0}
     note = ""
     if step > SERIAL * max(busy.values()):
         note = "layer loads and compute take turns: the pipeline fills and drains"
-    return _result(step, tokens, busy, flops, note)
+    return dataclasses.replace(_result(step, tokens, busy, flops, note),
+                               kernels=kernels_note(path, hw))

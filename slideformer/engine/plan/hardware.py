@@ -57,6 +57,11 @@ class HardwareProfile:
     adam_fallback_params_per_s: float | None = None
     """The same update through the PyTorch-op fallback (no C compiler); None: not measured,
     taken as FALLBACK_SHARE of ``adam_params_per_s``."""
+    layer_efficiency: tuple[tuple[str, float], ...] = ()
+    """Share of ``matmul_tflops`` one decoder layer's forward, recompute and backward reached
+    here, per kernel path (slideformer.engine.kernels.dispatch.KernelPath.key, e.g.
+    ``("fused+flex", 0.81)``), measured by ``slideformer bench --hardware``; a path not listed
+    (older profiles: none) takes slideformer.engine.plan.speed.LAYER_EFFICIENCY."""
     measured: tuple[str, ...] = ()
     """Names of the fields measured on this machine; the others are defaults."""
     notes: tuple[str, ...] = field(default=())
@@ -84,6 +89,7 @@ class HardwareProfile:
         kw = {k: v for k, v in d.items() if k in names}
         kw["measured"] = tuple(kw.get("measured", ()))
         kw["notes"] = tuple(kw.get("notes", ()))
+        kw["layer_efficiency"] = _efficiencies(kw.get("layer_efficiency", ()))
         _check_figures(kw)
         return HardwareProfile(**kw)
 
@@ -94,6 +100,25 @@ FALLBACK_SHARE = 0.87 / 3.01
 RATES = ("matmul_tflops", "cpu_tflops", "h2d_gbs", "d2h_gbs", "duplex_gbs", "adam_params_per_s",
          "disk_read_gbs", "disk_write_gbs")
 """The throughput figures of a profile (each must be a positive number)."""
+
+
+def _efficiencies(pairs) -> tuple[tuple[str, float], ...]:
+    """``layer_efficiency`` from JSON (a list of [path, share] pairs); ValueError names a pair
+    that is not a known path with a share in (0, 1.5]."""
+    if not isinstance(pairs, (list, tuple)):
+        raise ValueError(f"'layer_efficiency' is {pairs!r}, not a list of [path, share] pairs")
+    if not pairs:
+        return ()
+    from slideformer.engine.kernels.dispatch import PATHS  # imports torch: only when needed
+    out = []
+    for pair in pairs:
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2 and pair[0] in PATHS
+        v = pair[1] if ok else None
+        if not ok or isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1.5:
+            raise ValueError(f"'layer_efficiency' holds {pair!r}, not a pair of a kernel path "
+                             f"({', '.join(PATHS)}) and a share of the matmul rate")
+        out.append((pair[0], float(v)))
+    return tuple(out)
 
 
 def _check_figures(kw: dict) -> None:

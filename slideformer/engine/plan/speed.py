@@ -36,23 +36,45 @@ disk      the NVMe tier reads and writes the moments of its layers once per step
 
 FLOPs: each layer does 2 P N in the forward, again in the recompute and 4 P N in the backward
 (8 P N in all), plus attention (2 B T^2 q per pass, causal; backward twice the forward); the LM
-head 6 N V H. GPU compute runs at the profile's matmul rate times LAYER_EFFICIENCY.
+head 6 N V H. The layers run at the profile's matmul rate times the efficiency of the kernel path
+the run takes (:func:`layer_efficiency`: measured by ``slideformer bench --hardware`` where it
+could, else LAYER_EFFICIENCY), the head at HEAD_EFFICIENCY of it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from slideformer.engine.kernels.dispatch import KernelPath, kernel_path
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.memory import Precision
 from slideformer.engine.runtime.shapes import ExecShape, file_bytes, regen_layers, speculative_layers
 from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 
-# Share of the 8192^3 bf16 matmul rate a decoder layer's forward / recompute / backward reaches
-# (norms, RoPE, attention, elementwise ops included): 0.54-0.57 of 730 TFLOP/s, measured from
-# the executor's compute spans on the reference machine (Llama-3.2-3B shape, 8 x 1024 tokens per
-# micro-batch, 1-8 micro-batches; 0.57 without packing masks).
-LAYER_EFFICIENCY = 0.55
+# Share of the 8192^3 bf16 matmul rate (the profile's matmul_tflops) a decoder layer's forward,
+# recompute and backward reach, norms, RoPE, attention and elementwise ops included, by kernel
+# path (slideformer.engine.kernels.dispatch.KernelPath.key). Measured on the reference H200 with
+# benchmarks/layer_profile.py (one Llama-3.2-3B layer, micro-batch 64 x 1024, bf16; packed rows:
+# documents of 1/8 the row) against the 759 TFLOP/s `slideformer bench --hardware` measured
+# there: the layer's model FLOPs (layer_flops: forward + recompute + backward) over the summed
+# forward and recompute + backward times, divided by 759.
+#   PyTorch ops, SDPA causal                 29.3 + 88.9 ms  -> 0.607
+#   PyTorch ops, SDPA boolean document mask  31.0 + 94.9 ms  -> 0.570
+#   fused Triton, SDPA causal                21.9 + 67.5 ms  -> 0.802
+#   fused Triton, FlexAttention              21.3 + 66.2 ms  -> 0.820
+# The two mixes (one switch off, or a head dimension FlexAttention refuses) were not measured:
+# the ops' figure times the attention kernel's factor over causal rows (FlexAttention 0.820/0.802
+# with fused ops; the boolean mask 0.570/0.607 with PyTorch ops). The executor's compute spans at
+# micro-batch 8 reached 0.54-0.57 of 730 TFLOP/s on the PyTorch-op path (0.52-0.55 of 759):
+# smaller micro-batches sit a little below these figures, which the bench's own measurement
+# (8 x 1024 tokens) sees.
+_OPS = {"torch": 0.607, "fused": 0.802}
+_ATTENTION = {"causal": 1.0, "flex": 0.820 / 0.802, "mask": 0.570 / 0.607}
+LAYER_EFFICIENCY = {f"{o}+{a}": round(e * f, 3)
+                    for o, e in _OPS.items() for a, f in _ATTENTION.items()}
+HEAD_EFFICIENCY = 0.55
+"""The LM head's chunked GEMMs and loss, of the matmul rate: the executor's compute spans of
+2026-11-29 (PyTorch cross-entropy), not re-measured with the Triton loss."""
 DEVICE_ADAM_BYTES = 32  # bf16 w + remainder + fp32 grad + fp32 m, v: read all, write all but grad
 DEVICE_MEMORY_GBS = 1000.0
 # The CPU backend copies with memcpy and runs everything in one thread of control.
@@ -62,6 +84,21 @@ CPU_COPY_GBS = 10.0
 # pass at CPU_OP_S each (2-core development machine, 2026-12-01: the tiny demo model's steps).
 CPU_OPS_PER_PASS = 60
 CPU_OP_S = 20e-6
+
+
+def layer_efficiency(path: KernelPath, hw: HardwareProfile) -> tuple[float, bool]:
+    """Share of ``hw.matmul_tflops`` a decoder layer reaches on ``path``, and whether it is
+    this profile's own measurement (``slideformer bench --hardware``) rather than
+    LAYER_EFFICIENCY's reference figure."""
+    measured = dict(hw.layer_efficiency).get(path.key)
+    return (measured, True) if measured else (LAYER_EFFICIENCY[path.key], False)
+
+
+def kernels_note(path: KernelPath, hw: HardwareProfile) -> str:
+    """The kernel path a CUDA plan assumes, in words, e.g. "fused Triton + FlexAttention
+    (document BlockMask), measured 0.81 of the matmul peak"."""
+    eff, measured = layer_efficiency(path, hw)
+    return f"{path.describe()}, {'measured' if measured else 'assumed'} {eff:.2f} of the matmul peak"
 
 
 def cpu_dispatch_s(layers: int, n_micro: int) -> float:
@@ -94,6 +131,8 @@ class SpeedEstimate:
     """FLOPs per step, recompute included."""
     note: str = ""
     """Why the step is longer than its busiest resource, when it is."""
+    kernels: str = ""
+    """The GPU kernel path the layers' compute assumes (kernels_note); "" on the CPU backend."""
 
     def busy_dict(self) -> dict[str, float]:
         return dict(self.busy)
@@ -135,17 +174,18 @@ class _Times:
 
 
 def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfile,
-           disk: float) -> _Times:
+           disk: float, efficiency: float) -> _Times:
     L, P, c, k = spec.num_layers, spec.params_per_layer, prec.c, max(1, min(shape.slots, spec.num_layers))
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     f_fwd, f_bwd = layer_flops(spec, shape)
-    rate = hw.matmul_tflops * 1e12 * LAYER_EFFICIENCY
+    rate = hw.matmul_tflops * 1e12 * efficiency
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
     one, both = hw.h2d_gbs * 1e9, hw.duplex_gbs * 1e9
     host_ck = shape.checkpoints == "host"
     ck = tokens * spec.hidden_size * prec.r if host_ck else 0  # one layer's checkpoints
     u = 1.0 / hw.adam_params_per_s
-    head = 6.0 * tokens * spec.vocab_size * spec.hidden_size / rate
+    head_rate = hw.matmul_tflops * 1e12 * HEAD_EFFICIENCY
+    head = 6.0 * tokens * spec.vocab_size * spec.hidden_size / head_rate
     return _Times(f=f_fwd / rate, b=f_bwd / rate, head=head,
                   upd=max(P * u, disk / L), load_f=P * c / (both if host_ck else one),  # D2H busy only for host checkpoints
                   load_b=((L - k) / L) * P * c / both + ck / both, grad=P * 4 / both, ck_d2h=ck / both,
@@ -190,8 +230,9 @@ def _forward(L: int, k: int, ready: list[float], t0: float, t: _Times, G: int = 
 
 
 def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, clip: bool,
-             hw: HardwareProfile, disk_layers: int = 0) -> SpeedEstimate:
-    """Step time, tokens/s and the bounding resource of one optimizer step."""
+             hw: HardwareProfile, disk_layers: int = 0, packed: bool = True) -> SpeedEstimate:
+    """Step time, tokens/s and the bounding resource of one optimizer step (``packed``:
+    micro-batches of packed documents, whose attention takes a document mask)."""
     L, k = spec.num_layers, max(1, min(shape.slots, spec.num_layers))
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
     f_fwd, f_bwd = layer_flops(spec, shape)
@@ -201,7 +242,8 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     disk = moved / (hw.disk_read_gbs * 1e9) + moved / (hw.disk_write_gbs * 1e9)
     if device != "cuda":
         return _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk, R)
-    t = _times(spec, shape, prec, hw, disk)
+    path = kernel_path(device, spec.head_dim, packed)
+    t = _times(spec, shape, prec, hw, disk, layer_efficiency(path, hw)[0])
     G, E, Hd = min(shape.device_layers, L), spec.embed_layout.numel, spec.head_layout.numel
     on_device = G * spec.params_per_layer + (E + Hd if shape.device_update else 0)
     dev_upd = on_device * DEVICE_ADAM_BYTES / (DEVICE_MEMORY_GBS * 1e9)
@@ -236,7 +278,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
         note = ("the forward waits for the CPU updates (exact clipping), so the optimizer and "
                 "the GPU take turns" if clip else
                 "the pipeline fills and drains: resources wait for each other")
-    return _result(step, tokens, busy, flops, note)
+    return replace(_result(step, tokens, busy, flops, note), kernels=kernels_note(path, hw))
 
 
 def _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk, regen: int = 0) -> SpeedEstimate:

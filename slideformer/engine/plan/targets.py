@@ -92,10 +92,12 @@ def gpu_names() -> str:
 
 
 def preset_fields(p: GpuPreset) -> dict:
-    """A preset's GPU figures as HardwareProfile fields."""
+    """A preset's GPU figures as HardwareProfile fields (no measured layer efficiency: this
+    machine's GPU measured its own, so the preset takes the reference figures)."""
     link = LANE_GBS[p.pcie_gen] * p.pcie_lanes
     return dict(gpu=p.name, vram_total=p.vram_bytes, matmul_tflops=p.bf16_tflops * MATMUL_SHARE,
-                h2d_gbs=link * PCIE_SHARE, d2h_gbs=link * PCIE_SHARE, duplex_gbs=link * DUPLEX_SHARE)
+                h2d_gbs=link * PCIE_SHARE, d2h_gbs=link * PCIE_SHARE, duplex_gbs=link * DUPLEX_SHARE,
+                layer_efficiency=())
 
 
 def _match(gpu_name: str) -> GpuPreset | None:

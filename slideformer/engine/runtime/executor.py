@@ -46,8 +46,8 @@ import torch
 
 from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
+from slideformer.engine.kernels.attention import document_mask
 from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
-from slideformer.engine.kernels.attention import packed_causal_mask
 from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
 from slideformer.engine.models.model import embed, head_weight, positions_for
@@ -307,7 +307,9 @@ class SlidingExecutor:
         ids = mb.input_ids.to(dev, non_blocking=True)
         doc = None if mb.doc_ids is None else mb.doc_ids.to(dev, non_blocking=True)
         rope = rope_tables(self.spec, positions_for(ids, doc), self.act)
-        mask = None if doc is None else packed_causal_mask(doc)
+        # one mask per micro-batch (a BlockMask on CUDA: kernels.dispatch.kernel_path), reused
+        # by every layer's forward and recompute
+        mask = None if doc is None else document_mask(doc, self.spec.head_dim)
         return ids, mb.labels.to(dev, non_blocking=True), rope, mask
 
     def forward_window(self, inp, tl: StepTimeline, save: bool = True) -> list[torch.Tensor]:

@@ -137,32 +137,36 @@ class Nf4Layout:
         """Quantise an item's weights (fp32, ``layout``) into ``out`` (uint8, ``nbytes``)."""
         views = self.layout.views(flat)
         for t in self.tensors:
-            codes, qabs, scales = self._parts(out, t)
-            absmax = torch.empty(t.blocks, dtype=torch.float32, device=flat.device)
-            w = views[t.name].reshape(-1)
-            for s in range(0, t.numel, CHUNK):
-                e = min(s + CHUNK, t.numel)
-                idx, absmax[s // BLOCK:e // BLOCK] = _quantize_blocks(w[s:e].float(), NF4, BLOCK)
-                pairs = idx.view(-1, 2)
-                codes[s // 2:e // 2] = (pairs[:, 0] * 16 + pairs[:, 1]).to(torch.uint8)
-            offset = absmax.mean()
-            centred = torch.zeros(t.blocks2 * BLOCK2, dtype=torch.float32, device=flat.device)
-            centred[:t.blocks] = absmax - offset
-            idx2, absmax2 = _quantize_blocks(centred, DYNAMIC, BLOCK2)
-            qabs.copy_(idx2[:t.blocks].to(torch.uint8))
-            scales[:-1] = absmax2
-            scales[-1] = offset
+            self.quantize_tensor(t, views[t.name], out)
         for name, off in self.raw:
             v = views[name]
-            self._raw(out, off, v.numel()).copy_(v)
+            self.raw_view(out, off, v.numel()).copy_(v)
         return out
+
+    def quantize_tensor(self, t: Nf4Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+        """Quantise one matrix ``w`` (any float dtype, ``t.shape``) into its place in ``out``."""
+        codes, qabs, scales = self.parts(out, t)
+        absmax = torch.empty(t.blocks, dtype=torch.float32, device=w.device)
+        w = w.reshape(-1)
+        for s in range(0, t.numel, CHUNK):
+            e = min(s + CHUNK, t.numel)
+            idx, absmax[s // BLOCK:e // BLOCK] = _quantize_blocks(w[s:e].float(), NF4, BLOCK)
+            pairs = idx.view(-1, 2)
+            codes[s // 2:e // 2] = (pairs[:, 0] * 16 + pairs[:, 1]).to(torch.uint8)
+        offset = absmax.mean()
+        centred = torch.zeros(t.blocks2 * BLOCK2, dtype=torch.float32, device=w.device)
+        centred[:t.blocks] = absmax - offset
+        idx2, absmax2 = _quantize_blocks(centred, DYNAMIC, BLOCK2)
+        qabs.copy_(idx2[:t.blocks].to(torch.uint8))
+        scales[:-1] = absmax2
+        scales[-1] = offset
 
     # ---- dequantise (device, per use) ------------------------------------------------------
     def dequantize(self, buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Weights of a quantised item ``buf`` (uint8) into ``out`` (``dtype``, layout numel)."""
         views = self.layout.views(out)
         for t in self.tensors:
-            codes, qabs, scales = self._parts(buf, t)
+            codes, qabs, scales = self.parts(buf, t)
             absmax = self._absmax(t, qabs, scales)
             dst = views[t.name].view(-1)
             pair_table = _tables(buf.device)[0]
@@ -172,7 +176,7 @@ class Nf4Layout:
                 dst[s:e].view(-1, BLOCK).copy_(vals * absmax[s // BLOCK:e // BLOCK, None])
         for name, off in self.raw:
             v = views[name]
-            v.copy_(self._raw(buf, off, v.numel()).view(v.shape))
+            v.copy_(self.raw_view(buf, off, v.numel()).view(v.shape))
         return out
 
     def _absmax(self, t: Nf4Tensor, qabs: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -181,13 +185,15 @@ class Nf4Layout:
         a2 = scales[:-1].repeat_interleave(BLOCK2)[:t.blocks]
         return a * a2 + scales[-1]
 
-    def _parts(self, buf: torch.Tensor, t: Nf4Tensor):
+    def parts(self, buf: torch.Tensor, t: Nf4Tensor):
+        """(codes, absmax codes, fp32 second-level scales then the offset): views into ``buf``."""
         codes = buf[t.codes:t.codes + t.numel // 2]
         qabs = buf[t.qabs:t.qabs + t.blocks]
         scales = buf[t.scales:t.scales + 4 * (t.blocks2 + 1)].view(torch.float32)
         return codes, qabs, scales
 
-    def _raw(self, buf: torch.Tensor, off: int, numel: int) -> torch.Tensor:
+    def raw_view(self, buf: torch.Tensor, off: int, numel: int) -> torch.Tensor:
+        """The unquantised 1-D tensor of ``numel`` values at byte ``off`` of ``buf``."""
         size = torch.empty((), dtype=self.dtype).element_size()
         return buf[off:off + numel * size].view(self.dtype)
 

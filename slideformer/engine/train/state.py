@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from slideformer.engine.errors import UserError
+from slideformer.engine.models.bnb4 import load_note
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.models.weights import Checkpoint, hf_name, item_layout, item_names, write_hf_folder
 from slideformer.engine.runtime.host_state import HostItem
@@ -56,17 +56,26 @@ def _alloc(numel: int, dtype) -> torch.Tensor:
 
 
 def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | str, emit=None) -> None:
-    """Fill every model item's master from the model folder (one item in memory at a time)."""
+    """Fill every model item's master from the model folder (one item in memory at a time).
+
+    A quantised frozen layer is filled straight from the files (Checkpoint.read_nf4_item: the
+    4-bit weights of a bitsandbytes folder are copied, float ones quantised tensor by tensor)."""
+    from slideformer.engine.events import Log, Progress
     ckpt = Checkpoint(model_dir)
     ckpt.check(spec)
     names = item_names(spec)
+    if emit is not None and ckpt.quantized:
+        nf4 = any(isinstance(i, FrozenItem) and i.quant is not None for i in host.values())
+        emit(Log("info", load_note(ckpt, nf4)))
     for k, name in enumerate(names):
         item = host[name]
-        buf = torch.empty(item.numel, dtype=torch.float32)
-        _check_finite(ckpt, spec, name, ckpt.read_item(spec, name, buf))
-        item.set_master(buf)
+        if isinstance(item, FrozenItem) and item.quant is not None:
+            ckpt.read_nf4_item(spec, name, item.quant, item.w)
+        else:
+            buf = torch.empty(item.numel, dtype=torch.float32)
+            _check_finite(ckpt, spec, name, ckpt.read_item(spec, name, buf))
+            item.set_master(buf)
         if emit is not None:
-            from slideformer.engine.events import Progress
             emit(Progress("loading weights", k + 1, len(names)))
     ckpt.close()
 
@@ -76,12 +85,7 @@ def _check_finite(ckpt: Checkpoint, spec: ModelSpec, item: str, flat: torch.Tens
     if bool(torch.isfinite(flat).all()):
         return
     for local, view in item_layout(spec, item).views(flat).items():
-        bad = int((~torch.isfinite(view)).sum())
-        if bad:
-            name = hf_name(item, local)
-            raise UserError(ckpt.where[name], f"tensor '{name}' holds {bad:,} NaN or infinite "
-                            "values", "the weights are damaged: download or copy them again, or "
-                            "use another checkpoint of the model")
+        ckpt.check_finite(hf_name(item, local), view)
 
 
 def master_tensors(host: dict[str, HostItem], spec: ModelSpec):

@@ -26,7 +26,7 @@ def bnb_state(q, buf, t, dtype):
     """bitsandbytes' QuantState holding our codes and scales for tensor ``t``."""
     ref_codes, st = bnb.quantize_4bit(torch.zeros(t.shape, dtype=dtype), blocksize=64,
                                       quant_type="nf4", compress_statistics=True)
-    codes, qabs, scales = q._parts(buf, t)
+    codes, qabs, scales = q.parts(buf, t)
     st.absmax, st.state2.absmax, st.offset = qabs.clone(), scales[:-1].clone(), scales[-1].clone()
     return codes.clone().view(ref_codes.shape), st
 
@@ -57,7 +57,7 @@ def test_dequantizes_bitsandbytes_quantized_weights():
     lay = Layout.build([("w", (128, 192))])
     q = Nf4Layout.build(lay, torch.float32)
     buf = torch.zeros(q.nbytes, dtype=torch.uint8)
-    c, qabs, scales = q._parts(buf, q.tensors[0])
+    c, qabs, scales = q.parts(buf, q.tensors[0])
     c.copy_(codes.view(-1))
     qabs.copy_(st.absmax)
     scales[:-1], scales[-1] = st.state2.absmax, st.offset
@@ -74,7 +74,7 @@ def test_quantize_matches_bitsandbytes():
     for t in q.tensors:
         ref_codes, st = bnb.quantize_4bit(views[t.name].clone(), blocksize=64, quant_type="nf4",
                                           compress_statistics=True)
-        codes, qabs, scales = q._parts(buf, t)
+        codes, qabs, scales = q.parts(buf, t)
         assert torch.equal(codes, ref_codes.view(-1))
         assert torch.equal(scales[:-1], st.state2.absmax) and torch.equal(scales[-1], st.offset)
         diff = (qabs.int() - st.absmax.int()).abs()

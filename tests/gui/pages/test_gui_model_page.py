@@ -53,6 +53,16 @@ def test_shows_the_engines_figures_for_a_tiny_llama(qtbot, page, ctx, tiny_llama
     assert page.recent.count() == 1 and not page.no_recent.isVisible()
 
 
+def test_a_bnb_4bit_folder_says_its_weights_are_pre_quantised(qtbot, page, tiny_llama,
+                                                             bnb4_folder_factory):
+    folder = bnb4_folder_factory(tiny_llama)
+    _load(qtbot, page, folder)
+    assert page.status.property("state") == "ok"
+    text = page.fields["Data type"].text()
+    assert text == f"bfloat16  (weights stored as {model_report(folder)['weights_dtype']})"
+    assert "pre-quantised NF4 (bitsandbytes)" in text
+
+
 def test_missing_config_shows_the_engines_message_verbatim(qtbot, page, ctx, tmp_path):
     broken = tmp_path / "no-config"
     broken.mkdir()

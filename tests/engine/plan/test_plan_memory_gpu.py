@@ -1,0 +1,125 @@
+"""The planner's per-layer device transients against the CUDA allocator, per kernel path.
+
+One decoder layer's forward without autograd and its recompute + backward (the executor's own
+``_layer_backward``), and the LM head's step, each run on the GPU under every setting of
+SLIDEFORMER_TRITON / SLIDEFORMER_FLEX, plain and packed: the peak of
+``torch.cuda.max_memory_allocated`` above what was allocated before must match
+slideformer.engine.plan.memory's prediction for the path ``kernel_path`` names, within the
+tolerance of the CPU test (tests/engine/plan/test_plan_memory.py). Needs a CUDA GPU with triton.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slideformer.engine.kernels import attention
+from slideformer.engine.kernels.dispatch import kernel_path
+from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd
+from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
+from slideformer.engine.models.model import positions_for
+from slideformer.engine.models.spec import spec_from_config
+from slideformer.engine.models.tiny import TinyShape, tiny_config
+from slideformer.engine.plan import memory as M
+from slideformer.engine.plan.bench import kernel_switches
+from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+MiB = 1 << 20
+BF16, F32 = torch.bfloat16, torch.float32
+# Llama-3.2-3B's proportions at half the width (GQA 12 / 4 heads of 128), and a Qwen3 layer
+# (QK-norm); 4 x 1024 tokens per micro-batch.
+LLAMA = dict(hidden=1536, heads=12, kv_heads=4, intermediate=4096, head_dim=128)
+QWEN3 = dict(hidden=1024, heads=8, kv_heads=4, intermediate=3072, head_dim=128)
+B, T = 4, 1024
+PATHS = [(ops, att) for ops in ("fused", "torch") for att in ("causal", "flex", "mask")]
+CASES = ([("llama", LLAMA, None, ops, att) for ops, att in PATHS]
+         + [("llama", LLAMA, F32, "fused", att) for att in ("causal", "flex")]
+         + [("qwen3", QWEN3, None, "fused", att) for att in ("causal", "flex")])
+
+
+def _spec(arch, kw):
+    return spec_from_config(tiny_config(arch, TinyShape(layers=1, vocab=32000, **kw)))
+
+
+def _peak_above_base(fn) -> int:
+    """Peak bytes allocated while fn ran, above what was allocated before (after a warm-up run
+    that compiles the kernels and allocates the libraries' workspaces)."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def _close(part: str, predicted: int, measured: int) -> None:
+    # 6%, or a quarter MiB for the smallest terms, as the CPU test
+    assert abs(predicted - measured) <= max(0.06 * measured, MiB / 4), (
+        f"{part}: predicted {predicted / MiB:.1f} MiB, measured {measured / MiB:.1f} MiB")
+
+
+def _inputs(spec, res, packed: bool):
+    g = torch.Generator().manual_seed(0)
+    w = (0.02 * torch.randn(spec.params_per_layer, generator=g)).to("cuda", BF16)
+    doc = (torch.arange(T) // (T // 8)).expand(B, T).contiguous().cuda() if packed else None
+    ids = torch.zeros(B, T, dtype=torch.long, device="cuda")
+    rope = rope_tables(spec, positions_for(ids, doc), res)
+    mask = None if doc is None else attention.document_mask(doc, spec.head_dim)
+    x = torch.randn(B, T, spec.hidden_size, generator=g).to("cuda", res)
+    gy = torch.randn(B, T, spec.hidden_size, generator=g).to("cuda", res)
+    return w, x, gy, rope, mask
+
+
+@pytest.mark.parametrize("arch,kw,res,ops,att", CASES)
+def test_layer_transients_match_cuda_peaks(arch, kw, res, ops, att):
+    spec = _spec(arch, kw)
+    packed = att != "causal"
+    with kernel_switches(ops == "fused", att == "flex"):
+        path = kernel_path("cuda", spec.head_dim, packed)
+        if path.key != f"{ops}+{att}":
+            pytest.skip(f"{ops}+{att} is not available here (the run takes {path.key})")
+        w, x, gy, rope, mask = _inputs(spec, res or BF16, packed)
+        assert isinstance(mask, torch.Tensor) == (att == "mask")
+        holder = type("Holder", (), {"spec": spec, "lora": None,
+                                     "_norm_views": lambda self, n, p: p})()
+        slot_g = torch.zeros(w.numel(), device="cuda")
+
+        def forward():
+            with torch.no_grad():
+                decoder_layer(spec, spec.layer_layout.views(w), x, rope, mask)
+
+        def backward():
+            SlidingExecutor._layer_backward(holder, w, slot_g, x, gy, rope, mask)
+        measured = {"forward": _peak_above_base(forward), "backward": _peak_above_base(backward)}
+    fwd, *bwd = M.layer_transients(spec, B * T, B, T, M.Precision(BF16, F32, residual=res), path)
+    _close(f"{path.key} forward", fwd.bytes, measured["forward"])
+    _close(f"{path.key} recompute + backward", sum(a.bytes for a in bwd), measured["backward"])
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_head_transients_match_cuda_peaks(fused):
+    """head_step on one micro-batch: RMSNorm with autograd, the chunked loss and its grads."""
+    spec = _spec("llama", LLAMA)
+    shape = ExecShape(B, T, 1, 1, head_chunk=1024)
+    with kernel_switches(fused, fused):
+        path = kernel_path("cuda", spec.head_dim, False)
+        if path.fused_ops != fused:
+            pytest.skip("triton is not installed")
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(B, T, spec.hidden_size, generator=g).to("cuda", BF16)
+        ids = torch.randint(0, spec.vocab_size, (B, T), generator=g).cuda()
+        head_w = (0.02 * torch.randn(spec.vocab_size, spec.hidden_size, generator=g)).to("cuda", BF16)
+        norm_w = torch.ones(spec.hidden_size, dtype=BF16, device="cuda")
+        head_g = torch.zeros(spec.vocab_size, spec.hidden_size, device="cuda")
+
+        def head():  # as SlidingExecutor.head_step does for one micro-batch
+            xx, nw = x.detach().requires_grad_(), norm_w.detach().requires_grad_()
+            with torch.enable_grad():
+                h = rms_norm(xx, nw, spec.rms_norm_eps, BF16)
+            _, gh = linear_ce_fwd_bwd(h.detach(), head_w, ids, 1.0, shape.head_chunk, head_g)
+            torch.autograd.grad(h, [xx, nw], gh)
+        measured = _peak_above_base(head)
+    predicted = M.head_scratch(spec, shape, M.Precision(BF16, F32), path.fused_ce, path.fused_ops)
+    _close(f"head ({path.key})", predicted.bytes, measured)
