@@ -24,7 +24,7 @@ from slideformer.engine.kernels.dispatch import PATHS, kernel_path
 from slideformer.engine.models.spec import load_spec, spec_from_config
 from slideformer.engine.plan import REFERENCE, plan_run
 from slideformer.engine.plan import memory as M
-from slideformer.engine.plan.bench import kernel_switches, layer_efficiency
+from slideformer.engine.plan.bench import kernel_switches, time_layer_paths
 from slideformer.engine.plan.hardware import HardwareProfile, read_profile, save_profile
 from slideformer.engine.plan.report import format_plan
 from slideformer.engine.plan.speed import HEAD_EFFICIENCY, LAYER_EFFICIENCY, estimate, layer_flops
@@ -210,7 +210,7 @@ def test_the_bench_times_each_path_this_machine_takes():
                 rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128)
     before = {k: os.environ.get(k) for k in (dispatch.ENV, attention.ENV)}
     lines = []
-    got = layer_efficiency(1e-6, "cpu", lines.append, repeats=1, config=tiny, tokens=(2, 64))
+    got = time_layer_paths(1e-6, "cpu", lines.append, repeats=1, config=tiny, tokens=(2, 64))
     assert [k for k, _ in got] == ["torch+causal", "torch+mask"]
     assert all(v > 0 for _, v in got) and len(lines) == 2
     assert {k: os.environ.get(k) for k in before} == before
