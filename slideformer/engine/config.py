@@ -178,6 +178,12 @@ class TrainConfig:
     gpus: int | str = 1
     """GPUs of this machine the run uses, one process each ("all": every one); the
     micro-batches of a step are shared among them (train.grad_accum must be a multiple)."""
+    clip_regen: int | str = "auto"
+    """With clipping (optim.max_grad_norm > 0): how many of the lowest decoder layers keep no
+    host gradient buffer and have their gradient recomputed in a second backward pass once the
+    clip coefficient is known (exact; 4 B/param less host RAM, one more layer backward each per
+    step). auto: the fewest that fit the host RAM budget (0 when everything fits); a number:
+    that many (0: off)."""
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,11 @@ def _check_train(cfg: RunConfig) -> None:
     _int("train.save_every", t.save_every, 0, MAX_STEPS, " steps (0: only at the end)")
     _int("train.keep_checkpoints", t.keep_checkpoints, 1, MAX_COUNT)
     _int("train.eval_every", t.eval_every, 0, MAX_STEPS, " steps (0: never)")
+    if t.clip_regen != "auto":
+        if isinstance(t.clip_regen, str):
+            raise UserError("train.clip_regen", f"is {t.clip_regen!r}",
+                            "give a number of decoder layers (0: off) or \"auto\"")
+        _int("train.clip_regen", t.clip_regen, 0, MAX_COUNT, " layers (or \"auto\")")
     _check_gpus(cfg)
 
 

@@ -54,11 +54,12 @@ def gpu_count(cfg: RunConfig) -> int:
 
 def rank_shape(shape: ExecShape, world: int) -> ExecShape:
     """The executor shape of one rank: its share of the micro-batches, every optimizer update
-    on the host (the shared state; device-updated and speculative items are one-GPU modes)."""
+    on the host (the shared state; device-updated, speculative and regenerated items are
+    one-GPU modes)."""
     if world == 1:
         return shape
     return dataclasses.replace(shape, n_micro=shape.n_micro // world, device_update=False,
-                               device_layers=0, spec_layers=0)
+                               device_layers=0, spec_layers=0, regen_layers=0)
 
 
 class _Plain:

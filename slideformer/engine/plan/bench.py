@@ -173,7 +173,7 @@ def layer_passes(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask):
     return forward, backward
 
 
-def layer_efficiency(matmul_tflops: float, device: str = "cuda", log: Callable[[str], None] = print,
+def time_layer_paths(matmul_tflops: float, device: str = "cuda", log: Callable[[str], None] = print,
                      repeats: int = 5, config: dict = LAYER,
                      tokens: tuple[int, int] = LAYER_TOKENS) -> tuple[tuple[str, float], ...]:
     """(kernel path, share of ``matmul_tflops``) of one layer of ``config`` on ``tokens`` (B, T)
@@ -222,7 +222,7 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
         B, T = LAYER_TOKENS
         log(f"  decoder layer (Llama-3.2-3B shape, {B} x {T} tokens), per kernel path:")
         try:
-            vals["layer_efficiency"] = layer_efficiency(vals["matmul_tflops"], log=log)
+            vals["layer_efficiency"] = time_layer_paths(vals["matmul_tflops"], log=log)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             notes.append("decoder layer not timed (out of GPU memory): the planner keeps its "

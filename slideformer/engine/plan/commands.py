@@ -35,6 +35,9 @@ def register(sub) -> None:
     p.add_argument("--slots", type=int, help="parameter slots on the GPU (0: the planner's choice)")
     p.add_argument("--no-clip", action="store_true",
                    help="no gradient clipping (updates overlap the backward)")
+    p.add_argument("--clip-regen", metavar="N|auto",
+                   help="with clipping: lowest layers whose gradient a second backward "
+                        "regenerates (train.clip_regen; auto: as many as host RAM needs)")
     p.add_argument("--no-packing", action="store_true", help="pad sequences instead of packing them")
     p.add_argument("--compute-dtype", choices=("auto", "bfloat16", "float32"))
     p.add_argument("--device", help="auto, cpu, cuda or cuda:N (train.device)")
@@ -81,6 +84,8 @@ def config_from_args(a) -> RunConfig:
              "train.method": a.method, "lora.rank": a.rank, "train.gpus": a.gpus}
     if a.no_clip:
         given["optim.max_grad_norm"] = 0.0
+    if a.clip_regen is not None:
+        given["train.clip_regen"] = int(a.clip_regen) if a.clip_regen.isdigit() else a.clip_regen
     if a.no_packing:
         given["data.packing"] = False
     if a.disk:

@@ -17,7 +17,12 @@
 - speculative layers (exact clipping): the last SPEC_LAYERS decoder layers update in the
   backward and keep a pre-update snapshot (slideformer.engine.runtime.grad_ring); dropped first when host
   RAM is short, before any layer goes to the NVMe tier.
-Slots, checkpoints and gpu_layers set in the config override the choice.
+- regenerated layers (exact clipping, ``train.clip_regen = auto``): when host RAM is still short
+  without speculation, the fewest lowest layers whose gradient a second backward pass
+  regenerates (slideformer.engine.runtime.regen: 4 B/param of host gradient buffer less each) that
+  bring it within the budget; only when even all of them do not suffice does the NVMe tier
+  take over (without regeneration: a regenerated layer cannot be in the tier).
+Slots, checkpoints, gpu_layers and clip_regen set in the config override the choice.
 """
 from __future__ import annotations
 
@@ -67,6 +72,8 @@ class Knobs:
     """full, lora or qlora (train.method): with lora / qlora the base is frozen."""
     lora: object = None
     """The adapters' slideformer.engine.models.lora.LoraSpec (lora, qlora)."""
+    regen: int | None = None
+    """Regenerated layers with clipping (train.clip_regen); None: the planner's choice."""
 
 
 @dataclass(frozen=True)
@@ -115,10 +122,35 @@ class Evaluator:
             e = self._evaluate(k, shape, 0 if k.disk_layers is None else k.disk_layers)
             if e.tiers[1].peak > e.tiers[1].budget:
                 shape = replace(shape, spec_layers=0)
-        return self._placed(k, shape)
+        return self._placed(k, self._regenerated(k, shape))
+
+    def _regenerated(self, k: Knobs, shape: ExecShape) -> ExecShape:
+        """``shape`` with the fewest regenerated layers that make host RAM fit (module
+        docstring), the config's number, or none."""
+        if not (k.clip and k.method == "full"):
+            return shape
+        if k.regen is not None:
+            return replace(shape, regen_layers=k.regen)
+        if not self.budgets.ram or k.disk_layers:
+            return shape
+
+        def fits(r: int) -> bool:
+            e = self._evaluate(k, replace(shape, regen_layers=r), 0)
+            return e.tiers[1].peak <= e.tiers[1].budget
+        lo, hi = 1, self.spec.num_layers - min(shape.device_layers, self.spec.num_layers)
+        if fits(0) or not hi:
+            return shape
+        if not fits(hi):  # the NVMe tier's turn; without one, the closest to fitting
+            return shape if self.budgets.disk else replace(shape, regen_layers=hi)
+        while lo < hi:  # RAM falls with more regenerated layers: the fewest that fit
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        return replace(shape, regen_layers=lo)
 
     def _placed(self, k: Knobs, shape: ExecShape) -> Evaluation:
-        """``shape`` with the NVMe tier the host budget needs."""
+        """``shape`` with the NVMe tier the host budget needs (none beside regenerated layers)."""
+        if shape.regen_layers and k.clip:
+            return self._evaluate(k, shape, 0)
         if k.disk_layers is not None:
             return self._evaluate(k, shape, k.disk_layers)
         e = self._evaluate(k, shape, 0)

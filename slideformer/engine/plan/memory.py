@@ -32,7 +32,7 @@ from slideformer.engine.kernels.dispatch import KernelPath, kernel_path
 from slideformer.engine.kernels.linear_ce import GW_ROWS
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.runtime.shapes import (BUFFERS, CHUNK, DEVICE_CHUNK, ExecShape, file_bytes,
-                                  speculative_layers)
+                                  regen_layers, speculative_layers)
 from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 
 MiB = 1 << 20
@@ -128,13 +128,21 @@ def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
     The moments of ``disk_layers`` decoder layers live in the NVMe tier (slideformer.engine.runtime.nvme)
     instead, and pass through its staging buffers (one layer's m and v each). Without
     clipping the decoder layers own no gradient buffer and share the executor's ring; the
-    speculative layers (slideformer.engine.runtime.grad_ring) keep their gradient in their snapshot.
+    speculative layers (slideformer.engine.runtime.grad_ring) keep their gradient in their snapshot;
+    with clipping the regenerated layers (slideformer.engine.runtime.regen) own none and use the ring.
     """
     n, c, L, P = spec.num_params, prec.c, spec.num_layers, spec.params_per_layer
+    regen = regen_layers(L, shape.device_layers, shape.regen_layers)  # never speculative
     spec_n = len(speculative_layers(L, shape.device_layers, shape.spec_layers,
-                                    nvme_layers(L, disk_layers)))
+                                    nvme_layers(L, disk_layers) + regen))
+    regen_n = len(regen) if clip else 0
     if clip:  # HostItem.g of every item but the speculative layers, whose snapshots hold theirs
         grads, grad_note = n * 4, f"{n:,} params x 4 B (fp32)"
+        if regen_n:  # the regenerated layers own none: the ring serves them in pass 2
+            ring = min(shape.grad_ring, regen_n)
+            grads += (ring - regen_n) * P * 4
+            grad_note = (f"{n - regen_n * P:,} params + a ring of {ring} layers x 4 B (fp32; "
+                         f"{regen_n} layers' gradients regenerated)")
     else:  # HostItem.g of embed and head + the ring (+ the speculative layers' snapshots)
         ring = min(shape.grad_ring, L) if spec_n < L else 0
         grads = (spec.embed_layout.numel + spec.head_layout.numel + (ring + spec_n) * P) * 4
@@ -406,6 +414,17 @@ def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int
                        "per-micro-batch parameter grads before they join the fp32 slot", "backward")]
 
 
+def regen_boundary(spec: ModelSpec, shape: ExecShape, prec: Precision, clip: bool) -> list[Allocation]:
+    """Regeneration.boundary: dL/dx entering the top regenerated layer, one hidden state per
+    token, held from pass 1 through pass 2 (slideformer.engine.runtime.regen)."""
+    if not (clip and regen_layers(spec.num_layers, shape.device_layers, shape.regen_layers)):
+        return []
+    n, N, H = shape.n_micro, shape.micro_batch * shape.seq_len, spec.hidden_size
+    return [Allocation("gpu", "regenerated-gradient boundary", n * N * H * prec.r,
+                       f"{n} micro-batches x {shape.micro_batch}x{shape.seq_len}x{H} x {prec.r} B",
+                       "backward")]
+
+
 def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
                           masked: bool) -> Allocation:
     """decoder_layer without autograd, one micro-batch, fused Triton RMSNorm, RoPE and SwiGLU.
@@ -485,6 +504,7 @@ def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
     out = host_state(spec, shape, prec, device, disk_layers, clip) + loading(spec, prec)
     out += device_buffers(spec, shape, prec, device)
     out += step_transients(spec, shape, prec, kernel_path(device, spec.head_dim, packed))
+    out += regen_boundary(spec, shape, prec, clip)
     if device == "cuda":
         out.append(allocator_reserve(out, shape, spec, prec))
     b = file_bytes(spec.params_per_layer, prec.compute, prec.moments)  # NvmeTier.place

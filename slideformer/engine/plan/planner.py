@@ -154,6 +154,7 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
                  precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
                  clip=o.max_grad_norm > 0, packed=cfg.data.packing, method=t.method,
+                 regen=None if t.clip_regen == "auto" else t.clip_regen,
                  lora=None if t.method == "full" else lora_spec(cfg.lora))
 
 

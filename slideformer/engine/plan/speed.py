@@ -19,6 +19,12 @@ speculation with exact clipping the S speculative layers (ExecShape.spec_layers,
           other layers keep the barrier chain. Predicted for steps that do not clip; a step
           that clips stops speculating once the layers' partial norm exceeds the limit and
           redoes the speculative updates made before (at most S more updates).
+regen     with exact clipping the R regenerated layers (ExecShape.regen_layers, the lowest R above
+          the device layers) run a second backward after the barrier: a pipeline over R
+          layers of their H2D again (weights, and host checkpoints), recompute+backward, D2H
+          of the gradient and its CPU update, as without clipping; the barrier chain of the
+          next forward starts after it (its updates queue behind pass 2's), and those layers
+          are ready for it at once.
 device    items updated on the device (ExecShape.device_update, device_layers: the first G layers)
           skip the CPU, the H2D loads and the gradient D2H; their update runs on the compute
           stream after the backward, moving DEVICE_ADAM_BYTES per parameter at
@@ -42,7 +48,7 @@ from slideformer.engine.kernels.dispatch import KernelPath, kernel_path
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.memory import Precision
-from slideformer.engine.runtime.shapes import ExecShape, file_bytes, speculative_layers
+from slideformer.engine.runtime.shapes import ExecShape, file_bytes, regen_layers, speculative_layers
 from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 
 # Share of the 8192^3 bf16 matmul rate (the profile's matmul_tflops) a decoder layer's forward,
@@ -158,6 +164,8 @@ class _Times:
     load_b: float
     grad: float
     ck_d2h: float
+    reload: float
+    """H2D of one layer's weights and host checkpoints again (pass 2 of regenerated layers)."""
     embed_upd: float
     head_upd: float
     refresh_e: float
@@ -181,6 +189,7 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     return _Times(f=f_fwd / rate, b=f_bwd / rate, head=head,
                   upd=max(P * u, disk / L), load_f=P * c / (both if host_ck else one),  # D2H busy only for host checkpoints
                   load_b=((L - k) / L) * P * c / both + ck / both, grad=P * 4 / both, ck_d2h=ck / both,
+                  reload=P * c / both + ck / both,
                   embed_upd=E * u, head_upd=Hd * u, refresh_e=E * c / one, refresh_h=Hd * c / one,
                   grads_eh=(E + Hd) * 4 / both)
 
@@ -227,11 +236,12 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     L, k = spec.num_layers, max(1, min(shape.slots, spec.num_layers))
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
     f_fwd, f_bwd = layer_flops(spec, shape)
-    flops = L * (f_fwd + f_bwd) + 6.0 * tokens * spec.vocab_size * spec.hidden_size
+    R = len(regen_layers(L, shape.device_layers, shape.regen_layers)) if clip else 0
+    flops = L * f_fwd + (L + R) * f_bwd + 6.0 * tokens * spec.vocab_size * spec.hidden_size
     moved = disk_layers * file_bytes(spec.params_per_layer, prec.compute, prec.moments)
     disk = moved / (hw.disk_read_gbs * 1e9) + moved / (hw.disk_write_gbs * 1e9)
     if device != "cuda":
-        return _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk)
+        return _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk, R)
     path = kernel_path(device, spec.head_dim, packed)
     t = _times(spec, shape, prec, hw, disk, layer_efficiency(path, hw)[0])
     G, E, Hd = min(shape.device_layers, L), spec.embed_layout.numel, spec.head_layout.numel
@@ -239,23 +249,27 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     dev_upd = on_device * DEVICE_ADAM_BYTES / (DEVICE_MEMORY_GBS * 1e9)
     if shape.device_update:  # no CPU update, refresh or gradient copy for embed and head
         t = replace(t, embed_upd=0.0, head_upd=0.0, refresh_e=0.0, refresh_h=0.0, grads_eh=0.0)
-    S = len(speculative_layers(L, G, shape.spec_layers, nvme_layers(L, disk_layers))) if clip else 0
+    S = len(speculative_layers(L, G, shape.spec_layers,
+                               nvme_layers(L, disk_layers) + regen_layers(L, G, R))) if clip else 0
     snap = t.upd * snapshot_share(prec.c, prec.mo)
+    regen = _pipeline(R, [t.reload, t.b, t.grad, t.upd]) if R else 0.0
     if clip:  # updates embed, G .. L-1, head from the step's start, overlapping the forward
         ready, chain = [0.0] * L, t.embed_upd
-        for j in range(G, L - S):  # the speculative layers (the last S) updated in the backward
+        for j in range(G + R, L - S):  # the speculative (last S) and regenerated layers: done
             chain += t.upd
             ready[j] = chain
         fwd_end = _forward(L, k, ready, dev_upd + t.embed_upd + t.refresh_e, t, G)
         head_ready = max(ready + [t.embed_upd]) + t.head_upd + t.refresh_h
         bwd = max(_pipeline(L - G, [t.load_b, t.b, t.grad]), _speculation(S, t, snap)) + G * t.b
+        bwd += regen
     else:  # each layer's update follows its grads in the backward; the embedding's comes last
         fwd_end = _forward(L, k, [0.0] * L, dev_upd + t.embed_upd + t.refresh_e, t, G)
         head_ready = t.embed_upd + t.head_upd + t.refresh_h
         bwd = _pipeline(L - G, [t.load_b, t.b, t.grad, t.upd]) + G * t.b
     step = max(fwd_end, head_ready) + t.head + bwd + t.grads_eh
-    busy = {"gpu compute": L * (t.f + t.b) + t.head + dev_upd,
-            "pcie h2d": (L - G) * (t.load_f + t.load_b) + t.refresh_e + t.refresh_h,
+    busy = {"gpu compute": (L + R) * t.b + L * t.f + t.head + dev_upd,
+            "pcie h2d": (L - G) * (t.load_f + t.load_b) + R * t.reload
+                        + t.refresh_e + t.refresh_h,
             "pcie d2h": (L - G) * t.grad + L * t.ck_d2h + t.grads_eh,
             "cpu optimizer": (spec.num_params - on_device) / hw.adam_params_per_s + S * snap,
             "disk": disk}
@@ -267,12 +281,14 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     return replace(_result(step, tokens, busy, flops, note), kernels=kernels_note(path, hw))
 
 
-def _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk) -> SpeedEstimate:
-    """The CPU backend is synchronous: compute, copies and updates add up."""
+def _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk, regen: int = 0) -> SpeedEstimate:
+    """The CPU backend is synchronous: compute, copies and updates add up (``regen``
+    regenerated layers: their recompute, backward and load once more)."""
     L, P, c = spec.num_layers, spec.params_per_layer, prec.c
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
-    copies = (2 * L * P * c + L * P * 4 + (E + Hd) * (c + 4)) / (CPU_COPY_GBS * 1e9)
-    compute = flops / (hw.cpu_tflops * 1e12) + cpu_dispatch_s(L, shape.n_micro)
+    copies = (2 * L * P * c + L * P * 4 + regen * P * c + (E + Hd) * (c + 4)) / (CPU_COPY_GBS * 1e9)
+    compute = (flops / (hw.cpu_tflops * 1e12) + cpu_dispatch_s(L, shape.n_micro)
+               + 2 * cpu_dispatch_s(regen, shape.n_micro) / 3)
     busy = {"gpu compute": compute, "pcie h2d": copies, "pcie d2h": 0.0,
             "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": disk}
     return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")

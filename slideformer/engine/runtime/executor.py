@@ -19,6 +19,9 @@ parameter slots (DESIGN §3.3):
               exact clipping the last ``spec_layers`` host layers update speculatively and are
               settled at the barrier, the others wait for the global norm and run in order
               embed, 0 .. L-1, head, overlapping the next step's forward, which waits per item.
+    regen     with exact clipping the lowest ``regen_layers`` host layers keep no gradient: a
+              second backward over them after the barrier regenerates it, and their updates
+              start as it lands (runtime.regen)
     device    with spare VRAM, the embedding and head (``device_update``) and the first
               ``device_layers`` decoder layers keep their master weights and moments on the
               device: no PCIe traffic, no CPU work, updated there right after the clip barrier
@@ -54,7 +57,8 @@ from slideformer.engine.runtime.grad_ring import GradRing, Speculation
 from slideformer.engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
 from slideformer.engine.runtime.norms import NormMasters
 from slideformer.engine.runtime.protocols import Backend
-from slideformer.engine.runtime.shapes import DEVICE_CHUNK, ExecShape, speculative_layers
+from slideformer.engine.runtime.regen import Regeneration
+from slideformer.engine.runtime.shapes import DEVICE_CHUNK, ExecShape, regen_layers, speculative_layers
 from slideformer.engine.runtime.slots import SlotPool
 from slideformer.engine.runtime.timeline import StepTimeline
 from slideformer.engine.runtime.updates import Guard, HostUpdates
@@ -100,15 +104,23 @@ class SlidingExecutor:
         trained = lora is None  # a frozen base needs no gradient buffers of its own
         self._alloc_device_buffers(trained)
         disk = [i for i in range(L) if host[f"layer{i}"].disk is not None]
+        self.regen = Regeneration(regen_layers(L, self.G, shape.regen_layers * trained))
+        """With clipping, the layers whose gradient a second pass regenerates (runtime.regen)."""
+        if set(disk) & set(self.regen.layers):
+            raise ValueError("a layer in the NVMe tier cannot be regenerated (ExecShape.regen_layers)")
         self.snapshots = Speculation(host, speculative_layers(L, self.G, shape.spec_layers * trained,
-                                                              disk),
+                                                              disk + self.regen.layers),
                                      backend.host_alloc, lambda k, dt: torch.zeros(k, dtype=dt))
         # zeros, not empty: the pages are resident from the start, as the planner counts them,
         # even while steps clip early and skip speculating (tests/engine/plan/test_plan_rss.py)
         self.updates = HostUpdates(backend.is_cuda, self.snapshots, self.health_host, L, self.group)
         borrow = [i for i in range(L)
                   if trained and host[f"layer{i}"].g is None and i not in self.snapshots]
-        self.ring = GradRing(backend.host_alloc, min(shape.grad_ring, L) if borrow else 0, n)
+        self.gradless = [i for i in borrow if i not in self.regen]
+        """Layers without a gradient of their own that clipping has no other way to serve."""
+        # with clipping only the regenerated layers borrow, one at a time in pass 2
+        ring = min(shape.grad_ring, L if self.gradless else len(borrow))
+        self.ring = GradRing(backend.host_alloc, ring, n)
         resident = {"embed": (self.embed_w, self.embed_g), "head": (self.head_w, self.head_g)}
         self.items = build_items(host, L, backend, resident, shape.device_update, self.G, not trained)
         """Every item in update order: the embedding, the decoder layers, the head."""
@@ -232,10 +244,10 @@ class SlidingExecutor:
             hyper: AdamW hyper-parameters of this step given the clipping coefficient.
             max_grad_norm: exact global-norm clipping threshold; 0 disables clipping.
         """
-        if max_grad_norm > 0 and self.ring.bufs:
+        if max_grad_norm > 0 and self.gradless:
             raise ValueError("exact clipping needs every layer's gradient until the global norm is "
                              "known: build the host state with layer_grads=True (the speculative "
-                             "layers excepted)")
+                             "and regenerated layers excepted)")
         self._ensure_device_state()
         tl = StepTimeline(self.backend, timeline)
         self.step_no = hyper(1.0).step
@@ -261,8 +273,11 @@ class SlidingExecutor:
         coef = min(1.0, max_grad_norm / (norm + 1e-6)) if clip else 1.0
         skipped = not (math.isfinite(norm) and math.isfinite(loss.item()))
         if skipped:  # keep the old weights; drop this step's gradients
+            self.regen.drop()
             self.roll_back()
         else:
+            if clip and self.regen:
+                self._regenerate(inp, hyper(coef), tl)
             self._barrier_updates(hyper(coef), coef, clip, tl)
         if self.lora is None:  # a frozen base stays valid: its resident layers serve the next step
             self.pool.invalidate_all()
@@ -273,7 +288,8 @@ class SlidingExecutor:
     def _barrier_updates(self, hp: AdamHyper, coef: float, clip: bool, tl: StepTimeline) -> None:
         """Once the norm is known: the host updates that waited for it, in update order (their
         moments read ahead from disk in that order), then the device's."""
-        waiting = [self.embed, *(self.layers if clip else []), self.head]
+        kept = [item for item in self.layers if item.layer not in self.regen] if clip else []
+        waiting = [self.embed, *kept, self.head]
         waiting = [item for item in waiting if not item.on_device and self.lora is None]
         prefetch_disk(waiting, tl)
         for item in waiting:
@@ -368,20 +384,13 @@ class SlidingExecutor:
         ``guard``'s check of its gradient norm; with ``hyper_spec`` (clipping) the speculative
         layers' updates are.
         """
-        L, k = self.spec.num_layers, self.k
+        L = self.spec.num_layers
         watched = guard is not None or hyper_spec is not None  # norms on the host, per layer
+        regen = hyper_now is None and self.lora is None  # clipping: pass 2 regenerates them
         for i in reversed(range(L)):
-            self.store.prefetch(i - 1)
-            for j in range(i, max(i - k, -1), -1):
-                self._load(j, tl)
-            w = self._weights(i)
-            g, slot = self._grad_buffer(i)
-            g.zero_()
-            t0 = self.backend.mark()
-            for mb, (_, _, rope, mask) in enumerate(inp):
-                gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask,
-                                               i, mb)
-            self.group.reduce(g)
+            if regen:
+                self.regen.keep(i, gys)
+            g, slot, t0 = self._layer_grads(i, gys, inp, tl, 0)
             sq = torch.linalg.vector_norm(g).square()
             self.norm_sq += sq
             if watched:
@@ -389,13 +398,44 @@ class SlidingExecutor:
             t1 = self.backend.mark()
             tl.device_span("compute", self.layers[i].name, t0, t1)
             if self.lora is not None:  # frozen: nothing leaves; the low layers stay for the next step
-                self.pool.release(i, evict=i >= k)
+                self.pool.release(i, evict=i >= self.k)
+            elif regen and i in self.regen:  # for the norm only: pass 2 computes it again
+                self.pool.release(i, evict=True)
             elif i >= self.G:
                 self.gslot_free[slot] = self._send_grad(self.layers[i], g, t1, tl, hyper_now, guard,
                                                         hyper_spec, watched)
                 self.pool.release(i, evict=True)
             self.store.done_with(i)
         self._embed_backward(gys, inp, tl)
+
+    def _layer_grads(self, i: int, gys, inp, tl: StepTimeline, lowest: int):
+        """Load layer ``i`` (and the next ones down to ``lowest``), recompute and backpropagate
+        every micro-batch into its gradient buffer, replacing ``gys``; returns (the buffer, its
+        gradient slot, the compute's start mark)."""
+        if i - 1 >= lowest:
+            self.store.prefetch(i - 1)
+        for j in range(i, max(i - self.k, lowest - 1), -1):
+            self._load(j, tl)
+        w = self._weights(i)
+        g, slot = self._grad_buffer(i)
+        g.zero_()
+        t0 = self.backend.mark()
+        for mb, (_, _, rope, mask) in enumerate(inp):
+            gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask, i, mb)
+        self.group.reduce(g)
+        return g, slot, t0
+
+    def _regenerate(self, inp, hp: AdamHyper, tl: StepTimeline) -> None:
+        """Pass 2 (runtime.regen): the regenerated layers' backward again from the boundary;
+        each gradient goes through the ring with its update, coefficient known, at once."""
+        gys, lowest = self.regen.take(), self.regen.layers[0]
+        for i in reversed(self.regen.layers):
+            g, slot, t0 = self._layer_grads(i, gys, inp, tl, lowest)
+            t1 = self.backend.mark()
+            tl.device_span("compute", self.layers[i].name, t0, t1)
+            self.gslot_free[slot] = self._send_grad(self.layers[i], g, t1, tl, hp, None, None, False)
+            self.pool.release(i, evict=True)
+            self.store.done_with(i)
 
     def _grad_buffer(self, layer: int) -> tuple[torch.Tensor, int | None]:
         """Where layer's gradient accumulates on the device, and its gradient slot (if any)."""

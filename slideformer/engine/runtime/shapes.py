@@ -42,6 +42,10 @@ class ExecShape:
     spec_layers: int = 0
     """With exact clipping, the last host layers (in RAM) updated speculatively during the
     backward (:func:`speculative_layers`); each keeps a pre-update snapshot."""
+    regen_layers: int = 0
+    """With exact clipping, the lowest host layers (:func:`regen_layers`) own no host gradient
+    buffer: the backward computes their gradient for the global norm only, and a second pass
+    recomputes it once the clip coefficient is known (runtime.regen)."""
 
 
 def speculative_layers(num_layers: int, device_layers: int, depth: int,
@@ -51,6 +55,13 @@ def speculative_layers(num_layers: int, device_layers: int, depth: int,
     skip = set(disk)
     host = [i for i in reversed(range(min(device_layers, num_layers), num_layers)) if i not in skip]
     return host[:max(depth, 0)]
+
+
+def regen_layers(num_layers: int, device_layers: int, count: int) -> list[int]:
+    """The decoder layers whose gradient is regenerated with clipping, lowest first: the
+    ``count`` layers above the device layers (contiguous, so one boundary gradient serves them)."""
+    start = min(device_layers, num_layers)
+    return list(range(start, min(start + max(count, 0), num_layers)))
 
 
 def disk_layers(num_layers: int, count: int) -> list[int]:

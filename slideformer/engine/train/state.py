@@ -29,7 +29,8 @@ def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
     ``layer_grads``: decoder layers own gradient buffers (needed with clipping); False: they
     borrow the executor's gradient ring (training without clipping only). ``borrowed``: layers
     that own none in any case (with clipping, the executor's speculative layers:
-    slideformer.engine.runtime.grad_ring.speculative_layers).
+    slideformer.engine.runtime.shapes.speculative_layers, and its regenerated ones:
+    slideformer.engine.runtime.shapes.regen_layers).
     """
     def owns_grad(name: str) -> bool:
         return not name.startswith("layer") or (layer_grads and int(name[5:]) not in borrowed)

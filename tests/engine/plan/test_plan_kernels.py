@@ -24,7 +24,7 @@ from slideformer.engine.kernels.dispatch import PATHS, kernel_path
 from slideformer.engine.models.spec import load_spec, spec_from_config
 from slideformer.engine.plan import REFERENCE, plan_run
 from slideformer.engine.plan import memory as M
-from slideformer.engine.plan.bench import kernel_switches, layer_efficiency
+from slideformer.engine.plan.bench import kernel_switches, time_layer_paths
 from slideformer.engine.plan.hardware import HardwareProfile, read_profile, save_profile
 from slideformer.engine.plan.report import format_plan
 from slideformer.engine.plan.speed import HEAD_EFFICIENCY, LAYER_EFFICIENCY, estimate, layer_flops
@@ -90,12 +90,13 @@ def test_reference_efficiencies_follow_the_layer_timings_they_cite():
     times = {"torch+causal": (29.3, 88.9), "fused+causal": (21.9, 67.5),
              "torch+mask": (31.0, 94.9), "fused+flex": (21.3, 66.2)}
     for key, (tf, tb) in times.items():
-        assert LAYER_EFFICIENCY[key] == pytest.approx((f + b) / ((tf + tb) * 1e-3) / 759e12, abs=0.002)
+        share = (f + b) / ((tf + tb) * 1e-3) / 759e12
+        assert LAYER_EFFICIENCY[key] == pytest.approx(share, abs=0.002)
     assert set(LAYER_EFFICIENCY) == set(PATHS)
     # the unmeasured mixes: the ops' figure times the attention kernel's factor
-    assert LAYER_EFFICIENCY["fused+mask"] == pytest.approx(
-        LAYER_EFFICIENCY["fused+causal"] * LAYER_EFFICIENCY["torch+mask"] / LAYER_EFFICIENCY["torch+causal"],
-        abs=0.002)
+    e = LAYER_EFFICIENCY
+    assert e["fused+mask"] == pytest.approx(e["fused+causal"] * e["torch+mask"] / e["torch+causal"],
+                                            abs=0.002)
     assert LAYER_EFFICIENCY["fused+causal"] < LAYER_EFFICIENCY["fused+flex"]
 
 
@@ -105,25 +106,27 @@ def test_speed_uses_the_paths_efficiency_and_prefers_the_measured_one(triton_her
     f, b = layer_flops(spec, shape)
     layers = spec.num_layers * (f + b)
 
-    def layer_time(hw, packed):
+    def compute_time(hw, packed):
         est = estimate(spec, shape, M.Precision(BF16, F32), "cuda", True, hw, packed=packed)
         plain = replace(hw, matmul_tflops=hw.matmul_tflops * 2)  # halves every compute term
         est2 = estimate(spec, shape, M.Precision(BF16, F32), "cuda", True, plain, packed=packed)
         compute = est.busy_dict()["gpu compute"] - est2.busy_dict()["gpu compute"]
         return compute, est  # (layers / eff + head / HEAD_EFFICIENCY) / (2 x the matmul rate)
-    head = 6.0 * shape.micro_batch * shape.seq_len * shape.n_micro * spec.vocab_size * spec.hidden_size
+    tokens = shape.micro_batch * shape.seq_len * shape.n_micro
+    head = 6.0 * tokens * spec.vocab_size * spec.hidden_size
     for packed, key in ((True, "fused+flex"), (False, "fused+causal")):
-        t, est = layer_time(REFERENCE, packed)
+        t, est = compute_time(REFERENCE, packed)
         rate = REFERENCE.matmul_tflops * 1e12
-        assert t == pytest.approx((layers / LAYER_EFFICIENCY[key] + head / HEAD_EFFICIENCY) / rate / 2)
+        expect = (layers / LAYER_EFFICIENCY[key] + head / HEAD_EFFICIENCY) / rate / 2
+        assert t == pytest.approx(expect)
         assert f"assumed {LAYER_EFFICIENCY[key]:.2f} of the matmul peak" in est.kernels
     measured = replace(REFERENCE, layer_efficiency=(("fused+flex", 0.5),))
-    t, est = layer_time(measured, True)
+    t, est = compute_time(measured, True)
     assert t == pytest.approx((layers / 0.5 + head / HEAD_EFFICIENCY) / rate / 2)
     assert est.kernels == ("fused Triton + FlexAttention (document BlockMask), measured 0.50 of "
                            "the matmul peak")
     monkeypatch.setenv(dispatch.ENV, "0")  # the switch the run would see: the PyTorch figure
-    t, est = layer_time(measured, True)
+    t, est = compute_time(measured, True)
     assert t == pytest.approx((layers / LAYER_EFFICIENCY["torch+flex"] + head / HEAD_EFFICIENCY)
                               / rate / 2)
     assert estimate(spec, shape, M.Precision(F32, F32), "cpu", True, REFERENCE).kernels == ""
@@ -207,7 +210,7 @@ def test_the_bench_times_each_path_this_machine_takes():
                 rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=128)
     before = {k: os.environ.get(k) for k in (dispatch.ENV, attention.ENV)}
     lines = []
-    got = layer_efficiency(1e-6, "cpu", lines.append, repeats=1, config=tiny, tokens=(2, 64))
+    got = time_layer_paths(1e-6, "cpu", lines.append, repeats=1, config=tiny, tokens=(2, 64))
     assert [k for k, _ in got] == ["torch+causal", "torch+mask"]
     assert all(v > 0 for _, v in got) and len(lines) == 2
     assert {k: os.environ.get(k) for k in before} == before

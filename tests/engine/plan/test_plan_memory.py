@@ -20,7 +20,7 @@ from slideformer.engine.models.tiny import TinyShape, tiny_config
 from slideformer.engine.plan import memory as M
 from slideformer.engine.runtime.backend import CpuBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
-from slideformer.engine.runtime.shapes import speculative_layers
+from slideformer.engine.runtime.shapes import regen_layers, speculative_layers
 from slideformer.engine.train.state import build_host_state
 
 MiB = 1 << 20
@@ -41,18 +41,21 @@ def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-@pytest.mark.parametrize("compute,moments,ckpt,clip,dev,spec_n,res", [
-    (torch.float32, torch.float32, "gpu", True, 0, 0, None), (torch.bfloat16, torch.bfloat16, "host", True, 2, 2, None),
-    (torch.bfloat16, torch.float32, "gpu", True, 0, 3, None), (torch.bfloat16, torch.float32, "gpu", False, 1, 0, None),
-    (torch.float32, torch.float32, "gpu", True, 1, 9, None), (torch.bfloat16, torch.float32, "gpu", False, 0, 2, None),
-    (torch.bfloat16, torch.float32, "host", True, 1, 2, F32), (torch.bfloat16, torch.float32, "gpu", True, 0, 0, F32)])
-def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, spec_n, res):
+@pytest.mark.parametrize("compute,moments,ckpt,clip,dev,spec_n,res,regen", [
+    (torch.float32, torch.float32, "gpu", True, 0, 0, None, 0), (torch.bfloat16, torch.bfloat16, "host", True, 2, 2, None, 2),
+    (torch.bfloat16, torch.float32, "gpu", True, 0, 3, None, 1), (torch.bfloat16, torch.float32, "gpu", False, 1, 0, None, 2),
+    (torch.float32, torch.float32, "gpu", True, 1, 9, None, 4), (torch.bfloat16, torch.float32, "gpu", False, 0, 2, None, 0),
+    (torch.bfloat16, torch.float32, "host", True, 1, 2, F32, 0), (torch.bfloat16, torch.float32, "gpu", True, 0, 0, F32, 5),
+    (torch.bfloat16, torch.float32, "gpu", True, 0, 0, None, 9)])
+def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, spec_n, res, regen):
     spec = _spec("qwen2", layers=5, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=200, tie=True)
     shape = ExecShape(micro_batch=3, seq_len=10, n_micro=2, slots=3, checkpoints=ckpt,
-                      device_update=bool(dev), device_layers=dev, spec_layers=spec_n)
+                      device_update=bool(dev), device_layers=dev, spec_layers=spec_n,
+                      regen_layers=regen)
     backend = CpuBackend()
+    regenerated = regen_layers(5, dev, regen)
     host = build_host_state(spec, backend, compute, moments, layer_grads=clip,
-                            borrowed=speculative_layers(5, dev, spec_n))
+                            borrowed=speculative_layers(5, dev, spec_n, regenerated) + regenerated)
     ex = SlidingExecutor(spec, backend, host, shape, compute, residual_dtype=res)
     allocs = M.allocations(spec, shape, M.Precision(compute, moments, residual=res), "cpu",
                            packed=True, clip=clip)
@@ -62,10 +65,10 @@ def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, 
     assert _rows(allocs, "AdamW moments m, v") == _nbytes(*(t for i in items for t in (i.m, i.v)))
     snap_g = [s.g for s in ex.snapshots.snaps.values()]
     assert _rows(allocs, "gradient buffers") == _nbytes(*(i.g for i in items), *ex.ring.bufs, *snap_g)
-    assert bool(ex.ring.bufs) == (not clip)
+    assert bool(ex.ring.bufs) == (not clip or bool(regen))
     snaps = [a for a in allocs if a.purpose == "speculative update snapshots"]
     assert sum(a.bytes for a in snaps) == _nbytes(*ex.snapshots.buffers()) - _nbytes(*snap_g)
-    assert len(ex.snapshots.snaps) == min(spec_n, 5 - dev)
+    assert len(ex.snapshots.snaps) == min(spec_n, 5 - dev - len(regenerated))
     rem = [a for a in allocs if a.purpose == "weight remainders"]
     assert sum(a.bytes for a in rem) == _nbytes(*(i.rem for i in items))
     assert _rows(allocs, "parameter slots") == _nbytes(*(s.buf for s in ex.pool.slots))

@@ -15,6 +15,7 @@ from slideformer.engine.runtime import backend as backend_mod
 from slideformer.engine.runtime.backend import CudaBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
 from slideformer.engine.runtime.host_state import AdamHyper
+from slideformer.engine.runtime.shapes import regen_layers
 from slideformer.engine.train.schedule import lr_at
 from slideformer.engine.train.state import build_host_state, load_weights
 from tests.engine.runtime.test_sliding_equivalence import STEPS, DenseReference, make_batches
@@ -86,7 +87,9 @@ def run(spec, d, steps, shape, optim=OPTIM, residual=None):
     """``residual``: the executor's residual stream dtype (float32: train.precision autocast)."""
     be = CudaBackend()
     host = build_host_state(spec, be, torch.bfloat16, torch.float32,
-                            layer_grads=optim.max_grad_norm > 0)
+                            layer_grads=optim.max_grad_norm > 0,
+                            borrowed=regen_layers(spec.num_layers, shape.device_layers,
+                                                  shape.regen_layers))
     load_weights(host, spec, d)
     ex = SlidingExecutor(spec, be, host, shape, torch.bfloat16, residual_dtype=residual)
     losses, segs = [], []
@@ -131,6 +134,29 @@ def test_bf16_matches_megatron_reference(model, ckpt, device_layers):
         ours, theirs = rel(masters[item], exact.flat(item)), rel(ref.flat(item), exact.flat(item))
         print(f"{item}: sliding-bf16 vs fp32 {ours:.2e}, megatron-bf16 vs fp32 {theirs:.2e}")
         assert ours <= 1.5 * theirs + 1e-5, item
+
+
+@pytest.mark.parametrize("ckpt,regen,clip", [("gpu", 3, 1e-3), ("host", 6, 1e-3), ("gpu", 6, 1.0)])
+def test_regenerated_gradients_match_the_barrier(model, ckpt, regen, clip):
+    """Exact clipping with regenerated gradients (runtime.regen) against the barrier mode in
+    bf16 on CUDA: the same losses to bf16 tolerance (the recompute's kernels need not be
+    bit-deterministic), and master weights no farther from the barrier run's than that run is
+    from fp32 dense training."""
+    spec, d = model
+    optim = replace(OPTIM, max_grad_norm=clip)
+    steps = make_batches(spec, n_micro=2, B=2, T=64, seed=7)
+    base = ExecShape(2, 64, 2, slots=2, checkpoints=ckpt)
+    barrier_losses, barrier, _ = run(spec, d, steps, base, optim)
+    losses, masters, _ = run(spec, d, steps, replace(base, regen_layers=regen), optim)
+    print("regen losses", losses, "barrier", barrier_losses)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(barrier_losses), rtol=1e-3, atol=0)
+    exact = DenseReference(spec, d, optim)  # fp32 on the CPU
+    for k, mbs in enumerate(steps, start=1):
+        exact.step(mbs, k, STEPS)
+    for item in item_names(spec):
+        apart, floor = rel(masters[item], barrier[item]), rel(barrier[item], exact.flat(item))
+        print(f"{item}: regen vs barrier {apart:.2e}, barrier vs fp32 {floor:.2e}")
+        assert apart <= floor + 1e-5, item
 
 
 @pytest.mark.parametrize("ckpt,device_layers", [("host", None), ("gpu", 2)])

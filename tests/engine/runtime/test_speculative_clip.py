@@ -21,7 +21,7 @@ from slideformer.engine.models.spec import load_spec
 from slideformer.engine.models.tiny import TinyShape, make_tiny_model
 from slideformer.engine.runtime.backend import CpuBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
-from slideformer.engine.runtime.shapes import speculative_layers
+from slideformer.engine.runtime.shapes import regen_layers, speculative_layers
 from slideformer.engine.runtime.host_state import AdamHyper
 from slideformer.engine.train.schedule import lr_at
 from slideformer.engine.train.state import build_host_state, load_weights
@@ -37,12 +37,15 @@ def model(tmp_path_factory):
 
 
 def run(spec, d, steps, clip, shape, threaded=False):
-    """(step outputs, host state) of sliding training with ``shape``, as the trainer builds it."""
+    """(step outputs, host state, optimizer config) of sliding training with ``shape``, the
+    host state built as the trainer builds it (no gradient buffers for the speculative and the
+    regenerated layers)."""
     optim = OptimConfig(lr=3e-3, weight_decay=0.05, schedule="cosine", warmup_steps=1, max_grad_norm=clip)
     backend = CpuBackend()
-    spec_layers = speculative_layers(LAYERS, shape.device_layers, shape.spec_layers)
+    regen = regen_layers(spec.num_layers, shape.device_layers, shape.regen_layers)
+    spec_layers = speculative_layers(spec.num_layers, shape.device_layers, shape.spec_layers, regen)
     host = build_host_state(spec, backend, torch.float32, torch.float32, layer_grads=True,
-                            borrowed=spec_layers)
+                            borrowed=spec_layers + regen)
     load_weights(host, spec, d)
     ex = SlidingExecutor(spec, backend, host, shape, torch.float32)
     if threaded:  # updates race the backward in a worker thread, as on CUDA
@@ -113,9 +116,12 @@ def test_speculative_with_device_layers_equals_barrier(model):
                    run(spec, d, steps, 1e-3, ExecShape(**{**base.__dict__, "spec_layers": 4}), True))
 
 
-def test_skipped_step_undoes_speculative_updates(model, monkeypatch):
+@pytest.mark.parametrize("extra", [{"spec_layers": 3}, {"regen_layers": 2},
+                                   {"spec_layers": 2, "regen_layers": 2}])
+def test_skipped_step_undoes_speculative_updates(model, monkeypatch, extra):
     """A step whose gradients are non-finite is skipped whole: the speculative updates it ran
-    (with NaN gradients) are undone, as the barrier mode never applies them."""
+    (with NaN gradients) are undone, as the barrier mode never applies them, and the
+    regenerated layers (slideformer.engine.runtime.regen) skip their second pass."""
     spec, d = model
     steps = make_batches(spec, 1, B=1, T=16, seed=14)
     real, calls = executor_mod.linear_ce_fwd_bwd, []
@@ -128,7 +134,7 @@ def test_skipped_step_undoes_speculative_updates(model, monkeypatch):
     shape = ExecShape(micro_batch=1, seq_len=16, n_micro=1, slots=2)
     barrier = run(spec, d, steps, 0.5, shape)
     calls.clear()
-    specul = run(spec, d, steps, 0.5, ExecShape(**{**shape.__dict__, "spec_layers": 3}), True)
+    specul = run(spec, d, steps, 0.5, ExecShape(**{**shape.__dict__, **extra}), True)
     assert [o.skipped for o in specul[0]] == [False, False, True, False, False]
     assert_bitwise(barrier, specul)
     assert all(torch.isfinite(item.w).all() for item in specul[1].values())

@@ -79,6 +79,20 @@ class PlanPage(QWidget):
         self._verdict_style = ""
         self._detect_error = ""
 
+        self._build_inputs(ctx)
+        self._build_status()
+        self.results = self._build_results()
+        self.results.hide()
+        lay = QVBoxLayout(self)
+        lay.addWidget(page_header("Plan", "Will the run fit, where every byte goes and how fast "
+                                          "it will train: predicted from the model's config "
+                                          "before anything loads."))
+        lay.addWidget(self._build_body(), 1)
+        self._connect(ctx)
+
+    # ---- layout -----------------------------------------------------------------------------
+    def _build_inputs(self, ctx: AppContext) -> None:
+        """The inputs, each edit restarting the debounce timer that plans them."""
         self.debounce = QTimer(self)
         self.debounce.setSingleShot(True)
         self.debounce.setInterval(DEBOUNCE_MS)
@@ -90,6 +104,8 @@ class PlanPage(QWidget):
         self.inputs.target.currentIndexChanged.connect(self._target_changed)
         self.inputs.set_settings({"data.max_seq_len": ctx.data_config.max_seq_len})
 
+    def _build_status(self) -> None:
+        """The status line and the "Recomputing" line above the results."""
         self.status = QLabel(NO_MODEL)
         self.status.setObjectName("status")
         self.status.setWordWrap(True)
@@ -101,9 +117,10 @@ class PlanPage(QWidget):
         self.recomputing.setWordWrap(True)
         set_state(self.recomputing, "busy")
         self.recomputing.hide()
-        self.results = self._build_results()
-        self.results.hide()
 
+    def _build_body(self) -> QScrollArea:
+        """The inputs and the results column in one scroll area (resizeEvent arranges them for
+        the page width)."""
         column = QWidget()
         col = QVBoxLayout(column)
         col.setContentsMargins(0, 0, 0, 0)
@@ -124,12 +141,11 @@ class PlanPage(QWidget):
         scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         content.setObjectName("planContent")  # the window's background shows through
         scroll.setStyleSheet("QScrollArea, QWidget#planContent { background: transparent; }")
-        lay = QVBoxLayout(self)
-        lay.addWidget(page_header("Plan", "Will the run fit, where every byte goes and how fast "
-                                          "it will train: predicted from the model's config "
-                                          "before anything loads."))
-        lay.addWidget(scroll, 1)
+        return scroll
 
+    def _connect(self, ctx: AppContext) -> None:
+        """Follow the app's model, target and data; wire the planner's replies; detect the
+        machine off the GUI thread."""
         ctx.model_changed.connect(self._model_changed)
         ctx.target_changed.connect(
             lambda key: self.inputs.target.setCurrentIndex(self.inputs.target.findData(key)))
@@ -143,7 +159,6 @@ class PlanPage(QWidget):
         run_task(detect_machine, name="plan-machine", done=self.set_machine,
                  failed=self._not_detected)
 
-    # ---- layout -----------------------------------------------------------------------------
     def _build_results(self) -> QWidget:
         self.verdict = QLabel("")
         self.verdict.setObjectName("status")

@@ -48,6 +48,19 @@ class Dashboard(QWidget):
         self._running = False
         """Steps are expected (the stall watch is on)."""
 
+        self._build_status()
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        for w in (self.status, self.failure_log, self.progress_bar, self.progress_text,
+                  self.stall):
+            lay.addWidget(w)
+        lay.addLayout(self._build_charts(), 3)
+        lay.addWidget(self._build_tabs(), 2)
+
+        self._start_clocks()
+
+    def _build_status(self) -> None:
+        """The status line, the failure log, progress and the stall warning."""
         self.status = status_label()
         self.failure_log = QPlainTextEdit()
         self.failure_log.setReadOnly(True)
@@ -63,6 +76,8 @@ class Dashboard(QWidget):
         self.stall.setWordWrap(True)
         self.stall.hide()
 
+    def _build_charts(self) -> QGridLayout:
+        """The metric charts: loss across the top, the others below it."""
         self.plots = {name: MetricPlot(metric) for name, metric in METRICS.items()}
         grid = QGridLayout()
         grid.setSpacing(8)
@@ -73,6 +88,10 @@ class Dashboard(QWidget):
         grid.addWidget(self.plots["memory"], 1, 2)
         for plot in self.plots.values():
             plot.plot.getPlotItem().setLabel("bottom", "step")
+        return grid
+
+    def _build_tabs(self) -> QTabWidget:
+        """The latest step's pipeline timeline and the engine's messages."""
         self.timeline = TimelineView()
         self.log_view = QPlainTextEdit()
         self.log_view.setReadOnly(True)
@@ -80,15 +99,10 @@ class Dashboard(QWidget):
         self.tabs = QTabWidget()
         self.tabs.addTab(self.timeline, "Pipeline of the latest step")
         self.tabs.addTab(self.log_view, "Engine messages")
+        return self.tabs
 
-        lay = QVBoxLayout(self)
-        lay.setContentsMargins(0, 0, 0, 0)
-        for w in (self.status, self.failure_log, self.progress_bar, self.progress_text,
-                  self.stall):
-            lay.addWidget(w)
-        lay.addLayout(grid, 3)
-        lay.addWidget(self.tabs, 2)
-
+    def _start_clocks(self) -> None:
+        """The repaint clock (REPAINT_HZ) and the stall watch (once a second)."""
         self._repaint_timer = QTimer(self, interval=1000 // REPAINT_HZ)
         self._repaint_timer.timeout.connect(self._repaint)
         self._repaint_timer.start()

@@ -95,6 +95,13 @@ class RunSettings(QWidget):
         self.base = RunConfig()
         self._updating = False
 
+        self._build_preset()
+        self._build_form(self._build_fields())
+        self._connect_edits()
+        self.show_config(self.base)
+
+    def _build_preset(self) -> None:
+        """The preset chooser and its note."""
         self.preset = QComboBox()
         self.preset.addItem(CUSTOM, None)
         for p in self.presets:
@@ -104,6 +111,8 @@ class RunSettings(QWidget):
         self.preset_note.setObjectName("hint")
         self.preset_note.setWordWrap(True)
 
+    def _build_fields(self) -> QHBoxLayout:
+        """One widget per RunConfig field the form edits; returns the run folder's row."""
         self.lr = LearningRateBox()
         self.schedule = QComboBox()
         for s in ("constant", "linear", "cosine"):
@@ -134,7 +143,10 @@ class RunSettings(QWidget):
         out_row.setContentsMargins(0, 0, 0, 0)
         out_row.addWidget(self.output, 1)
         out_row.addWidget(browse)
+        return out_row
 
+    def _build_form(self, out_row: QHBoxLayout) -> None:
+        """The form's rows, the method rows and the fields' tooltips."""
         form = QFormLayout(self)
         form.addRow("Preset", self.preset)
         form.addRow(self.preset_note)
@@ -154,6 +166,8 @@ class RunSettings(QWidget):
         self.save_every.setToolTip("Write a checkpoint (resumable) every N steps")
         self.eval_every.setToolTip("Validation loss every N steps (needs a validation split)")
 
+    def _connect_edits(self) -> None:
+        """Every field's change is an edit; the combo boxes fit the narrow column."""
         for w in (self.lr, self.warmup, self.epochs, self.max_steps, self.micro_batch,
                   self.grad_accum, self.seq_len, self.clip, self.weight_decay, self.save_every,
                   self.eval_every):
@@ -168,7 +182,6 @@ class RunSettings(QWidget):
         for combo in (self.preset, self.schedule, self.device, self.method):
             narrow(combo)
         self.preset.setMinimumContentsLength(16)
-        self.show_config(self.base)
 
     def _add_method_rows(self, form: QFormLayout) -> None:
         """Method (full / LoRA / QLoRA) and the adapter settings, PEFT's names and defaults."""
