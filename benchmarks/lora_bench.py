@@ -18,7 +18,6 @@ the timeline over the step time) and the planner's prediction for our runs.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics

@@ -27,6 +27,7 @@ from slideformer.engine.models.spec import spec_from_config  # noqa: E402
 from slideformer.engine.runtime.backend import make_backend  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
 from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
+from slideformer.engine.runtime.shapes import regen_layers, speculative_layers  # noqa: E402
 from slideformer.engine.train.state import build_host_state  # noqa: E402
 from slideformer.engine.train.trainer import peak_rss  # noqa: E402
 
@@ -86,10 +87,13 @@ def random_batches(vocab: int, micro_batch: int, seq: int, accum: int, seed: int
     return out
 
 
-def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch.bfloat16):
+def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch.bfloat16,
+                 borrowed=()):
     """Host state with random N(0, 0.02) weights. Every item reads a window of one random
-    buffer at its own offset (generating 8 B values one by one would take minutes)."""
-    host = build_host_state(spec, backend, compute, moments, layer_grads=layer_grads)
+    buffer at its own offset (generating 8 B values one by one would take minutes).
+    ``borrowed``: layers that own no gradient buffer (build_host_state's)."""
+    host = build_host_state(spec, backend, compute, moments, layer_grads=layer_grads,
+                            borrowed=borrowed)
     g = torch.Generator().manual_seed(0)
     spread = 1 << 22
     base = torch.randn(spread, generator=g) * 0.02
@@ -122,6 +126,23 @@ def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_g
                   precision=Precision(torch.bfloat16, torch.float32, residual=residual(precision)),
                   clip=clip > 0, packed=False)
     return make_plan(spec, knobs, device, budgets, hw)
+
+
+def planned_borrowed(spec, args) -> list[int]:
+    """With --plan and clipping: the layers that own no host gradient buffer in every planned
+    run (speculative and regenerated ones), as ``slideformer train`` builds its state, so the
+    host RAM is what the planner counted (owning one anyway would only cost memory)."""
+    if not (args.plan and args.clip > 0):
+        return []
+    L, common = spec.num_layers, None
+    for mb in args.micro_batch:
+        for accum in args.grad_accum:
+            s = plan_shape(spec, mb, args.seq, accum, args.clip, args.vram_cap,
+                           precision=args.precision).exec_shape
+            regen = regen_layers(L, s.device_layers, s.regen_layers)
+            mine = set(speculative_layers(L, s.device_layers, s.spec_layers, regen) + regen)
+            common = mine if common is None else common & mine
+    return sorted(common or ())
 
 
 def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = None) -> dict:
@@ -255,7 +276,8 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(args.vram_cap * 2**30 / total)
     spec = shape_spec(args.shape)
     moments = torch.bfloat16 if args.moments == "bfloat16" else torch.float32
-    host = random_state(spec, backend, moments, layer_grads=args.clip > 0)
+    host = random_state(spec, backend, moments, layer_grads=args.clip > 0,
+                        borrowed=planned_borrowed(spec, args))
     print(json.dumps(dict(event="state_ready", params=spec.num_params,
                           rss_gib=round(peak_rss() / 2**30, 2))), flush=True)
     for mb in args.micro_batch:

@@ -63,6 +63,7 @@ def bnb4_folder_factory(tmp_path_factory):
     default NF4 with double quantisation; shards of at most ``shard``; tokenizer copied."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("bitsandbytes")
+    pytest.importorskip("accelerate")  # transformers' bitsandbytes loader requires it
     from transformers.utils import logging
 
     from slideformer.engine.models.weights import TOKENIZER_FILES
