@@ -80,6 +80,9 @@ class CpuBackend:
     def keep_alive(self, tensor: torch.Tensor) -> None:
         """Tell the allocator a compute-stream tensor is read by a copy stream."""
 
+    def pin_mapping(self, buf) -> None:
+        pass
+
     def release_host(self) -> None:
         pass
 
@@ -120,8 +123,18 @@ class CudaBackend:
             self._registered.append(t)
         return t
 
+    def pin_mapping(self, buf) -> None:
+        """Page-lock a host mapping (an NVMe staging buffer) until :meth:`release_host`; the
+        tensor kept over it also keeps the mapping alive until then."""
+        t = torch.frombuffer(buf, dtype=torch.uint8)
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister failed ({err}): not enough lockable memory")
+        self._registered.append(t)
+
     def release_host(self) -> None:
-        """Unpin what :meth:`host_alloc` pinned (before the tensors are freed)."""
+        """Unpin what :meth:`host_alloc` and :meth:`pin_mapping` pinned (before the tensors are
+        freed)."""
         for t in self._registered:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         self._registered.clear()

@@ -159,11 +159,14 @@ class NvmeTier:
         size_limit: bytes the files may take (budget.nvme_size); 0: the free space.
         buffers: staging buffers (>= 1).
         direct: O_DIRECT where the filesystem accepts it; False: buffered I/O.
+        pin: called with each staging buffer once it is mapped (a backend's ``pin_mapping``:
+            buffers copied to the GPU, the frozen base's, must be page-locked for the copies to
+            run asynchronously); None: left pageable.
     """
 
     def __init__(self, folder: Path | str, items: Iterable[str], remainders: bool = False,
                  size_limit: int = 0, buffers: int = BUFFERS, threads: int = THREADS,
-                 direct: bool = True):
+                 direct: bool = True, pin=None):
         self.folder = Path(folder)
         if not self.folder.is_dir():
             raise UserError(self.folder, "is not a folder",
@@ -184,6 +187,7 @@ class NvmeTier:
         self._cond = threading.Condition()
         self._error: OSError | None = None
         self._io = ThreadPoolExecutor(threads, "nvme-io")
+        self._pin = pin
 
     # ---- setup -------------------------------------------------------------------------------
     def place(self, name: str, numel: int, fields: dict[str, torch.dtype]) -> DiskItem | None:
@@ -376,7 +380,10 @@ class NvmeTier:
             return self._free.pop()
         if self._allocated < self.n_buffers:
             self._allocated += 1
-            return mmap.mmap(-1, self._buf_bytes)  # page-aligned, zero-filled
+            buf = mmap.mmap(-1, self._buf_bytes)  # page-aligned, zero-filled
+            if self._pin is not None:
+                self._pin(buf)
+            return buf
         ready = [it for it in self.files.values()
                  if it.where is Where.READY and not it.waiting and (urgent or not it.wanted)]
         if not ready:

@@ -69,8 +69,11 @@ class Backend(Protocol):
     def keep_alive(self, tensor: torch.Tensor) -> None:
         """A compute-stream tensor is read by a copy queue: keep its memory until then."""
 
+    def pin_mapping(self, buf) -> None:
+        """Page-lock a host mapping (an mmap) for copies until ``release_host`` (no-op: CPU)."""
+
     def release_host(self) -> None:
-        """Give back what ``host_alloc`` locked (before the tensors are freed)."""
+        """Give back what ``host_alloc`` and ``pin_mapping`` locked (before they are freed)."""
 
     def peak_memory(self) -> int | None:
         """Peak device bytes reserved since the last reset (None: not measured)."""

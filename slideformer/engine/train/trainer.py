@@ -216,7 +216,8 @@ class Trainer:
         self.emit(Log("info", f"NVMe tier: {what} of {n} of {L} layers in "
                               f"{self.cfg.budget.nvme_dir}"))
         return NvmeTier(self.cfg.budget.nvme_dir, [f"layer{i}" for i in disk_layers(L, n)],
-                        size_limit=self.plan.budgets.disk)
+                        size_limit=self.plan.budgets.disk,  # a base's buffers go to the GPU
+                        pin=None if self.lora is None else self.backend.pin_mapping)
 
     def _check_run_dir(self, resume: bool) -> None:
         d = self.run_dir
