@@ -150,6 +150,8 @@ def write_random_folder(cfg, folder: str, dev: str, dtype: torch.dtype) -> None:
     g = torch.Generator(dev).manual_seed(0)
     shard, size, n, index = {}, 0, 0, {}
     for name, p in meta.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":  # the embedding serves as head
+            continue
         w = (torch.randn(p.shape, generator=g, device=dev) * 0.02).to(dtype)
         if name.endswith("norm.weight"):  # RMSNorm weights start at one, as HF initialises them
             w = torch.ones(p.shape, dtype=dtype, device=dev)
@@ -205,6 +207,9 @@ def run_hf(a: dict) -> dict:
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=8, lora_dropout=0.0,
                                                        target_modules=targets))
     model.enable_input_require_grads()
+    # from_pretrained returns the model in eval mode, where HF skips gradient checkpointing (it
+    # is gated on self.training): without this the 4-bit contender kept every layer's activations
+    model.train()
     setup = time.perf_counter() - t0
     setup_vram = torch.cuda.memory_allocated() / GiB if dev == "cuda" else 0.0
     SETUP.update(setup_s=round(setup, 1), setup_vram_gib=round(setup_vram, 2))
