@@ -47,6 +47,10 @@ def _flex_module():
     return flex_attention
 
 
+FLEX_RECOMPILE_LIMIT = 64
+"""Compiles of flex_attention one process may make before dynamo falls back to eager."""
+
+
 @functools.cache
 def _flex():
     """The compiled flex_attention.
@@ -54,9 +58,20 @@ def _flex():
     Compiled once per process, on first use (torch.compile's import alone costs seconds, which
     the planner, asking only :func:`flex_available`, does not pay): uncompiled, FlexAttention
     materialises the scores (its reference path). Shapes that change between calls recompile
-    once, then run dynamic.
+    once, then run dynamic; the grad mode (the forward without autograd, the recompute with it)
+    and head shapes add compiles too. Past dynamo's recompile limit (8 by default) the call falls
+    back to that uncompiled path without an error: in the whole GPU test suite, which compiles
+    it for many shapes in one process, a Qwen3 layer then needed 456 MiB instead of 96. The
+    limit is raised so that one process keeps the fused kernel (each compile still costs time,
+    not memory).
     """
+    import torch._dynamo
+    cfg = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the older PyTorch name, the newer
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), FLEX_RECOMPILE_LIMIT))
     return torch.compile(_flex_module().flex_attention)
+
 
 
 def flex_available(device: torch.device | str, head_dim: int) -> bool:

@@ -52,11 +52,8 @@ def _spec(arch, kw):
 
 
 def _peak_above_base(fn) -> int:
-    """Peak bytes allocated while fn ran, above what was allocated before (after two warm-up
-    runs that compile the kernels and allocate the libraries' workspaces: in the whole GPU
-    suite, where FlexAttention was compiled for other shapes first, one warm-up left the
-    Qwen3 flex forward measuring 456 MiB against 96 alone)."""
-    fn()
+    """Peak bytes allocated while fn ran, above what was allocated before (after a warm-up run
+    that compiles the kernels and allocates the libraries' workspaces)."""
     fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
