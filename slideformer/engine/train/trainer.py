@@ -340,8 +340,9 @@ class Trainer:
         """Roll the failed step back: its batch is put back, the state is the previous step's.
 
         With clipping the step's speculative updates are undone, so the host state is the
-        previous step's; without it, updates overlap the backward and some may have been applied.
-        """
+        previous step's, unless the out-of-memory error came in the second pass of regenerated
+        gradients, whose updates run as it goes; without clipping, updates overlap the backward
+        and some may have been applied."""
         self.executor.roll_back()  # the last step's updates finish, this one's are undone
         self.executor.drain()
         self.stream.load_state_dict(position)
@@ -351,7 +352,8 @@ class Trainer:
         applied = self.executor.step_updates
         if applied:
             self._fail(f"out of GPU memory in step {self.step + 1} after {applied} of its updates "
-                       f"were applied (without clipping, updates overlap the backward): this state "
+                       f"were applied (updates overlap the backward without clipping, and the "
+                       f"second pass of regenerated gradients with it): this state "
                        f"is not saved, the newest checkpoint is where to continue",
                        f"{fix}; {RESUME}", save=False)
         else:
