@@ -14,9 +14,10 @@ import torch
 
 from slideformer.engine.runtime.executor import ExecShape
 from slideformer.engine.runtime.shapes import regen_layers, speculative_layers
-from tests.engine.runtime.test_sliding_equivalence import STEPS, DenseReference, assert_same, make_batches
-from tests.engine.runtime.test_speculative_clip import (LAYERS, _threshold, assert_bitwise,  # noqa: F401
-                                                        model, run)
+from tests.engine.runtime.test_sliding_equivalence import make_batches
+from tests.engine.runtime.test_speculative_clip import (  # noqa: F401 (model: a fixture)
+    LAYERS, _threshold, assert_bitwise, assert_matches_dense,
+    model, run)
 
 SLOW = pytest.mark.slow
 
@@ -61,9 +62,7 @@ def test_regenerated_beside_speculation_matches_dense(model):
     barrier, regen_run, steps = _compare(spec, d, "sometimes", 2, 22, LAYERS // 2, slots=2,
                                          spec_layers=LAYERS)
     assert_bitwise(barrier, regen_run)
-    ref = DenseReference(spec, d, regen_run[2])
-    ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
-    assert_same(spec, ref, ref_losses, [o.loss for o in regen_run[0]], regen_run[1])
+    assert_matches_dense(spec, d, regen_run, steps)
 
 
 @SLOW

@@ -60,6 +60,14 @@ def run(spec, d, steps, clip, shape, threaded=False):
     return outs, host, optim
 
 
+
+def assert_matches_dense(spec, d, result, steps) -> None:
+    """A run's (outputs, masters, optimizer settings) held to dense PyTorch AdamW with
+    clip_grad_norm_ on the same batches."""
+    ref = DenseReference(spec, d, result[2])
+    ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
+    assert_same(spec, ref, ref_losses, [o.loss for o in result[0]], result[1])
+
 def assert_bitwise(a, b):
     (outs_a, host_a, _), (outs_b, host_b, _) = a, b
     assert [o.loss for o in outs_a] == [o.loss for o in outs_b]
@@ -101,9 +109,7 @@ def test_speculative_equals_barrier(model, kind, slots, n_micro, depth, threaded
             "sometimes": any(clipped) and not all(clipped)}[kind], clipped
     assert_bitwise(barrier, specul)
     if kind == "sometimes":  # and both are dense AdamW with clip_grad_norm_
-        ref = DenseReference(spec, d, specul[2])
-        ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
-        assert_same(spec, ref, ref_losses, [o.loss for o in specul[0]], specul[1])
+        assert_matches_dense(spec, d, specul, steps)
 
 
 @SLOW
