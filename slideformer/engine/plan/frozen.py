@@ -30,12 +30,13 @@ import math
 
 import torch
 
-from slideformer.engine.models.lora import LoraSpec, adapter_layout
+from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, adapter_layout
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Allocation, Precision,
                                 allocator_reserve, checkpoint_store, cuda_fixed,
-                                device_optimizer_scratch, loading, step_transients)
+                                device_optimizer_scratch, loading)
+from slideformer.engine.plan.transients import FrozenBase, step_transients
 from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
                                HEAD_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
                                cpu_dispatch_s, kernels_note, layer_efficiency)
@@ -117,14 +118,21 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
         out.append(Allocation("gpu", "dequantised layer", P * c, f"{P:,} params x {c} B"))
         out.append(dequant_scratch(spec))
     out += checkpoint_store(spec, shape, prec) + cuda_fixed(device)
-    steps = step_transients(spec, shape, prec, kernel_path(device, spec.head_dim, packed))
-    a_layer = adapter_layout(spec, lora).numel
-    out += [a if a.purpose != "layer grads in compute dtype" else
-            Allocation("gpu", "adapter grads", a_layer * (c + 4), "one layer's adapter grads as "
-                       "autograd returns them, and their fp32 copy", "backward") for a in steps]
+    out += step_transients(spec, shape, prec, kernel_path(device, spec.head_dim, packed),
+                           frozen_base(spec, prec, lora))
     if device == "cuda":
-        out.append(allocator_reserve(out, shape, spec, prec))
+        out.append(allocator_reserve(out, shape, spec, prec, frozen=True))
     return tuple(out)
+
+
+def frozen_base(spec: ModelSpec, prec: Precision, lora: LoraSpec) -> FrozenBase:
+    """A frozen layer's backward (slideformer.engine.models.lora.LoraForward under autograd): the
+    adapters' grads in the compute dtype and their fp32 copy; saved per token, each A's output,
+    and with dropout each target's keep mask (in the compute dtype) and its dropped input."""
+    layout = spec.layer_layout
+    ins = sum(layout.shape(PROJECTIONS[t] + ".weight")[1] for t in lora.targets)
+    saved = len(lora.targets) * lora.rank + (2 * ins if lora.dropout else 0)
+    return FrozenBase(adapter_layout(spec, lora).numel * (prec.c + 4), saved * prec.c)
 
 
 def base_on_disk(spec: ModelSpec, prec: Precision, method: str, disk_layers: int) -> list[Allocation]:
@@ -139,12 +147,13 @@ def base_on_disk(spec: ModelSpec, prec: Precision, method: str, disk_layers: int
 
 
 def dequant_scratch(spec: ModelSpec) -> Allocation:
-    """Nf4Layout.dequantize: per chunk the int64 codes, the fp32 pairs and their product; per
-    matrix its absmax codes as int64 and three fp32 vectors."""
+    """Nf4Layout.dequantize: per chunk (at most the largest matrix) the int64 codes, the fp32
+    pairs and their product; per matrix its absmax codes as int64 and three fp32 vectors. It
+    runs before a layer's forward or recompute, when none of their scratch is held."""
     biggest = max(math.prod(s) for _, _, s in spec.layer_layout.entries)
-    b = NF4_CHUNK * (4 + 4 + 4) + biggest // 64 * (8 + 12)
+    b = min(NF4_CHUNK, biggest) * (4 + 4 + 4) + biggest // 64 * (8 + 12)
     return Allocation("gpu", "dequantisation temporaries", b,
-                      f"chunks of {NF4_CHUNK:,} weights; {biggest // 64:,} block scales", "forward")
+                      f"chunks of {NF4_CHUNK:,} weights; {biggest // 64:,} block scales", "dequant")
 
 
 def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,

@@ -24,6 +24,7 @@ from slideformer.engine.kernels.dispatch import PATHS, kernel_path
 from slideformer.engine.models.spec import load_spec, spec_from_config
 from slideformer.engine.plan import REFERENCE, plan_run
 from slideformer.engine.plan import memory as M
+from slideformer.engine.plan import transients as TR
 from slideformer.engine.plan.bench import kernel_switches, time_layer_paths
 from slideformer.engine.plan.hardware import HardwareProfile, read_profile, save_profile
 from slideformer.engine.plan.report import format_plan
@@ -151,21 +152,21 @@ def test_memory_rows_follow_the_path(triton_here, monkeypatch):
     for purpose in ("layer forward scratch", "recompute activations", "LM-head chunk and loss"):
         assert _rows(fused, purpose)[0].bytes < _rows(ref, purpose)[0].bytes, purpose
     assert _rows(ref, "recompute activations") == _rows(
-        M.recompute_scratch(spec, 8 * 1024, 8, 1024, prec, True), "recompute activations")
+        TR.recompute_scratch(spec, 8 * 1024, 8, 1024, prec, True), "recompute activations")
 
 
 def test_layer_transients_switch_on_the_ops_and_on_the_mask_alone():
     spec = shape_spec("llama-3.2-3b")
     prec, N, B, T = M.Precision(BF16, F32), 8 * 1024, 8, 1024
-    by_key = {k: M.layer_transients(spec, N, B, T, prec, dispatch.KernelPath(
+    by_key = {k: TR.layer_transients(spec, N, B, T, prec, dispatch.KernelPath(
         k.startswith("fused"), k.startswith("fused"), k.split("+")[1])) for k in PATHS}
     mask = B * T * T * 2  # SDPA's additive copy of the boolean mask, bf16
     for ops in ("fused", "torch"):
         causal, flex, masked = (by_key[f"{ops}+{a}"] for a in ("causal", "flex", "mask"))
         assert causal == flex  # a BlockMask costs the layer nothing (counted with the step)
         assert masked[1].bytes == causal[1].bytes + mask  # saved by SDPA for its backward
-    assert by_key["torch+causal"] == [M.forward_scratch(spec, N, B, T, prec, False),
-                                      *M.recompute_scratch(spec, N, B, T, prec, False)]
+    assert by_key["torch+causal"] == [TR.forward_scratch(spec, N, B, T, prec, False),
+                                      *TR.recompute_scratch(spec, N, B, T, prec, False)]
 
 
 def test_old_profiles_load_and_a_measured_efficiency_round_trips(tmp_path):

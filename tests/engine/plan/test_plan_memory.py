@@ -18,6 +18,7 @@ from slideformer.engine.models.model import positions_for
 from slideformer.engine.models.spec import spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config
 from slideformer.engine.plan import memory as M
+from slideformer.engine.plan import transients as TR
 from slideformer.engine.runtime.backend import CpuBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
 from slideformer.engine.runtime.shapes import regen_layers, speculative_layers
@@ -156,9 +157,9 @@ def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk, res
         SlidingExecutor._layer_backward(holder, w, slot_g, x, gy, rope, mask)
 
     shape = ExecShape(B, T, 1, 1, head_chunk=chunk)
-    predicted = {"forward": M.forward_scratch(spec, N, B, T, prec, packed).bytes,
-                 "head": M.head_scratch(spec, shape, prec).bytes,
-                 "backward": sum(a.bytes for a in M.recompute_scratch(spec, N, B, T, prec, packed))}
+    predicted = {"forward": TR.forward_scratch(spec, N, B, T, prec, packed).bytes,
+                 "head": TR.head_scratch(spec, shape, prec).bytes,
+                 "backward": sum(a.bytes for a in TR.recompute_scratch(spec, N, B, T, prec, packed))}
     for part, fn in (("forward", forward), ("head", head), ("backward", backward)):
         measured = _peak_live(fn)
         # 6%, or a quarter MiB for the smallest terms (kernel-internal buffers of a few KB)
@@ -184,8 +185,8 @@ def test_fused_cross_entropy_needs_only_the_logits():
     spec = _spec("llama", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=96, vocab=1000, tie=False)
     shape = ExecShape(micro_batch=2, seq_len=64, n_micro=1, slots=2, head_chunk=128)
     prec = M.Precision(torch.bfloat16, torch.float32)
-    torch_path = M.head_scratch(spec, shape, prec, fused_ce=False).bytes
-    fused = M.head_scratch(spec, shape, prec, fused_ce=True).bytes
+    torch_path = TR.head_scratch(spec, shape, prec, fused_ce=False).bytes
+    fused = TR.head_scratch(spec, shape, prec, fused_ce=True).bytes
     softmax = 128 * 1000 * (4 + 4 + 2)  # fp32 logits, fp32 softmax-grad, its bf16 copy
     wgrad = 128 * 1000 * 2 + 1000 * 64 * (2 + 4)  # dz next to one row block and its upcast
     assert torch_path - fused == softmax - wgrad  # fused: the logits alone never dominate

@@ -20,6 +20,7 @@ from slideformer.engine.models.model import positions_for
 from slideformer.engine.models.spec import spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config
 from slideformer.engine.plan import memory as M
+from slideformer.engine.plan import transients as TR
 from slideformer.engine.plan.bench import kernel_switches
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
 
@@ -103,7 +104,7 @@ def test_layer_transients_match_cuda_peaks(arch, kw, res, ops, att):
         def backward():
             SlidingExecutor._layer_backward(holder, w, slot_g, x, gy, rope, mask)
         measured = {"forward": _peak_above_base(forward), "backward": _peak_above_base(backward)}
-    fwd, *bwd = M.layer_transients(spec, B * T, B, T, M.Precision(BF16, F32, residual=res), path)
+    fwd, *bwd = TR.layer_transients(spec, B * T, B, T, M.Precision(BF16, F32, residual=res), path)
     wide = " fp32 residual" if res else ""
     name = f"{arch} {spec.num_heads}/{spec.num_kv_heads} heads {path.key}{wide}"
     _close(f"{name} forward", fwd.bytes, measured["forward"])
@@ -134,5 +135,61 @@ def test_head_transients_match_cuda_peaks(fused):
             _, gh = linear_ce_fwd_bwd(h.detach(), head_w, ids, 1.0, shape.head_chunk, head_g)
             torch.autograd.grad(h, [xx, nw], gh)
         measured = _peak_above_base(head)
-    predicted = M.head_scratch(spec, shape, M.Precision(BF16, F32), path.fused_ce, path.fused_ops)
+    predicted = TR.head_scratch(spec, shape, M.Precision(BF16, F32), path.fused_ce, path.fused_ops)
     _close(f"head ({path.key})", predicted.bytes, measured)
+
+
+@pytest.mark.parametrize("method,ckpt,fused", [("lora", "gpu", True), ("qlora", "host", True),
+                                               ("qlora", "gpu", False), ("lora", "host", False)])
+def test_frozen_step_matches_cuda_peaks(method, ckpt, fused):
+    """A whole train_step of a frozen-base run (train.method lora / qlora) on 8 layers of the
+    Llama proportions above, 2 slots, 4 micro-batches of 4 x 1024 tokens: the executor's buffers
+    and the step's peak (torch.cuda.max_memory_allocated above what was allocated before the
+    executor, second step) against the planner's device rows without the CUDA context and the
+    allocator reserve; and the reserved memory within the planned total with the reserve."""
+    from slideformer.engine.config import LoraConfig
+    from slideformer.engine.models.lora import lora_spec
+    from slideformer.engine.plan.evaluate import head_chunk
+    from slideformer.engine.plan.frozen import frozen_allocations
+    from slideformer.engine.runtime.backend import make_backend
+    from slideformer.engine.runtime.host_state import AdamHyper
+    from slideformer.engine.runtime.lora import init_adapters, is_adapter
+    from slideformer.engine.train.state import build_frozen_state
+    from tests.engine.runtime.test_sliding_equivalence import make_batches
+    spec = spec_from_config(tiny_config("llama", TinyShape(layers=8, vocab=32000, **LLAMA)))
+    shape = ExecShape(micro_batch=B, seq_len=T, n_micro=4, slots=2, checkpoints=ckpt,
+                      head_chunk=head_chunk(spec.vocab_size))
+    lora, backend = lora_spec(LoraConfig()), make_backend("cuda")
+    with kernel_switches(fused, fused):
+        path = kernel_path("cuda", spec.head_dim, False)
+        if path.fused_ops != fused:
+            pytest.skip("triton is not installed")
+        host = build_frozen_state(spec, backend, BF16, F32, lora, nf4=method == "qlora")
+        g = torch.Generator().manual_seed(0)
+        for name, item in host.items():
+            if not is_adapter(name):
+                item.set_master(0.02 * torch.randn(item.numel, generator=g))
+        init_adapters({k: v for k, v in host.items() if is_adapter(k)}, seed=0)
+        steps = make_batches(spec, shape.n_micro, B=B, T=T, seed=1)
+        torch.cuda.synchronize()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+        ex = SlidingExecutor(spec, backend, host, shape, BF16, lora=lora)
+
+        def hyper(coef):
+            return AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, 1, coef)
+        ex.train_step(steps[0], hyper, 1.0)  # compiles kernels, allocates library workspaces
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        ex.train_step(steps[1], hyper, 1.0)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+        reserved = torch.cuda.max_memory_reserved() - base_reserved
+        ex.close()
+    allocs = frozen_allocations(spec, shape, M.Precision(BF16, F32), "cuda", False, method, lora)
+    tensors = [a for a in allocs if a.purpose not in ("CUDA context", "allocator reserve")]
+    predicted = M.peak(tensors, ("gpu",))
+    with_reserve = M.peak([a for a in allocs if a.purpose != "CUDA context"], ("gpu",))
+    print(f"{method} {ckpt} {path.key}: reserved {reserved / MiB:.1f} MiB, planned with the "
+          f"reserve {with_reserve / MiB:.1f} MiB")  # -s
+    _close(f"{method} step, checkpoints on {ckpt}, {path.key}", predicted, measured)
+    assert reserved <= with_reserve

@@ -84,10 +84,11 @@ OTHER = "Runtime"
 """The group of a purpose this page does not know yet (drawn, never dropped)."""
 
 TIER_TITLES = {"gpu": "GPU memory", "host": "Host RAM", "disk": "NVMe disk"}
-PEAK_WHEN = {"setup": "loading weights", "forward": "forward", "head": "LM head",
+PEAK_WHEN = {"setup": "loading weights", "dequant": "NF4 dequantisation", "forward": "forward", "head": "LM head",
              "backward": "backward", "run": "training"}
 HELD = {"state": "held for the whole run", "run": "held while training",
         "step": "held during each step", "setup": "only while the weights load",
+        "dequant": "only while an NF4 layer is dequantised",
         "forward": "only during a layer's forward", "head": "only during the LM head",
         "backward": "only during a layer's backward"}
 

@@ -1,0 +1,61 @@
+"""A block of memory the planner counts (tier, purpose, phase), and a run's data types."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One block of memory the run holds."""
+    tier: str
+    """gpu, host or disk (on the CPU backend "gpu" buffers live in host memory)."""
+    purpose: str
+    bytes: int
+    detail: str
+    """How the size follows from the model and the settings."""
+    phase: str = "run"
+    """When it is held (see the module docstring)."""
+    reclaimable: bool = False
+    """Clean page cache (mapped model files): counted in RSS, not against the budget."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Data types of the run."""
+    compute: torch.dtype
+    """Weights on the device and activations: bfloat16 (CUDA) or float32."""
+    moments: torch.dtype
+    """AdamW m and v on the host: float32 or bfloat16."""
+    file_bytes: int = 2
+    """Bytes per parameter in the model's safetensors files."""
+    residual: torch.dtype | None = None
+    """The residual stream between layers, its gradients, the activation checkpoints and the
+    RoPE tables (train.precision: float32 for autocast); None: the compute dtype."""
+
+    @property
+    def c(self) -> int:
+        return torch.empty((), dtype=self.compute).element_size()
+
+    @property
+    def r(self) -> int:
+        """Bytes per element of the residual stream."""
+        return torch.empty((), dtype=self.residual or self.compute).element_size()
+
+    @property
+    def wide(self) -> bool:
+        """The residual stream is wider than the compute dtype."""
+        return self.r > self.c
+
+    @property
+    def mo(self) -> int:
+        return torch.empty((), dtype=self.moments).element_size()
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -1,0 +1,229 @@
+"""Transient device memory of one training step: its inputs and hidden states, and the peak of
+one decoder layer's forward and recompute + backward and of the LM head, per kernel path.
+
+Each term mirrors the executor's own functions (SlidingExecutor.train_step, forward_window,
+head_step, _layer_backward) and was checked against allocator traces of them
+(tests/engine/plan/test_plan_memory.py on the CPU, tests/engine/plan/test_plan_memory_gpu.py on
+CUDA); see slideformer.engine.plan.memory for how the phases combine into peaks.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from slideformer.engine.kernels.dispatch import KernelPath
+from slideformer.engine.kernels.linear_ce import GW_ROWS
+from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.plan.allocation import Allocation, Precision
+from slideformer.engine.runtime.shapes import ExecShape
+
+
+@dataclass(frozen=True)
+class FrozenBase:
+    """What a frozen base (train.method lora / qlora) changes in a step's transients: a layer's
+    backward computes its input and adapter grads only, the LM head dL/dx only."""
+    grads: int
+    """Bytes of one layer's adapter grads as autograd returns them, and their fp32 copy."""
+    saved_per_token: int
+    """Bytes per token the adapters add to the recompute's saved tensors: the output of each
+    A (rank values), and with dropout each target's dropped input."""
+
+
+def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, kernels: KernelPath,
+                    frozen: FrozenBase | None = None) -> list[Allocation]:
+    """Tensors of one train_step: inputs, hidden states, and the peak of each part of the step,
+    on the kernel path the run takes (slideformer.engine.kernels.dispatch.kernel_path), for a
+    trained base or a ``frozen`` one."""
+    r, H, n = prec.r, spec.hidden_size, shape.n_micro
+    B, T = shape.micro_batch, shape.seq_len
+    N = B * T  # tokens of one micro-batch
+    mb = f"{n} micro-batches x {B}x{T}"
+    packed = kernels.attention != "causal"
+    ints = 3 if packed else 2  # input_ids, labels (+ doc_ids) as int64, per micro-batch on device
+    rope = 2 * spec.head_dim * r  # rope_tables: cos, sin (B, 1, T, head_dim), residual dtype
+    out = [Allocation("gpu", "inputs and RoPE tables", n * N * (8 * ints + rope), mb, "step")]
+    if packed:
+        out.append(attention_masks(shape, kernels))
+    # The forward's outputs (xs), then the backward's gradients (gys), one per micro-batch; the
+    # LM head makes the gradients while the outputs are still held (train_step drops them after).
+    hidden = n * N * H * r
+    out += [Allocation("gpu", "hidden states or their grads", hidden, f"{mb}x{H} x {r} B", "step"),
+            Allocation("gpu", "hidden-state grads beside them", hidden, f"{mb}x{H} x {r} B", "head")]
+    fwd, *bwd = layer_transients(spec, N, B, T, prec, kernels, frozen)
+    head = head_scratch(spec, shape, prec, kernels.fused_ce, kernels.fused_ops, frozen is not None)
+    out += [fwd, head, *bwd]
+    return out
+
+
+def attention_masks(shape: ExecShape, kernels: KernelPath) -> Allocation:
+    """The document masks of a packed step, one per micro-batch: boolean (B, 1, T, T)
+    (packed_causal_mask), or a FlexAttention BlockMask (attention.document_block_mask): int32
+    block counts (B, 1, T/128) and block indices (B, 1, T/128, T/128) of the partial and the
+    full blocks, by rows and by columns. Building a BlockMask evaluates the rule over a
+    transient (B, 1, T, T) boolean before the forward, when nothing larger is held."""
+    B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
+    mb = f"{n} micro-batches x {B}x{T}"
+    if kernels.attention == "flex":
+        nb = -(-T // 128)
+        return Allocation("gpu", "attention masks", n * B * 4 * (4 * nb * nb + 4 * nb),
+                          f"{mb}: FlexAttention BlockMasks of {nb}x{nb} blocks (int32)", "step")
+    return Allocation("gpu", "attention masks", n * B * T * T, f"{mb}x{T} (bool)", "step")
+
+
+def layer_transients(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
+                     kernels: KernelPath, frozen: FrozenBase | None = None) -> list[Allocation]:
+    """One decoder layer on one micro-batch: its forward scratch, then the recompute's
+    activations and the layer's grads, on the PyTorch ops or the fused Triton ones, for a
+    trained base or a ``frozen`` one."""
+    masked = kernels.attention == "mask"
+    if kernels.fused_ops:
+        return [fused_forward_scratch(spec, N, B, T, prec, masked),
+                *fused_recompute_scratch(spec, N, B, T, prec, masked, frozen)]
+    return [forward_scratch(spec, N, B, T, prec, masked),
+            *recompute_scratch(spec, N, B, T, prec, masked, frozen)]
+
+
+def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, masked: bool) -> Allocation:
+    """decoder_layer without autograd, one micro-batch, PyTorch ops: SwiGLU's gate, up, silu and
+    product (N x I each) next to the residual and its norm (in the residual dtype); or RMSNorm's
+    fp32 temporaries. ``masked``: attention takes a boolean document mask."""
+    c, H, I = prec.c, spec.hidden_size, spec.intermediate_size
+    mlp = N * ((4 * I + H) * c + H * prec.r)
+    norm = N * H * (c + 12)  # x, and x.float(), its square, the normalised fp32 copy
+    mask = B * T * T * c if masked else 0  # SDPA turns the bool mask into an additive one
+    return Allocation("gpu", "layer forward scratch", max(mlp, norm) + mask,
+                      f"one micro-batch of {N:,} tokens, one layer, no autograd", "forward")
+
+
+def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: bool = False,
+                 fused_norm: bool = False, frozen: bool = False) -> Allocation:
+    """head_step for one micro-batch: RMSNorm with autograd, dL/dh, and one chunk of
+    linear_ce_fwd_bwd: logits in the compute dtype and fp32, their softmax-gradient in fp32 and
+    in the compute dtype (the Triton kernel: only the logits, overwritten by dz), or later dz
+    next to one row block of the head-gradient product and its upcast. ``fused_norm``: the
+    Triton RMSNorm, which keeps only its output and one fp32 rsqrt per token. ``frozen``: the
+    head of a frozen base, whose loss computes no dL/dW (no row blocks of its product)."""
+    c, H, V = prec.c, spec.hidden_size, spec.vocab_size
+    N = shape.micro_batch * shape.seq_len
+    nc = min(shape.head_chunk, N)
+    up = 4 if c < 4 else 0  # .float() copies only when the compute dtype is narrower
+    softmax = nc * V * (c if fused_ce else 8 + (c if c < 4 else 0))
+    if N > nc:  # the previous chunk's dz is still bound while the next one is computed
+        softmax += nc * V * c
+    rows = min(V, GW_ROWS)  # linear_ce._add_outer: one block of vocabulary rows at a time
+    wgrad = 0 if frozen else nc * V * c + rows * H * (c + up)
+    # saved x.float()/normalised/output (8 B per element) + gh; an fp32 stream needs no copy
+    # but keeps the fp32 normalised value and the rounded output
+    norm = N * H * (4 + 2 * c if prec.wide else 8 + c)
+    if fused_norm:  # h and gh, the rsqrt per token; its input is the hidden state itself
+        norm = N * (2 * H * c + 4)
+    return Allocation("gpu", "LM-head chunk and loss", norm + max(softmax, wgrad),
+                      f"{nc:,} tokens x {V:,} vocab per chunk, fp32 softmax", "head")
+
+
+def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
+                      masked: bool, frozen: FrozenBase | None = None) -> list[Allocation]:
+    """_layer_backward for one micro-batch, PyTorch ops: the recompute's saved activations and
+    the grads (``masked``: attention takes a boolean document mask).
+
+    The peak is at the MLP's backward (all activations saved, the down-projection's weight grad
+    and three N x I grads alive) for long micro-batches; for short ones at the input norm's
+    backward or at the end (every parameter grad of the layer in the compute dtype, returned at
+    once by autograd.grad, plus dL/dx and the output).
+    Saved per token: the two RMSNorms (their fp32 input copy when the compute dtype is narrower,
+    normalised value and output), the output; rotated q, attention output (2 per q element),
+    rotated k and v (2 per kv element); gate, up, silu (3 per I) and their three grads; the
+    attention log-sum-exp (fp32 per head) and the norms' rsqrt (fp32). A wider residual stream
+    widens the mid-layer residual and, with QK-norm, the normed q and k ahead of fp32 RoPE.
+    A ``frozen`` base's norms save no normalised value (their weights need no grad).
+    """
+    c, H, I, P = prec.c, spec.hidden_size, spec.intermediate_size, spec.params_per_layer
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    norms = (4 if c < 4 else 0) + 4 + 5 * c  # per H element: norm1, norm2, output
+    qk = (q + kv) * ((4 if c < 4 else c) + c) if spec.qk_norm else 0
+    wide = (H + (q + kv if spec.qk_norm else 0)) * (prec.r - c)
+    if frozen is not None:
+        norms -= 2 * c
+    per_token = H * norms + 2 * q * c + 2 * kv * c + 6 * I * c + qk + wide + 4 * spec.num_heads + 8
+    mask = B * T * T * c if masked else 0
+    # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
+    # fp32 temporaries of the norm's backward, the output, the residual grad and dL/dh
+    return _backward_peak(spec, N, prec, (N * per_token + mask, H * I * c),
+                          (N * H * (20 + 3 * c), P * c), frozen)
+
+
+def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int],
+                   norm1: tuple[int, int], frozen: FrozenBase | None = None) -> list[Allocation]:
+    """The recompute's peak, of (activations, grads) at the MLP's backward, at the input norm's
+    backward, at the end of the layer and in the embedding's backward. A ``frozen`` base has
+    no weight grads at any of them, only its adapters' (held from the end of autograd.grad
+    until they join the adapters' fp32 gradient), the adapters' saved activations beside the
+    MLP's, and no embedding backward."""
+    c, H, P = prec.c, spec.hidden_size, spec.params_per_layer
+    # adding a narrower grad into the fp32 slot goes through an fp32 copy of that tensor
+    end = 2 * N * H * prec.r, P * c + (_largest_layer_tensor(spec) * 4 if c < 4 else 0)
+    embed_grad = N * H * 4 if prec.r < 4 else 0  # _embed_backward: gy.float() per micro-batch
+    if frozen is not None:
+        acts = max(mlp[0] + N * frozen.saved_per_token, norm1[0], end[0])
+        return [Allocation("gpu", "recompute activations", acts,
+                           f"one layer, one micro-batch of {N:,} tokens, with autograd", "backward"),
+                Allocation("gpu", "adapter grads", frozen.grads, "one layer's adapter grads as "
+                           "autograd returns them, and their fp32 copy", "backward")]
+    acts, grads = max(mlp, end, norm1, (embed_grad, 0), key=lambda ag: ag[0] + ag[1])
+    return [Allocation("gpu", "recompute activations", acts,
+                       f"one layer, one micro-batch of {N:,} tokens, with autograd", "backward"),
+            Allocation("gpu", "layer grads in compute dtype", grads,
+                       "per-micro-batch parameter grads before they join the fp32 slot", "backward")]
+
+
+def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
+                          masked: bool) -> Allocation:
+    """decoder_layer without autograd, one micro-batch, fused Triton RMSNorm, RoPE and SwiGLU.
+
+    The MLP peaks at the down projection: the Triton SwiGLU writes its product without a silu(g)
+    (the PyTorch path's fourth N x I tensor), so gate, up, product (N x I each) and the
+    projection's output sit beside the normed input and the mid residual. The norms write only
+    y (and an fp32 rsqrt per row): no fp32 copies. Attention peaks while RoPE rotates k (q and
+    k before and after, v, the normed input; with QK-norm the normed q and k in the residual
+    dtype) or inside SDPA (its output, fp32 log-sum-exp per head, and the additive copy of a
+    boolean mask, which lives only there). FlexAttention needs no such copy.
+    """
+    c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    mlp = N * (3 * I * c + 2 * H * c + H * r)
+    rotate = (q + kv) * (r + c) + kv * c if spec.qk_norm else 2 * q * c + 3 * kv * c
+    attn = N * (H * c + rotate + 4 * spec.num_heads) + (B * T * T * c if masked else 0)
+    return Allocation("gpu", "layer forward scratch", max(mlp, attn),
+                      f"one micro-batch of {N:,} tokens, one layer, no autograd (fused kernels)",
+                      "forward")
+
+
+def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
+                            masked: bool, frozen: FrozenBase | None = None) -> list[Allocation]:
+    """_layer_backward for one micro-batch on the fused Triton RMSNorm, RoPE and SwiGLU.
+
+    Saved per token at the MLP's backward (the peak for long micro-batches): the two normed
+    inputs (compute dtype; each Triton RMSNorm keeps its input, the checkpoint or the mid
+    residual, which the layer holds anyway, and an fp32 rsqrt per row), the mid residual and the
+    output (residual dtype); rotated q, the attention output, rotated k and v (the Triton RoPE
+    keeps only the tables), fp32 log-sum-exp per head; gate and up (the Triton SwiGLU recomputes
+    silu(g) in its backward), and dL/d(product), dL/dgate, dL/dup: 5 per I where the PyTorch
+    ops hold 6. The down projection's weight grad is alive. QK-norm: each norm keeps a
+    contiguous copy of q or k and an fp32 rsqrt per head and row, and its contiguous output
+    makes the attention output's (B, T, heads x head_dim) view a copy, kept by o_proj. The
+    additive copy of a boolean document mask is saved by SDPA; FlexAttention's BlockMask is
+    counted with the step (attention_masks). At the input norm's backward: the output, the
+    residual grad, the norm's dL/dx and their sum (residual dtype) and dL/dh.
+    """
+    c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.intermediate_size
+    nh, nkv = spec.num_heads, spec.num_kv_heads
+    q, kv = nh * spec.head_dim, nkv * spec.head_dim
+    qk = (2 * q + kv) * c + 4 * (nh + nkv) if spec.qk_norm else 0
+    per_token = H * (2 * c + 2 * r) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8
+    mask = B * T * T * c if masked else 0
+    return _backward_peak(spec, N, prec, (N * per_token + mask, H * I * c),
+                          (N * H * (4 * r + c), spec.params_per_layer * c), frozen)
+
+
+def _largest_layer_tensor(spec: ModelSpec) -> int:
+    return max(math.prod(s) for _, _, s in spec.layer_layout.entries)
