@@ -2,7 +2,8 @@
 
 Each fix changes one setting and is evaluated by the same memory model as the plan itself:
 smaller micro-batch; the same global batch through more accumulation; checkpoints to host;
-fewer parameter slots; bf16 moments or a bf16 residual stream (change the numerics: opt-in);
+fewer parameter slots; regenerated gradients (with exact clipping and ``train.clip_regen`` set:
+the fewest lowest layers whose gradient a second backward pass regenerates); bf16 moments or a bf16 residual stream (change the numerics: opt-in);
 optimizer state on disk (the NVMe tier: the moments of the fewest layers that make host RAM
 fit), or with a frozen base the base of the fewest layers; another method (LoRA or QLoRA adapters over a frozen base). They come cheapest first: those that make the run fit, exact
 ones before numerics-changing ones, the chosen method before another, faster ones first.
@@ -103,6 +104,24 @@ def _fewer_slots(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list
                  f"parameter slots {base.shape.slots} -> {least}", {"budget.slots": least})]
 
 
+def _regenerate_gradients(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
+    """With exact clipping and a number of regenerated layers set by the config
+    (train.clip_regen): the planner's own choice, the fewest that make host RAM fit
+    (slideformer.engine.plan.evaluate), when that is more; each costs its layer's backward again."""
+    if k.method != "full" or not k.clip or k.regen is None or "host" not in goal.tiers:
+        return []
+    n = ev.choose(replace(k, regen=None)).shape.regen_layers
+    if n <= k.regen:
+        return []
+    kk = replace(k, regen=n)
+    before = ev.speed(k, base).tokens_per_s
+    after = ev.speed(kk, ev.choose(kk)).tokens_per_s
+    return [_fix(ev, base, kk, goal, "regenerate gradients",
+                 f"train.clip_regen {k.regen} -> {n} (a second backward regenerates the gradients "
+                 f"of the lowest {n} layers: exact clipping in less RAM, "
+                 f"{1 - after / before:.0%} fewer tokens/s)", {"train.clip_regen": n})]
+
+
 def _bf16_moments(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
     if k.precision.moments == torch.bfloat16 or k.method != "full":
         return []
@@ -163,7 +182,8 @@ def find_fixes(ev: Evaluator, base: Evaluation, k: Knobs, tiers: tuple[str, ...]
     """Every fix that relieves ``tiers`` (peaks above ``share`` of their budgets), cheapest first."""
     goal = _Goal(tiers, share)
     fixes = []
-    for make in (_smaller_micro_batch, _checkpoints_to_host, _fewer_slots, _bf16_moments,
+    for make in (_smaller_micro_batch, _checkpoints_to_host, _fewer_slots, _regenerate_gradients,
+                 _bf16_moments,
                  _bf16_residual, _states_to_disk, _frozen_base):
         fixes += [f for f in make(ev, base, k, goal) if f is not None]
     # another training method comes after every change within the chosen one

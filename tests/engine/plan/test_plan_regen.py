@@ -93,6 +93,27 @@ def test_8b_with_clipping_fits_128_gib_with_regenerated_layers(eight_b):
     assert auto.speed.flops > off.speed.flops
 
 
+def test_a_plan_without_enough_regenerated_layers_offers_the_fewest_that_fit(eight_b):
+    """train.clip_regen set too low: the fix names the planner's own count, its saving and speed
+    are those of the run with it, and applying it fits; with the planner's choice (auto) or
+    without clipping there is nothing to offer."""
+    auto = eight_b()
+    k = auto.exec_shape.regen_layers
+    for given in (0, k - 1):
+        off = eight_b(**{"train.clip_regen": given})
+        fix = next(f for f in off.fixes if f.name == "regenerate gradients")
+        assert dict(fix.settings) == {"train.clip_regen": k} and fix.fits and fix.exact
+        assert f"train.clip_regen {given} -> {k}" in fix.change and "fewer tokens/s" in fix.change
+        fixed = eight_b(**{"train.clip_regen": k})
+        assert fixed.verdict != "does not fit" and fixed.exec_shape.regen_layers == k
+        assert fix.tier == "host" and fix.saves == off.tier("host").peak - fixed.tier("host").peak
+        assert fix.tokens_per_s == fixed.speed.tokens_per_s < off.speed.tokens_per_s
+    assert not any(f.name == "regenerate gradients" for f in auto.fixes)
+    no_clip = eight_b(**{"train.clip_regen": 0, "optim.max_grad_norm": 0.0, "budget.ram": "100GiB"})
+    assert no_clip.verdict == "does not fit"
+    assert not any(f.name == "regenerate gradients" for f in no_clip.fixes)
+
+
 def test_regen_stays_off_when_ram_suffices(eight_b):
     assert eight_b(**{"budget.ram": "200GiB"}).exec_shape.regen_layers == 0
     assert eight_b(**{"optim.max_grad_norm": 0.0}).exec_shape.regen_layers == 0
