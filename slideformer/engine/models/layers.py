@@ -162,33 +162,41 @@ def layer_to_down(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None, ca
     return x, gated(p, rms_norm(x, p["post_attention_layernorm.weight"], eps, c), lora)
 
 
+class _DownGrads(torch.autograd.Function):
+    """y = x1 + down_proj(z) for a backward only: the forward forms no output (a broadcast
+    zero of y's shape stands for it), the backward gives dL/dx1 = gy and the matmuls autograd
+    makes for ``F.linear`` without a bias: dL/dz = go @ W, dL/dW = go^T @ z (go = gy in z's
+    dtype). z is saved and freed as autograd frees the projection's saved input."""
+
+    @staticmethod
+    def forward(ctx, x1, z, w):
+        ctx.save_for_backward(z, w)
+        return x1.new_zeros(()).expand(x1.shape)
+
+    @staticmethod
+    def backward(ctx, gy):
+        z, w = ctx.saved_tensors
+        go = gy.to(z.dtype).reshape(-1, w.shape[0])
+        return gy, go.mm(w).view(z.shape), go.t().mm(z.reshape(-1, w.shape[1]))
+
+
 def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Tensor, rope,
                    mask=None) -> tuple[torch.Tensor, dict]:
     """Recompute one decoder layer from its input ``x`` and backpropagate ``gy`` = dL/dy:
     (dL/dx, {name: dL/d leaf}) for the parameter ``leaves`` (tensors that require grad).
 
-    The layer's output is never formed. Its gradient enters the mid residual as it is, and the
-    down projection's two gradients are the matmuls autograd makes for ``F.linear`` without a
-    bias (dL/dz = go @ W and dL/dW = go^T @ z, go = dL/dy in z's dtype), so the recompute skips
-    the down projection's forward: a quarter of a Llama layer's forward matmuls, ~6% of a
-    step's FLOPs. Every other gradient comes from autograd over the same calls as before, so
-    the result is the one autograd gives through :func:`decoder_layer` (the tests compare
-    them with ``torch.equal``). A down projection with a bias keeps the plain autograd path.
+    The layer's output is never formed (:class:`_DownGrads`), so the recompute skips the down
+    projection's forward: a quarter of a Llama layer's forward matmuls, ~6% of a full
+    fine-tuning step's FLOPs, and one hidden state per token of memory. Every gradient is the
+    one autograd gives through :func:`decoder_layer` (the same calls; tests compare them with
+    ``torch.equal``). A down projection with a bias keeps the plain autograd path.
     """
-    x, names = x.detach().requires_grad_(), list(leaves)
-    if "mlp.down_proj.bias" in leaves:
-        with torch.enable_grad():
-            y = decoder_layer(spec, leaves, x, rope, mask)
-            grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
-        return grads[0], dict(zip(names, grads[1:]))
-    w = leaves["mlp.down_proj.weight"].detach()
+    x = x.detach().requires_grad_()
     with torch.enable_grad():
-        x1, z = layer_to_down(spec, leaves, x, rope, mask)
-    go = gy.to(z.dtype).reshape(-1, w.shape[0])
-    z2 = z.detach().reshape(-1, w.shape[1])
-    rest = [n for n in names if n != "mlp.down_proj.weight"]
-    grads = torch.autograd.grad([x1, z], [x, *(leaves[n] for n in rest)],
-                                [gy, go.mm(w).view(z.shape)])
-    out = dict(zip(rest, grads[1:]))
-    out["mlp.down_proj.weight"] = go.t().mm(z2)
-    return grads[0], {n: out[n] for n in names}
+        if "mlp.down_proj.bias" in leaves:
+            y = decoder_layer(spec, leaves, x, rope, mask)
+        else:  # one expression: the graph alone keeps the mid residual and z alive
+            y = _DownGrads.apply(*layer_to_down(spec, leaves, x, rope, mask),
+                                 leaves["mlp.down_proj.weight"])
+        grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
+    return grads[0], dict(zip(leaves, grads[1:]))
