@@ -14,8 +14,9 @@ from contenders_common import (LR, BenchConfig, cap_vram, emit, environment, gua
 
 
 SLIDEFORMER_DIR = Path(__file__).resolve().parents[1] / ".contenders" / "SlideFormer"
-"""A checkout of github.com/RegiaYoung/SlideFormer (Apache-2.0), kept out of the repository
-(git-ignored); benchmarks/run_side_by_side.sh says how to get it there."""
+"""SlideFormer's public code (github.com/RegiaYoung/SlideFormer, Apache-2.0): a checkout, or only the
+files its offloader imports, kept out of the repository (git-ignored); benchmarks/run_side_by_side.sh
+says how to get it there."""
 
 
 def _slideformer_importable() -> str | None:
@@ -44,7 +45,8 @@ def _allow_cache_position() -> None:
 def build_slideformer(cfg: BenchConfig):
     """SlideFormer's offloader over a random-init HF Llama with Liger's kernels (its benchmark's
     defaults: bf16, LayerAdam on the CPU with fp32 states, no NVMe), attention through SDPA
-    (flash-attn is not installed on the reference machine)."""
+    (flash-attn is not installed on the reference machine). Its per-layer timers stay off (its
+    benchmark turns them on): they add stream synchronisations and print a table every step."""
     sys.path.insert(0, str(SLIDEFORMER_DIR))
     from liger_kernel.transformers import apply_liger_kernel_to_llama
     from offload_transformer import SlideFormerOffloader

@@ -15,10 +15,12 @@
 # image has ninja and a compiler for DeepSpeed's CPU Adam JIT build (cached in .build/).
 # With slideformer it needs (both git-ignored, carry them): .contenders/SlideFormer, a checkout
 # of github.com/RegiaYoung/SlideFormer (Apache-2.0; `git clone --depth 1
-# https://github.com/RegiaYoung/SlideFormer .contenders/SlideFormer` on a machine with network),
+# https://github.com/RegiaYoung/SlideFormer .contenders/SlideFormer` on a machine with network)
+# or only the files its offloader imports (a SOURCE.txt there names each one's commit),
 # and in .whl/ the liger-kernel 0.6.5 wheel (`pip download --no-deps -d .whl liger-kernel==0.6.5`;
 # SlideFormer's vendored fused linear-CE pins that API), installed into .site/ like DeepSpeed;
-# its LayerAdam builds with the same compiler on first use.
+# its LayerAdam (C++ only, -march=native -fopenmp, AVX-512 when lscpu lists it; no nvcc) builds
+# with the same compiler on first use, into ~/.cache/oom_optimizer (its loader's own build folder).
 #
 # Runtime estimate (step times from earlier runs on that machine):
 #   deepspeed  install ~0.5 min; init + CPU Adam JIT ~2 min; steps 7 x (2.3 + 5.9 + ~11) s
@@ -26,7 +28,7 @@
 #   dense      model build ~0.3 min; steps 7 x (0.5 + 1.9 + 3.8) s ~0.7 min                   ~1 min
 #   resident   host state ~0.5 min; steps 7 x (1.4 + 2.6 + 4.2) s ~1 min                       ~1.5 min
 #   sliding    as resident, plus the planner's largest micro-batch (7 steps) and 25% more (2)  ~2.2 min
-#   slideformer (not yet run by this script) random init on the CPU ~1 min, LayerAdam build ~1 min;
+#   slideformer (not yet run by this script) random init on the CPU ~1 min, LayerAdam build ~1-2 min;
 #              steps 7 x (1.6 + 1.9 + 2.9) s at 8K/32K/64K (its own figures of 2026-12-01)  ~3 min
 #   all five ~13 min: more than one 600 s device call. Split it in calls and merge the result
 #   files anywhere (no GPU needed):

@@ -27,6 +27,7 @@ from slideformer.engine.models.spec import spec_from_config  # noqa: E402
 from slideformer.engine.runtime.backend import make_backend  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
 from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
+from slideformer.engine.kernels.attention import take_flex_fallback  # noqa: E402
 from slideformer.engine.runtime.shapes import regen_layers, speculative_layers  # noqa: E402
 from slideformer.engine.train.state import build_host_state  # noqa: E402
 from slideformer.engine.train.trainer import peak_rss  # noqa: E402
@@ -187,7 +188,11 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
                peak_vram_reserved_gib=_gib(torch.cuda.max_memory_reserved()) if cuda else None,
                peak_rss_gib=round(peak_rss() / 2**30, 2),
                cpu_update_params_per_s=round(opt_params / max(busy["optimizer"], 1e-9) / 1e9, 3),
-               busy_last_step_s=busy, losses=[round(o.loss, 4) for o in outs])
+               busy_last_step_s=busy, losses=[round(o.loss, 4) for o in outs],
+               grad_norms=[round(o.grad_norm, 4) for o in outs],  # above clip: the step clipped
+               spec_layers=shape.spec_layers, regen_layers=len(regen_layers(
+                   spec.num_layers, shape.device_layers, shape.regen_layers)) if args.clip else 0,
+               flex_fallback=take_flex_fallback())
     ex.close()
     return res
 

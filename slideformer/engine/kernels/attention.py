@@ -119,4 +119,39 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=gqa)
     count_launch("flex_attention")  # only document_mask makes anything else: a BlockMask
-    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    flag, errors = _limit_flag()
+    try:
+        with torch._dynamo.config.patch(**{flag: True}):
+            return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+    except errors as e:
+        # dynamo alone would fall back silently; this path is the same, but said once
+        if not _FALLBACK["seen"]:
+            _FALLBACK.update(seen=True, notice=(
+                f"FlexAttention ran uncompiled past dynamo's recompile limit ({type(e).__name__}): "
+                "it materialises the attention scores of every micro-batch, slower and with more "
+                "GPU memory than planned (this process compiled it for more than "
+                f"{FLEX_RECOMPILE_LIMIT} shapes)"))
+        return _flex_module().flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+_FALLBACK = {"seen": False, "notice": None}
+"""Whether a call ran uncompiled in this process, and the notice not yet taken."""
+
+
+@functools.cache
+def _limit_flag() -> tuple[str, tuple[type, ...]]:
+    """The dynamo setting that turns its silent recompile-limit fallback into an exception,
+    and that exception's types (the names moved between PyTorch releases)."""
+    import torch._dynamo.exc as exc
+    flag = ("fail_on_recompile_limit_hit" if hasattr(torch._dynamo.config, "recompile_limit")
+            else "fail_on_cache_limit_hit")
+    errors = tuple(t for t in (getattr(exc, "FailOnRecompileLimitHit", None),
+                               getattr(exc, "FailOnCacheLimitHit", None)) if t is not None)
+    return flag, errors
+
+
+def take_flex_fallback() -> str | None:
+    """The one-time notice that FlexAttention fell back to its uncompiled path in this
+    process, or None (the trainer shows it as a warning)."""
+    notice, _FALLBACK["notice"] = _FALLBACK["notice"], None
+    return notice

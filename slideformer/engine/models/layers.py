@@ -129,11 +129,9 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def mlp(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
-    """SwiGLU: down(silu(gate(h)) * up(h))."""
-    g = linear(p, "mlp.gate_proj", h, lora)
-    u = linear(p, "mlp.up_proj", h, lora)
-    return linear(p, "mlp.down_proj", swiglu(g, u), lora)
+def gated(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
+    """The MLP up to its down projection's input: silu(gate(h)) * up(h)."""
+    return swiglu(linear(p, "mlp.gate_proj", h, lora), linear(p, "mlp.up_proj", h, lora))
 
 
 def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
@@ -151,6 +149,54 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
         cache: the layer's KV cache when generating (see :func:`attention`).
         lora: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
     """
+    x, z = layer_to_down(spec, p, x, rope, mask, cache, lora)
+    return x + linear(p, "mlp.down_proj", z, lora)
+
+
+def layer_to_down(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None, cache=None,
+                  lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`decoder_layer` short of its last projection: (the mid residual x + attention,
+    the gated MLP activation z that the down projection reads)."""
     eps, c = spec.rms_norm_eps, p["self_attn.q_proj.weight"].dtype
     x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps, c), rope, mask, cache, lora)
-    return x + mlp(p, rms_norm(x, p["post_attention_layernorm.weight"], eps, c), lora)
+    return x, gated(p, rms_norm(x, p["post_attention_layernorm.weight"], eps, c), lora)
+
+
+class _DownGrads(torch.autograd.Function):
+    """y = x1 + down_proj(z) for a backward only: the forward forms no output (a broadcast
+    zero of y's shape stands for it), the backward gives dL/dx1 = gy and the matmuls autograd
+    makes for ``F.linear`` without a bias: dL/dz = go @ W, dL/dW = go^T @ z (go = gy in z's
+    dtype). z is saved and freed as autograd frees the projection's saved input."""
+
+    @staticmethod
+    def forward(ctx, x1, z, w):
+        ctx.save_for_backward(z, w)
+        return x1.new_zeros(()).expand(x1.shape)
+
+    @staticmethod
+    def backward(ctx, gy):
+        z, w = ctx.saved_tensors
+        go = gy.to(z.dtype).reshape(-1, w.shape[0])
+        return gy, go.mm(w).view(z.shape), go.t().mm(z.reshape(-1, w.shape[1]))
+
+
+def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Tensor, rope,
+                   mask=None) -> tuple[torch.Tensor, dict]:
+    """Recompute one decoder layer from its input ``x`` and backpropagate ``gy`` = dL/dy:
+    (dL/dx, {name: dL/d leaf}) for the parameter ``leaves`` (tensors that require grad).
+
+    The layer's output is never formed (:class:`_DownGrads`), so the recompute skips the down
+    projection's forward: a quarter of a Llama layer's forward matmuls, ~6% of a full
+    fine-tuning step's FLOPs, and one hidden state per token of memory. Every gradient is the
+    one autograd gives through :func:`decoder_layer` (the same calls; tests compare them with
+    ``torch.equal``). A down projection with a bias keeps the plain autograd path.
+    """
+    x = x.detach().requires_grad_()
+    with torch.enable_grad():
+        if "mlp.down_proj.bias" in leaves:
+            y = decoder_layer(spec, leaves, x, rope, mask)
+        else:  # one expression: the graph alone keeps the mid residual and z alive
+            y = _DownGrads.apply(*layer_to_down(spec, leaves, x, rope, mask),
+                                 leaves["mlp.down_proj.weight"])
+        grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
+    return grads[0], dict(zip(leaves, grads[1:]))

@@ -33,7 +33,7 @@ import torch
 
 from slideformer.engine.kernels import attention, dispatch
 from slideformer.engine.kernels.dispatch import kernel_path
-from slideformer.engine.models.layers import decoder_layer, rope_tables
+from slideformer.engine.models.layers import decoder_layer, layer_backward, rope_tables
 from slideformer.engine.models.model import positions_for
 from slideformer.engine.models.spec import Layout, ModelSpec, spec_from_config
 from slideformer.engine.plan.hardware import HardwareProfile
@@ -166,10 +166,7 @@ def layer_passes(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask):
             decoder_layer(spec, p, x, rope, mask)
 
     def backward():
-        xi = x.detach().requires_grad_()
-        with torch.enable_grad():
-            y = decoder_layer(spec, leaves, xi, rope, mask)
-            torch.autograd.grad(y, [xi, *leaves.values()], gy)
+        layer_backward(spec, leaves, x, gy, rope, mask)
     return forward, backward
 
 

@@ -129,27 +129,30 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     The peak is at the MLP's backward (all activations saved, the down-projection's weight grad
     and three N x I grads alive) for long micro-batches; for short ones at the input norm's
     backward or at the end (every parameter grad of the layer in the compute dtype, returned at
-    once by autograd.grad, plus dL/dx and the output).
+    once by autograd.grad, plus dL/dx). models.layers.layer_backward never forms the layer's
+    output.
     Saved per token: the two RMSNorms (their fp32 input copy when the compute dtype is narrower,
-    normalised value and output), the output; rotated q, attention output (2 per q element),
+    normalised value and output); rotated q, attention output (2 per q element),
     rotated k and v (2 per kv element); gate, up, silu (3 per I) and their three grads; the
     attention log-sum-exp (fp32 per head) and the norms' rsqrt (fp32). A wider residual stream
     widens the mid-layer residual and, with QK-norm, the normed q and k ahead of fp32 RoPE.
-    A ``frozen`` base's norms save no normalised value (their weights need no grad).
+    A ``frozen`` base's recompute runs decoder_layer under autograd (the adapters' grads), so
+    the output exists; its norms save no normalised value (their weights need no grad).
     """
     c, H, I, P = prec.c, spec.hidden_size, spec.intermediate_size, spec.params_per_layer
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    norms = (4 if c < 4 else 0) + 4 + 5 * c  # per H element: norm1, norm2, output
+    norms = (4 if c < 4 else 0) + 4 + 4 * c  # per H element: norm1, norm2
     qk = (q + kv) * ((4 if c < 4 else c) + c) if spec.qk_norm else 0
     wide = (H + (q + kv if spec.qk_norm else 0)) * (prec.r - c)
+    out = 0 if frozen is None else prec.r  # per H element: the frozen recompute's output
     if frozen is not None:
         norms -= 2 * c
-    per_token = H * norms + 2 * q * c + 2 * kv * c + 6 * I * c + qk + wide + 4 * spec.num_heads + 8
+    per_token = H * (norms + out) + 2 * q * c + 2 * kv * c + 6 * I * c + qk + wide + 4 * spec.num_heads + 8
     mask = B * T * T * c if masked else 0
     # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
-    # fp32 temporaries of the norm's backward, the output, the residual grad and dL/dh
+    # fp32 temporaries of the norm's backward, the residual grad and dL/dh (and the output)
     return _backward_peak(spec, N, prec, (N * per_token + mask, H * I * c),
-                          (N * H * (20 + 3 * c), P * c), frozen)
+                          (N * H * (20 + 2 * c + out), P * c), frozen)
 
 
 def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int],
@@ -161,10 +164,10 @@ def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int
     MLP's, and no embedding backward."""
     c, H, P = prec.c, spec.hidden_size, spec.params_per_layer
     # adding a narrower grad into the fp32 slot goes through an fp32 copy of that tensor
-    end = 2 * N * H * prec.r, P * c + (_largest_layer_tensor(spec) * 4 if c < 4 else 0)
+    end = N * H * prec.r, P * c + (_largest_layer_tensor(spec) * 4 if c < 4 else 0)
     embed_grad = N * H * 4 if prec.r < 4 else 0  # _embed_backward: gy.float() per micro-batch
-    if frozen is not None:
-        acts = max(mlp[0] + N * frozen.saved_per_token, norm1[0], end[0])
+    if frozen is not None:  # dL/dx beside the output decoder_layer formed
+        acts = max(mlp[0] + N * frozen.saved_per_token, norm1[0], 2 * end[0])
         return [Allocation("gpu", "recompute activations", acts,
                            f"one layer, one micro-batch of {N:,} tokens, with autograd", "backward"),
                 Allocation("gpu", "adapter grads", frozen.grads, "one layer's adapter grads as "
@@ -180,9 +183,9 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
                           masked: bool) -> Allocation:
     """decoder_layer without autograd, one micro-batch, fused Triton RMSNorm, RoPE and SwiGLU.
 
-    The MLP peaks at the down projection: the Triton SwiGLU writes its product without a silu(g)
-    (the PyTorch path's fourth N x I tensor), so gate, up, product (N x I each) and the
-    projection's output sit beside the normed input and the mid residual. The norms write only
+    The MLP peaks in the Triton SwiGLU, which writes its product without a silu(g) (the PyTorch
+    path's fourth N x I tensor): gate, up and product (N x I each) beside the normed input and
+    the mid residual (models.layers.gated frees gate and up before the down projection). The norms write only
     y (and an fp32 rsqrt per row): no fp32 copies. Attention peaks while RoPE rotates k (q and
     k before and after, v, the normed input; with QK-norm the normed q and k in the residual
     dtype) or inside SDPA (its output, fp32 log-sum-exp per head, and the additive copy of a
@@ -190,7 +193,7 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
     """
     c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.intermediate_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    mlp = N * (3 * I * c + 2 * H * c + H * r)
+    mlp = N * (3 * I * c + H * c + H * r)
     rotate = (q + kv) * (r + c) + kv * c if spec.qk_norm else 2 * q * c + 3 * kv * c
     attn = N * (H * c + rotate + 4 * spec.num_heads) + (B * T * T * c if masked else 0)
     return Allocation("gpu", "layer forward scratch", max(mlp, attn),
@@ -204,25 +207,27 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
 
     Saved per token at the MLP's backward (the peak for long micro-batches): the two normed
     inputs (compute dtype; each Triton RMSNorm keeps its input, the checkpoint or the mid
-    residual, which the layer holds anyway, and an fp32 rsqrt per row), the mid residual and the
-    output (residual dtype); rotated q, the attention output, rotated k and v (the Triton RoPE
+    residual, which the layer holds anyway, and an fp32 rsqrt per row), the mid residual
+    (residual dtype; layer_backward never forms the output, a ``frozen`` base's recompute
+    through decoder_layer does); rotated q, the attention output, rotated k and v (the Triton RoPE
     keeps only the tables), fp32 log-sum-exp per head; gate and up (the Triton SwiGLU recomputes
     silu(g) in its backward), and dL/d(product), dL/dgate, dL/dup: 5 per I where the PyTorch
     ops hold 6. The down projection's weight grad is alive. QK-norm: each norm keeps a
     contiguous copy of q or k and an fp32 rsqrt per head and row, and its contiguous output
     makes the attention output's (B, T, heads x head_dim) view a copy, kept by o_proj. The
     additive copy of a boolean document mask is saved by SDPA; FlexAttention's BlockMask is
-    counted with the step (attention_masks). At the input norm's backward: the output, the
-    residual grad, the norm's dL/dx and their sum (residual dtype) and dL/dh.
+    counted with the step (attention_masks). At the input norm's backward: the residual grad,
+    the norm's dL/dx and their sum (residual dtype) and dL/dh (and a frozen base's output).
     """
     c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.intermediate_size
     nh, nkv = spec.num_heads, spec.num_kv_heads
     q, kv = nh * spec.head_dim, nkv * spec.head_dim
     qk = (2 * q + kv) * c + 4 * (nh + nkv) if spec.qk_norm else 0
-    per_token = H * (2 * c + 2 * r) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8
+    out = 0 if frozen is None else r  # per H element: the frozen recompute's output
+    per_token = H * (2 * c + r + out) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8
     mask = B * T * T * c if masked else 0
     return _backward_peak(spec, N, prec, (N * per_token + mask, H * I * c),
-                          (N * H * (4 * r + c), spec.params_per_layer * c), frozen)
+                          (N * H * (3 * r + c + out), spec.params_per_layer * c), frozen)
 
 
 def _largest_layer_tensor(spec: ModelSpec) -> int:

@@ -50,7 +50,7 @@ from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
 from slideformer.engine.kernels.attention import document_mask
 from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
-from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
+from slideformer.engine.models.layers import decoder_layer, layer_backward, rms_norm, rope_tables
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
 from slideformer.engine.models.model import embed, head_weight, positions_for
 from slideformer.engine.models.spec import ModelSpec
@@ -492,21 +492,23 @@ class SlidingExecutor:
         layer's, or with a frozen base its adapters') to g; return dL/dx."""
         spec = self.spec
         base = self._norm_views(f"layer{layer}", spec.layer_layout.views(w))
-        if self.lora is None:
-            layout, leaves = spec.layer_layout, {k: v.detach().requires_grad_() for k, v in base.items()}
-            base, adapters = leaves, None
+        if self.lora is None:  # the recompute skips the layer's output (layer_backward)
+            layout = spec.layer_layout
+            gx, grads = layer_backward(spec, {k: v.detach().requires_grad_() for k, v in base.items()},
+                                       x, gy, rope, mask)
+            grads = list(grads.values())
         else:
             item = self.layers[layer].adapter
             layout = item.layout
             leaves = {k: v.detach().requires_grad_() for k, v in layout.views(item.w).items()}
             adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
-        x = x.detach().requires_grad_()
-        with torch.enable_grad():
-            y = decoder_layer(spec, base, x, rope, mask, lora=adapters)
-            grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
-        for (_, off, _), gp in zip(layout.entries, grads[1:]):
+            x = x.detach().requires_grad_()
+            with torch.enable_grad():
+                y = decoder_layer(spec, base, x, rope, mask, lora=adapters)
+                gx, *grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
+        for (_, off, _), gp in zip(layout.entries, grads):
             g[off:off + gp.numel()].add_(gp.reshape(-1))
-        return grads[0]
+        return gx
 
     def _dropout_seed(self, layer: int, mb: int, train: bool) -> int | None:
         if not train or not self.lora.dropout:

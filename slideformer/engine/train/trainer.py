@@ -31,6 +31,7 @@ from slideformer.engine.errors import UserError
 from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
                            Timeline, read_events)
 from slideformer.engine.kernels import cpu_adam
+from slideformer.engine.kernels.attention import take_flex_fallback
 from slideformer.engine.models.spec import check_window, load_spec
 from slideformer.engine.models.tokenizer import check_vocab, load_tokenizer
 from slideformer.engine.models.weights import Checkpoint
@@ -329,6 +330,9 @@ class Trainer:
         elif out.skipped:
             self.emit(Log("warning", "non-finite loss or gradients: step skipped, weights "
                                      "unchanged"))
+        notice = take_flex_fallback()
+        if notice:
+            self.emit(Log("warning", notice))
         if self._last_timeline is not None:
             self.emit(Timeline(self._last_timeline[0], self._last_timeline[1].resolve()))
         self._last_timeline = (self.step, out.timeline)

@@ -168,3 +168,54 @@ def test_decoder_layer_on_packed_documents_matches_the_boolean_mask(monkeypatch)
     for a, b, name in ((flex_y, ref_y, "y"), (flex_dx, ref_dx, "dx")):
         err, top = (a.float() - b.float()).abs().max().item(), b.float().abs().max().item()
         assert err <= 2e-2 * top, f"{name}: flex vs boolean mask {err:.3g} (max |ref| {top:.3g})"
+
+
+def _limit_hit(*args, **kwargs):
+    import torch._dynamo.exc as exc
+    flag, _ = attention._limit_flag()
+    assert getattr(torch._dynamo.config, flag), "the compiled call must run with the flag set"
+    raise exc.FailOnRecompileLimitHit("recompile_limit reached")
+
+
+def test_past_the_recompile_limit_flex_runs_uncompiled_and_says_so_once(monkeypatch):
+    """Dynamo falls back silently past its recompile limit; attend takes the same uncompiled
+    path, gives the same result, and leaves one notice for the trainer."""
+    monkeypatch.setattr(attention, "_flex", lambda: _limit_hit)
+    monkeypatch.setattr(attention, "_FALLBACK", {"seen": False, "notice": None})
+    doc = documents(2, 256)
+    mask = document_block_mask(doc)
+    q, k, v = qkv(2, 4, 2, 256, 16, torch.float32, "cpu")
+    got = attend(q, k, v, mask, False, True)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=packed_causal_mask(doc),
+                                         enable_gqa=True)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    notice = attention.take_flex_fallback()
+    assert notice and "recompile limit" in notice and "uncompiled" in notice
+    assert attention.take_flex_fallback() is None
+    attend(q, k, v, mask, False, True)
+    assert attention.take_flex_fallback() is None, "one notice per process"
+
+
+@pytest.mark.gpu
+@cuda
+def test_real_recompile_limit_hit_is_caught(monkeypatch):
+    """On CUDA with dynamo's own limit set to one compile: a second head shape hits it, and
+    the call still answers (uncompiled) with a notice."""
+    import torch._dynamo
+    monkeypatch.delenv(attention.ENV, raising=False)
+    monkeypatch.setattr(attention, "_FALLBACK", {"seen": False, "notice": None})
+    attention._flex()  # compiled once per process; it raises the limit, lowered here
+    torch._dynamo.reset()
+    flag, _ = attention._limit_flag()
+    name = "recompile_limit" if flag == "fail_on_recompile_limit_hit" else "cache_size_limit"
+    monkeypatch.setattr(torch._dynamo.config, name, 1)
+    outs = []
+    for hd in (32, 64, 128):
+        doc = documents(2, 256, hd).cuda()
+        q, k, v = qkv(2, 4, 4, 256, hd, torch.bfloat16, "cuda")
+        got = attend(q, k, v, document_mask(doc, hd), False, False)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=packed_causal_mask(doc))
+        outs.append((got.float() - ref.float()).abs().max().item())
+    torch._dynamo.reset()
+    assert max(outs) < 2e-2, outs
+    assert "recompile limit" in (attention.take_flex_fallback() or "")

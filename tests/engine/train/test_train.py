@@ -118,3 +118,16 @@ def test_step_events_carry_the_rate_the_step_used(run_cfg, tmp_path):
     assert [ev.step for ev in events] == [1, 2, 3, 4]
     assert [ev.lr for ev in events] == [lr_at(k, 4, cfg.optim) for k in (1, 2, 3, 4)]
     assert events[0].lr == cfg.optim.lr / 2  # warmup_steps=2: the first step runs at half the rate
+
+
+def test_a_flex_attention_fallback_is_a_warning_in_the_run(run_cfg, tmp_path, monkeypatch):
+    """kernels.attention leaves a notice when FlexAttention ran uncompiled; the trainer turns
+    it into one warning event after the step (on the CPU no run compiles it: the notice is
+    planted)."""
+    from slideformer.engine.events import Log
+    from slideformer.engine.kernels import attention
+    monkeypatch.setattr(attention, "_FALLBACK", {"seen": True, "notice": "FlexAttention ran uncompiled"})
+    run_training(run_cfg(tmp_path / "run", max_steps=2))
+    warnings = [ev.message for ev in read_events(tmp_path / "run" / "events.jsonl")
+                if isinstance(ev, Log) and ev.level == "warning"]
+    assert warnings.count("FlexAttention ran uncompiled") == 1

@@ -1,0 +1,94 @@
+"""layer_backward (the executor's recompute + backward without the layer's output) against
+autograd through decoder_layer: the same bits on the CPU, for every family, dtype and mask."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slideformer.engine.kernels.attention import packed_causal_mask
+from slideformer.engine.models.layers import decoder_layer, layer_backward, rope_tables
+from slideformer.engine.models.spec import spec_from_config
+from slideformer.engine.models.tiny import TinyShape, tiny_config
+
+
+def autograd_reference(spec, leaves, x, gy, rope, mask):
+    xi = x.detach().requires_grad_()
+    with torch.enable_grad():
+        y = decoder_layer(spec, leaves, xi, rope, mask)
+        grads = torch.autograd.grad(y, [xi, *leaves.values()], gy)
+    return grads[0], dict(zip(leaves, grads[1:]))
+
+
+def case(arch, dtype, residual, mlp_bias=False, B=2, T=24, seed=0):
+    cfg = tiny_config(arch, TinyShape(layers=1))
+    if mlp_bias:
+        cfg["mlp_bias"] = True
+    spec = spec_from_config(cfg)
+    g = torch.Generator().manual_seed(seed)
+    flat = (torch.randn(spec.params_per_layer, generator=g) * 0.1).to(dtype)
+    leaves = {k: v.detach().requires_grad_() for k, v in spec.layer_layout.views(flat).items()}
+    x = torch.randn(B, T, spec.hidden_size, generator=g).to(residual)
+    gy = torch.randn(B, T, spec.hidden_size, generator=g).to(residual)
+    rope = rope_tables(spec, torch.arange(T).expand(B, T), residual)
+    return spec, leaves, x, gy, rope
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype,residual", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16),
+                                            (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_layer_backward_equals_autograd_through_the_whole_layer(arch, dtype, residual, packed):
+    spec, leaves, x, gy, rope = case(arch, dtype, residual)
+    doc = torch.tensor([0] * 10 + [1] * 14).expand(2, 24)
+    mask = packed_causal_mask(doc) if packed else None
+    gx, grads = layer_backward(spec, leaves, x, gy, rope, mask)
+    ref_gx, ref = autograd_reference(spec, leaves, x, gy, rope, mask)
+    assert list(grads) == list(ref), "grads come back in the layout's order"
+    assert gx.dtype == ref_gx.dtype and torch.equal(gx, ref_gx)
+    for name in ref:
+        assert grads[name].dtype == ref[name].dtype, name
+        assert torch.equal(grads[name], ref[name]), name
+
+
+def test_a_down_projection_bias_keeps_the_autograd_path():
+    spec, leaves, x, gy, rope = case("llama", torch.float32, torch.float32, mlp_bias=True)
+    assert "mlp.down_proj.bias" in leaves
+    gx, grads = layer_backward(spec, leaves, x, gy, rope)
+    ref_gx, ref = autograd_reference(spec, leaves, x, gy, rope, None)
+    assert torch.equal(gx, ref_gx) and all(torch.equal(grads[n], ref[n]) for n in ref)
+
+
+def test_the_down_projection_output_is_never_computed(monkeypatch):
+    """The point of it: F.linear runs for every projection but the down one."""
+    import torch.nn.functional as F
+    from slideformer.engine.models import layers
+    spec, leaves, x, gy, rope = case("llama", torch.float32, torch.float32)
+    seen = []
+    real = F.linear
+
+    def counting(inp, w, b=None):
+        seen.append(tuple(w.shape))
+        return real(inp, w, b)
+    monkeypatch.setattr(layers.F, "linear", counting)
+    layer_backward(spec, leaves, x, gy, rope)
+    assert tuple(leaves["mlp.down_proj.weight"].shape) not in seen
+    assert len(seen) == 6  # q, k, v, o, gate, up
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("residual", [torch.bfloat16, torch.float32])
+def test_layer_backward_on_cuda_with_the_fused_kernels(arch, residual):
+    """CUDA, bf16 weights, the engine's default kernels: the gradients equal autograd's
+    through decoder_layer (the same cuBLAS calls)."""
+    spec, leaves, x, gy, rope = case(arch, torch.bfloat16, residual, B=4, T=256)
+    leaves = {k: v.detach().cuda().requires_grad_() for k, v in leaves.items()}
+    x, gy = x.cuda(), gy.cuda()
+    rope = tuple(t.cuda() for t in rope)
+    gx, grads = layer_backward(spec, leaves, x, gy, rope)
+    ref_gx, ref = autograd_reference(spec, leaves, x, gy, rope, None)
+    assert torch.equal(gx, ref_gx)
+    for name in ref:
+        assert torch.equal(grads[name], ref[name]), name
