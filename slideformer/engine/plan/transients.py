@@ -147,7 +147,8 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     out = 0 if frozen is None else prec.r  # per H element: the frozen recompute's output
     if frozen is not None:
         norms -= 2 * c
-    per_token = H * (norms + out) + 2 * q * c + 2 * kv * c + 6 * I * c + qk + wide + 4 * spec.num_heads + 8
+    per_token = (H * (norms + out) + 2 * q * c + 2 * kv * c + 6 * I * c + qk + wide
+                 + 4 * spec.num_heads + 8)
     mask = B * T * T * c if masked else 0
     # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
     # fp32 temporaries of the norm's backward, the residual grad and dL/dh (and the output)
