@@ -1,7 +1,8 @@
 """The sliding-window executor: one training step over a model larger than the device.
 
 The schedule lives here: each item's state is a WindowItem (runtime.window), the host updates
-run in runtime.updates, and the backend and the disk tier are typed protocols (runtime.protocols).
+run in runtime.updates, the embedding's and head's device steps in runtime.ends, and the
+backend and the disk tier are typed protocols (runtime.protocols).
 
 Items are the embedding, the decoder layers and the head (final norm + LM head). The embedding
 and head live on the device for the whole run; decoder layers stream through a pool of K
@@ -49,12 +50,12 @@ import torch
 from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
 from slideformer.engine.kernels.attention import document_mask
-from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
-from slideformer.engine.models.layers import decoder_layer, layer_backward, rms_norm, rope_tables
+from slideformer.engine.models.layers import decoder_layer, layer_backward, rope_tables
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
-from slideformer.engine.models.model import embed, head_weight, positions_for
+from slideformer.engine.models.model import embed, positions_for
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.runtime.activations import DeviceStore, HostStore
+from slideformer.engine.runtime.ends import ResidentEnds
 from slideformer.engine.runtime.grad_ring import GradRing, Speculation
 from slideformer.engine.runtime.host_state import AdamHyper, AdamWorkspace, DeviceItem, HostItem, adam_update
 from slideformer.engine.runtime.lora import BaseReader
@@ -81,7 +82,7 @@ class StepOutput:
     (without clipping only, where updates overlap the backward; 0: the skip was whole)."""
 
 
-class SlidingExecutor:
+class SlidingExecutor(ResidentEnds):
     """Owns the device buffers and runs training steps over the host state."""
 
     def __init__(self, spec: ModelSpec, backend: Backend, host: dict[str, HostItem],
@@ -348,44 +349,6 @@ class SlidingExecutor:
         """Start reading the base weights on disk of the ``layers`` not in a slot, in order."""
         self.base.read_ahead([self.layers[i].host for i in layers if not self.pool.has(i)], tl)
 
-    def head_step(self, xs, inp, scale: float, tl: StepTimeline):
-        """Loss of every micro-batch and the gradients w.r.t. the last hidden states."""
-        spec = self.spec
-        t0 = self.backend.mark()
-        head = self._norm_views("head", spec.head_layout.views(self.head_w))
-        w = head_weight(spec, head, spec.embed_layout.views(self.embed_w))
-        trained = self.lora is None  # else the head is frozen: dL/dx only
-        if trained:
-            ghead = spec.head_layout.views(self.head_g)
-            gw = head_weight(spec, ghead, spec.embed_layout.views(self.embed_g))
-        self._zero_resident_grads()
-        nw = head["norm.weight"].detach().requires_grad_(trained)
-        loss = torch.zeros((), dtype=torch.float32, device=self.backend.device)
-        gys = []
-        for x, (_, labels, _, _) in zip(xs, inp):
-            x = x.detach().requires_grad_()
-            with torch.enable_grad():
-                h = rms_norm(x, nw, spec.rms_norm_eps, self.dtype)
-            lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk,
-                                        gw if trained else None)
-            loss += lmb
-            grads = torch.autograd.grad(h, [x, nw] if trained else [x], gh)
-            if trained:
-                ghead["norm.weight"].add_(grads[1])
-            gys.append(grads[0])
-        tl.device_span("compute", "head", t0, self.backend.mark())
-        return loss, gys
-
-    def _zero_resident_grads(self) -> None:
-        for item in (self.embed, self.head):
-            for h in item.grads_out:
-                self.backend.compute_waits(h)
-            item.grads_out = []
-        for g in (self.embed_g, self.head_g):
-            if g is not None:
-                g.zero_()
-        self.norm_sq.zero_()
-
     def backward_window(self, gys, inp, tl: StepTimeline, hyper_now: AdamHyper | None,
                         guard: Guard | None = None, hyper_spec: AdamHyper | None = None) -> None:
         """Layer-wise backward with recompute; gradients leave for the host one layer at a time.
@@ -522,28 +485,6 @@ class SlidingExecutor:
         item = self.layers[layer].adapter
         return LoraForward(self.lora, item.layout.views(item.w), self._dropout_seed(layer, mb, train))
 
-    def _embed_backward(self, gys, inp, tl: StepTimeline) -> None:
-        if self.lora is not None:  # a frozen embedding needs no gradient
-            return
-        t0 = self.backend.mark()
-        H = self.spec.hidden_size
-        ge = self.embed_g.view(-1, H)
-        for gy, (ids, *_) in zip(gys, inp):
-            ge.index_add_(0, ids.reshape(-1), gy.reshape(-1, H).float())
-        self.group.reduce(self.embed_g)
-        self.group.reduce(self.head_g)
-        self.norm_sq += torch.linalg.vector_norm(self.embed_g).square()
-        self.norm_sq += torch.linalg.vector_norm(self.head_g).square()
-        t1 = self.backend.mark()
-        tl.device_span("compute", "embed", t0, t1)
-        for item in (self.embed, self.head):
-            if item.on_device:
-                continue
-            part = self.group.span(item.grad.numel())
-            h = self.backend.start_d2h(item.host.g[part], item.grad[part], after=[t1])
-            tl.device_span("d2h", item.name, h.start, h)
-            item.grads_out = [h]
-
     def _device_updates(self, hp: AdamHyper, tl: StepTimeline) -> None:
         """AdamW of the device-updated items, queued on the compute stream after the backward."""
         dev = self.dev
@@ -553,25 +494,6 @@ class SlidingExecutor:
         for item in dev.values():
             adam_update(item, hp, self.dev_ws, native=False)
         tl.device_span("compute", "device optimizer", t0, self.backend.mark())
-
-    def eval_loss(self, mb) -> tuple[float, int]:
-        """(summed loss, labelled tokens) of one micro-batch, forward only."""
-        self._ensure_device_state()
-        tl = StepTimeline(self.backend, enabled=False)
-        inp = [self._inputs(mb)]
-        self._refresh(self.embed, tl)
-        xs = self.forward_window(inp, tl, save=False)
-        self._refresh(self.head, tl)
-        head = self._norm_views("head", self.spec.head_layout.views(self.head_w))
-        w = (self.spec.embed_layout.views(self.embed_w)["embed_tokens.weight"]
-             if self.spec.tie_word_embeddings else head["lm_head.weight"])
-        with torch.no_grad():
-            h = rms_norm(xs[0], head["norm.weight"], self.spec.rms_norm_eps, self.dtype)
-            loss = linear_ce_loss(h, w, inp[0][1], self.shape.head_chunk)
-        for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
-            if self.pool.has(i):
-                self.pool.release(i, evict=True)
-        return float(loss), int((mb.labels != IGNORE).sum())
 
     def wait_updates(self) -> None:
         """Wait for every update in flight."""
