@@ -12,8 +12,10 @@ Memory mirrors slideformer.engine.runtime.lora and the executor's frozen path:
 Speed: each layer crosses PCIe as its base bytes, in the forward for the layers not resident
 from the previous step and again in the backward; the backward computes input gradients only
 (2 P N in the recompute, 2 P N for dL/dx: no weight-gradient GEMM), the head 4 N V H (no dL/dW);
-NF4 layers are dequantised twice per step at the device's memory bandwidth; the adapters are
-updated on the device after the backward. No CPU optimizer, no gradient traffic.
+NF4 layers are dequantised twice per step at the device's memory bandwidth; each adapter adds
+:data:`ADAPTER_BYTES` of device traffic per element of its input and output, per token and per
+pass (forward, recompute, backward); the adapters are updated on the device after the backward.
+No CPU optimizer, no gradient traffic.
 
 NVMe tier (``disk_layers``, slideformer.engine.runtime.lora.BaseReader): the base of that many
 decoder layers (slideformer.engine.runtime.shapes.disk_layers says which) lives in files instead of
@@ -44,6 +46,16 @@ from slideformer.engine.kernels.dispatch import kernel_path
 from slideformer.engine.runtime.shapes import BUFFERS, ExecShape, padded
 from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 from slideformer.engine.runtime.nf4 import CHUNK as NF4_CHUNK, Nf4Layout
+
+
+ADAPTER_BYTES = 2.25
+"""Device bytes each adapter moves per token, pass and element of its input + output (x A^T,
+its product with B^T, the sum into the projection's output, and the backward's three products),
+at DEVICE_MEMORY_GBS. Fitted on the H200 (benchmarks/RESULTS.md, fourth session, Llama-3.1-8B,
+rank 8 on all seven projections, no dropout, fused kernels): the layer model alone planned
+1.204 / 4.813 s for 16K / 64K tokens per step where the runs took 1.494 / 5.979 s: the same
+17.7 us more per token, over 32 layers x 81,920 elements x 3 passes. Small, skinny products and
+their launches: not matmul-bound work, so it does not scale with the layer's FLOPs."""
 
 
 def layer_bytes(spec: ModelSpec, prec: Precision, method: str) -> int:
@@ -179,7 +191,9 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     rate = hw.matmul_tflops * 1e12 * layer_efficiency(path, hw)[0]
     mem = DEVICE_MEMORY_GBS * 1e9
     dq = (lb + P * prec.c) / mem if method == "qlora" else 0.0  # read NF4, write the layer
-    f, b = (lin + att) / rate + dq, (2 * lin + 3 * att) / rate + dq
+    io = adapter_layout(spec, lora).numel // max(lora.rank, 1)  # sum of in + out over targets
+    ad = n * B * T * io * ADAPTER_BYTES / mem  # one pass of a layer's adapters
+    f, b = (lin + att) / rate + dq + ad, (2 * lin + 3 * att) / rate + dq + 2 * ad
     load = lb / (hw.h2d_gbs * 1e9)
     upd = A * DEVICE_ADAM_BYTES / mem
     streamed = L - k  # the first K layers stay resident across steps
