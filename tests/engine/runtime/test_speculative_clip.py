@@ -15,7 +15,7 @@ import statistics
 import pytest
 import torch
 
-import slideformer.engine.runtime.executor as executor_mod
+import slideformer.engine.runtime.ends as ends_mod
 from slideformer.engine.config import OptimConfig
 from slideformer.engine.models.spec import load_spec
 from slideformer.engine.models.tiny import TinyShape, make_tiny_model
@@ -130,13 +130,13 @@ def test_skipped_step_undoes_speculative_updates(model, monkeypatch, extra):
     regenerated layers (slideformer.engine.runtime.regen) skip their second pass."""
     spec, d = model
     steps = make_batches(spec, 1, B=1, T=16, seed=14)
-    real, calls = executor_mod.linear_ce_fwd_bwd, []
+    real, calls = ends_mod.linear_ce_fwd_bwd, []
 
     def poisoned(*args):
         loss, gh = real(*args)
         calls.append(1)
         return loss, gh * float("nan") if len(calls) == 3 else gh
-    monkeypatch.setattr(executor_mod, "linear_ce_fwd_bwd", poisoned)
+    monkeypatch.setattr(ends_mod, "linear_ce_fwd_bwd", poisoned)
     shape = ExecShape(micro_batch=1, seq_len=16, n_micro=1, slots=2)
     barrier = run(spec, d, steps, 0.5, shape)
     calls.clear()
