@@ -64,7 +64,7 @@ def test_resume_of_a_folder_still_training_is_refused(base, run_cfg):
     path, run = _write_cfg(base, run_cfg("owned", train__max_steps=10_000, train__save_every=1))
     first = _start(path)
     try:
-        _wait_for(lambda: _events_count(run, StepMetrics) >= 2 and checkpoint_dirs(run))
+        _wait_for(first, lambda: _events_count(run, StepMetrics) >= 2 and checkpoint_dirs(run))
         second = _start(path, "--resume")
         out, err = second.communicate(timeout=120)
         assert second.returncode == 2, (out, err)
