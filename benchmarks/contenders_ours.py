@@ -12,6 +12,8 @@ import torch
 from contenders_common import (CAPPED, GiB, BenchConfig, cap_vram, emit, environment, guarded)
 from sliding_step import make_backend, plan_shape, random_state, run_config, shape_spec
 
+from slideformer.engine.runtime.shapes import device_items, regen_layers, speculative_layers
+
 OUR_LANES = {"compute": "GPU compute", "h2d": "PCIe H2D", "d2h": "PCIe D2H",
              "optimizer": "CPU optimizer"}
 
@@ -42,7 +44,9 @@ def run_ours(cfg: BenchConfig, contender: str) -> None:
         cap_vram(cfg)
     t0 = time.perf_counter()
     spec = shape_spec(cfg.shape)
-    host = random_state(spec, backend, torch.float32, layer_grads=cfg.clip > 0)
+    borrowed, on_device = planned_state(cfg, spec, contender)
+    host = random_state(spec, backend, torch.float32, layer_grads=cfg.clip > 0,
+                        borrowed=borrowed, on_device=on_device)
     emit("info", **environment(cfg), params=spec.num_params,
          setup_s=round(time.perf_counter() - t0, 1))
     for accum in cfg.grad_accum:
@@ -50,6 +54,20 @@ def run_ours(cfg: BenchConfig, contender: str) -> None:
     if cfg.max_batch and contender == "sliding":
         our_max_batch(cfg, spec, host, backend)
     backend.release_host()
+
+
+def planned_state(cfg: BenchConfig, spec, contender: str) -> tuple[list[int], list[str]]:
+    """With one size (side_by_side.run_per_size): the layers without a host gradient buffer
+    and the device-updated items of the planner's shape, so the host state is the one
+    ``slideformer train`` builds for it; several sizes share one state that owns every buffer."""
+    if not (contender == "sliding" and cfg.device == "cuda" and len(cfg.grad_accum) == 1
+            and not cfg.slots):
+        return [], []
+    s = plan_shape(spec, cfg.micro_batch, cfg.seq, cfg.grad_accum[0], cfg.clip, cfg.vram_cap).exec_shape
+    L = spec.num_layers
+    regen = regen_layers(L, s.device_layers, s.regen_layers) if cfg.clip > 0 else []
+    spec_l = speculative_layers(L, s.device_layers, s.spec_layers, regen) if cfg.clip > 0 else []
+    return spec_l + regen, device_items(s, L)
 
 
 def our_planned(cfg: BenchConfig, spec, host, backend, contender: str, accum: int) -> dict:

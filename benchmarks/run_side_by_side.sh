@@ -38,11 +38,14 @@
 #     python3 benchmarks/side_by_side.py --merge A/side_by_side_cap24.json B/side_by_side_cap24.json \
 #       C/side_by_side_cap24.json --out DIR/side_by_side_cap24
 #   and the same with CAP=8 for the capped contenders (side_by_side_cap8.*).
+# MAX_BATCH=0 leaves out the largest micro-batch search.
 # TIMEOUT (seconds per contender, default 480) ends a hung contender before the call's own limit,
 # so the records it made so far are still written.
 set -euo pipefail
 CONTENDERS=${1:-dense,resident,deepspeed,slideformer,sliding}
 CAP=${CAP:-24}
+MAXB=--max-batch
+[ "${MAX_BATCH:-1}" = 0 ] && MAXB=  # MAX_BATCH=0: no largest micro-batch search
 OUT=${OUT:-$PWD/runs/side_by_side}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -72,6 +75,6 @@ for cap in $CAP; do  # the uncapped contenders (dense, resident) run with the fi
   first=
   [ -n "$list" ] || continue
   python3 -u benchmarks/side_by_side.py --shape llama-3.2-3b --seq 1024 --micro-batch 8 \
-    --grad-accum 1 4 8 --vram-cap "$cap" --contenders "$list" --max-batch \
+    --grad-accum 1 4 8 --vram-cap "$cap" --contenders "$list" $MAXB \
     --timeout "${TIMEOUT:-480}" --out "$OUT/side_by_side_cap$cap" 2>&1 | tee "$OUT/side_by_side_cap$cap.log"
 done

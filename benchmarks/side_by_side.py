@@ -5,8 +5,9 @@
         --max-batch --out $OUT/side_by_side
 
 Each contender (benchmarks/contenders.py says what each one is) runs in a child process of its
-own, every grad-accum size inside it, while this process samples the RSS of the child's whole
-process tree (sum over the tree, ~10 Hz). Writes ``<out>.json`` (every record, in full),
+own, every grad-accum size inside it (ours sliding: a process per size, each with the host state
+its plan needs, as ``slideformer train`` runs; ``--one-process``: one), while this process samples
+the RSS of the child's whole process tree (sum over the tree, ~10 Hz). Writes ``<out>.json`` (every record, in full),
 ``<out>.md`` (the table) and ``<out>.<contender>.log`` (the child's output), rewritten after
 each contender so a run cut short keeps what finished, and prints the table last.
 
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -119,6 +120,30 @@ def run_contender(contender: str, cfg: BenchConfig, log_path: Path, timeout: flo
     reader.join(timeout=10)
     return ChildRun(records, peak[0], round(time.perf_counter() - t0, 1), child.returncode,
                     timed_out, "".join(tail)[-TAIL:])
+
+
+def run_per_size(contender: str, cfg: BenchConfig, log_path: Path, timeout: float) -> ChildRun:
+    """One process per grad-accum size, each with the host state the planner's shape for that
+    size needs, as ``slideformer train`` builds it (each size's peak RSS is its own, not the
+    highest of the sizes before it), then one for the largest micro-batch search."""
+    parts = [(str(a), replace(cfg, grad_accum=(a,), max_batch=False)) for a in cfg.grad_accum]
+    if cfg.max_batch:
+        parts.append(("max_batch", replace(cfg, grad_accum=())))
+    runs, logs = [], []
+    for tag, one in parts:
+        logs.append(log_path.with_suffix(f".{tag}.log"))
+        runs.append(run_contender(contender, one, logs[-1], timeout))
+    log_path.write_text("".join(p.read_text(encoding="utf-8") for p in logs if p.is_file()),
+                        encoding="utf-8")
+    for p in logs:
+        p.unlink(missing_ok=True)
+    done = all(any(r.get("kind") == "done" for r in run.records) for run in runs)
+    records = [r for run in runs for r in run.records if r.get("kind") not in ("done", "info")]
+    info = [r for r in runs[0].records if r.get("kind") == "info"][:1]
+    bad = next((r for r in runs if r.returncode), runs[-1])
+    return ChildRun(info + records + ([{"kind": "done"}] if done else []),
+                    max(r.peak_rss_tree for r in runs), round(sum(r.wall_s for r in runs), 1),
+                    bad.returncode, any(r.timed_out for r in runs), bad.tail)
 
 
 def collect(contender: str, cfg: BenchConfig, run: ChildRun, log_path: Path) -> dict:
@@ -346,6 +371,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--ds-batches", type=int, nargs="+", default=[10, 12, 14, 16],
                     help="micro-batches DeepSpeed tries in turn up to the first out-of-memory")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per contender")
+    ap.add_argument("--one-process", action="store_true",
+                    help="run every size of our sliding contender in one process (default: a "
+                         "process per size with the host state its plan needs)")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="CPU, tiny shape, no VRAM cap: the harness flow without a GPU")
     ap.add_argument("--merge", nargs="+", metavar="JSON", help="combine earlier result files")
@@ -380,7 +408,11 @@ def main() -> None:
         print(f"[side_by_side] {name} ...", flush=True)
         log = Path(f"{out}.{name}.log")
         log.parent.mkdir(parents=True, exist_ok=True)
-        results[name] = collect(name, cfg, run_contender(name, cfg, log, a.timeout), log)
+        if name == "sliding" and not a.one_process:
+            run = run_per_size(name, cfg, log, a.timeout)
+        else:
+            run = run_contender(name, cfg, log, a.timeout)
+        results[name] = collect(name, cfg, run, log)
         e = results[name]
         print(f"[side_by_side] {name}: {e['status']} in {e['wall_s']} s, peak RSS (tree) "
               f"{e['peak_rss_tree_gib']} GiB", flush=True)

@@ -89,12 +89,12 @@ def random_batches(vocab: int, micro_batch: int, seq: int, accum: int, seed: int
 
 
 def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch.bfloat16,
-                 borrowed=()):
+                 borrowed=(), on_device=()):
     """Host state with random N(0, 0.02) weights. Every item reads a window of one random
     buffer at its own offset (generating 8 B values one by one would take minutes).
-    ``borrowed``: layers that own no gradient buffer (build_host_state's)."""
+    ``borrowed``, ``on_device``: as build_host_state's (items without a gradient buffer)."""
     host = build_host_state(spec, backend, compute, moments, layer_grads=layer_grads,
-                            borrowed=borrowed)
+                            borrowed=borrowed, on_device=on_device)
     g = torch.Generator().manual_seed(0)
     spread = 1 << 22
     base = torch.randn(spread, generator=g) * 0.02

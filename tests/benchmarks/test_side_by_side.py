@@ -147,3 +147,15 @@ def test_dry_run_cpu_all_contenders(tmp_path):
     assert all(abs(x - 5.545) < 0.05 for x in losses)  # ln(256): each random init starts ~uniform
     table = (tmp_path / "sbs.md").read_text()
     assert table.count("| ours, sliding") == 2 + 2  # two sizes and two max-batch tries
+
+
+def test_sliding_runs_a_process_per_size(tmp_path):
+    """Our sliding contender runs each size in a process of its own (its peak RSS its own), and
+    the rows, the log and the done marker come together as from one process."""
+    data, _ = _run(tmp_path, "--contenders", "sliding", "--warmup", "1", "--steps", "1")
+    entry = data["contenders"]["sliding"]
+    _check_rows(entry)
+    assert entry["status"] == "ok"
+    log = (tmp_path / "sbs.sliding.log").read_text()
+    assert log.count(MARK + '{"kind": "done"}') == len(entry["rows"]) == 2
+    assert not list(tmp_path.glob("sbs.sliding.*.log"))  # the per-size logs were joined

@@ -66,7 +66,7 @@ def plan_gpus(cfg: RunConfig, spec: ModelSpec, gpus: int, hardware="auto") -> Gp
     """The plan of ``cfg`` on ``gpus`` GPUs (a config that slideformer.engine.validate accepts)."""
     from slideformer.engine.plan.planner import plan_run
 
-    one = plan_run(rank_config(cfg, gpus), spec, hardware=hardware)
+    one = plan_run(rank_config(cfg, gpus), spec, hardware=hardware, speculate=gpus == 1)
     host = [a for a in one.allocations if a.tier == "host"]
     shared = sum(a.bytes for a in host if _shared(a.purpose))
     own = sum(a.bytes for a in host if not _shared(a.purpose))

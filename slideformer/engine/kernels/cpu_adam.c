@@ -66,10 +66,10 @@ static inline void set2_bf16(uint16_t *p, int64_t k, float e, float o) {
         float mi = get1_##MT(&m[i]), vi = get1_##MT(&v[i]);                                    \
         uint32_t u = adam1(((uint32_t)w[i] << 16) | rem[i], g[i] * gscale, &mi, &vi, b1, b2,   \
                            omb1, omb2, step, bc2s, eps, decay);                                \
-        w[i] = (uint16_t)(u >> 16);                                                            \
-        rem[i] = (uint16_t)u;                                                                  \
-        set1_##MT(&m[i], mi);                                                                  \
-        set1_##MT(&v[i], vi);                                                                  \
+        ow[i] = (uint16_t)(u >> 16);                                                           \
+        orem[i] = (uint16_t)u;                                                                 \
+        set1_##MT(&om[i], mi);                                                                 \
+        set1_##MT(&ov[i], vi);                                                                 \
     } while (0)
 
 /* The entry point NAME for moments of C type CTYPE, stored as MT (f32 or bf16).
@@ -78,10 +78,15 @@ static inline void set2_bf16(uint16_t *p, int64_t k, float e, float o) {
    loop twice as slow on the reference Xeon. An unaligned first or odd last element goes alone.
    A macro, so that each storage type gets its own loop with no branch inside it. The gradient
    pair is scaled before the moments are read: the statement order steers which product GCC
-   contracts into an FMA (b1 m or (1 - b1) g), hence the last bit of m and v. */
+   contracts into an FMA (b1 m or (1 - b1) g), hence the last bit of m and v.
+   The state is read from w, rem, m, v and written to ow, orem, om, ov: the same arrays for an
+   update in place, others for one that keeps the state it started from (a speculative update,
+   runtime/grad_ring.py). Each element is read before it is written, so either way is exact;
+   the outputs must share the inputs' alignment (both are the same offset into an item). */
 #define ADAMW_ENTRY(NAME, CTYPE, MT)                                                           \
-void NAME(uint16_t *w, uint16_t *rem, const float *g, CTYPE *m, CTYPE *v, int64_t n, float lr, \
-          float b1, float b2, float omb1, float omb2, float eps, float wd, float bc1,         \
+void NAME(const uint16_t *w, const uint16_t *rem, const float *g, const CTYPE *m,            \
+          const CTYPE *v, uint16_t *ow, uint16_t *orem, CTYPE *om, CTYPE *ov, int64_t n,       \
+          float lr, float b1, float b2, float omb1, float omb2, float eps, float wd, float bc1, \
           float bc2, float gscale, int threads) {                                             \
     const float step = lr / bc1, bc2s = sqrtf(bc2), decay = 1.0f - lr * wd;                   \
     int64_t s = 0;                                                                            \
@@ -90,9 +95,11 @@ void NAME(uint16_t *w, uint16_t *rem, const float *g, CTYPE *m, CTYPE *v, int64_
         s = 1;                                                                                \
     }                                                                                         \
     const int64_t pairs = (n - s) / 2;                                                        \
-    uint32_t *W = (uint32_t *)(w + s), *R = (uint32_t *)(rem + s);                            \
+    const uint32_t *W = (const uint32_t *)(w + s), *R = (const uint32_t *)(rem + s);          \
+    uint32_t *OW = (uint32_t *)(ow + s), *OR = (uint32_t *)(orem + s);                        \
     const float *G = g + s;                                                                   \
-    CTYPE *M = m + s, *V = v + s;                                                             \
+    const CTYPE *M = m + s, *V = v + s;                                                       \
+    CTYPE *OM = om + s, *OV = ov + s;                                                         \
     _Pragma("omp parallel for simd schedule(static) num_threads(threads)")                    \
     for (int64_t k = 0; k < pairs; k++) {                                                     \
         uint32_t w2 = W[k], r2 = R[k];                                                        \
@@ -103,10 +110,10 @@ void NAME(uint16_t *w, uint16_t *rem, const float *g, CTYPE *m, CTYPE *v, int64_
                             b1, b2, omb1, omb2, step, bc2s, eps, decay);                      \
         uint32_t uo = adam1((w2 & 0xFFFF0000u) | (r2 >> 16), go, &mo, &vo,                    \
                             b1, b2, omb1, omb2, step, bc2s, eps, decay);                      \
-        W[k] = (ue >> 16) | (uo & 0xFFFF0000u);                                               \
-        R[k] = (ue & 0xFFFFu) | (uo << 16);                                                   \
-        set2_##MT(M, k, me, mo);                                                              \
-        set2_##MT(V, k, ve, vo);                                                              \
+        OW[k] = (ue >> 16) | (uo & 0xFFFF0000u);                                              \
+        OR[k] = (ue & 0xFFFFu) | (uo << 16);                                                  \
+        set2_##MT(OM, k, me, mo);                                                             \
+        set2_##MT(OV, k, ve, vo);                                                             \
     }                                                                                         \
     if ((n - s) & 1)                                                                          \
         ADAM_ELEMENT(MT, n - 1);                                                              \

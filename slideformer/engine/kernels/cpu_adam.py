@@ -121,7 +121,7 @@ def _build() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(out))
     for f in (lib.adamw_bf16_rem, lib.adamw_bf16_rem_bf16m):
         f.restype = None
-        f.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_float] * 10 + [ctypes.c_int]
+        f.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] + [ctypes.c_float] * 10 + [ctypes.c_int]
     return lib
 
 
@@ -142,13 +142,17 @@ def unavailable_reason() -> str | None:
     return None if native_available() else (BUILD_ERROR or "the kernel could not be loaded")
 
 
-def fused_update(w, rem, g, m, v, lr, b1, b2, eps, wd, step, gscale) -> None:
-    """AdamW step on contiguous 1-D views: w bf16, rem int16, g fp32, m/v fp32 or bf16 (in
-    place)."""
+def fused_update(w, rem, g, m, v, lr, b1, b2, eps, wd, step, gscale, out=None) -> None:
+    """AdamW step on contiguous 1-D views: w bf16, rem int16, g fp32, m/v fp32 or bf16; in
+    place, or, with ``out`` = (w, rem, m, v) views of the same sizes and dtypes, into those
+    (the inputs are left as they were)."""
+    ow, orem, om, ov = (w, rem, m, v) if out is None else out
+    if (ow.data_ptr() - w.data_ptr()) & 3:
+        raise ValueError("fused_update: out must share the inputs' 4-byte alignment")
     fn = _lib.adamw_bf16_rem if m.dtype == torch.float32 else _lib.adamw_bf16_rem_bf16m
-    fn(w.data_ptr(), rem.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-                        w.numel(), lr, b1, b2, 1 - b1, 1 - b2, eps, wd, 1 - b1 ** step,
-                        1 - b2 ** step, gscale, THREADS)
+    fn(w.data_ptr(), rem.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), ow.data_ptr(),
+       orem.data_ptr(), om.data_ptr(), ov.data_ptr(), w.numel(), lr, b1, b2, 1 - b1, 1 - b2, eps,
+       wd, 1 - b1 ** step, 1 - b2 ** step, gscale, THREADS)
 
 
 def _default_threads() -> int:

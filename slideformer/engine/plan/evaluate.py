@@ -16,9 +16,13 @@
   as many first decoder layers as keep the budgets' last 10% free, hold their master weights and
   moments on the GPU and are updated there (at most DEVICE_SLOTS slots then: spare VRAM buys
   more as device layers than as slots); taken when the speed model predicts a faster step.
-- speculative layers (exact clipping): the last SPEC_LAYERS decoder layers update in the
-  backward and keep a pre-update snapshot (slideformer.engine.runtime.grad_ring); dropped first when host
-  RAM is short, before any layer goes to the NVMe tier.
+- speculative layers (exact clipping): the last decoder layers updated on the host update in
+  the backward and keep their pre-update state in a second set of buffers
+  (slideformer.engine.runtime.grad_ring: 12 B/param of host RAM each, no CPU time). Of the counts that
+  keep host RAM 10% free, the fewest whose predicted speed is within SPEC_GAIN of the most's
+  (the barrier's updates left must fit in the next forward; more buy nothing); at least
+  SPEC_LAYERS, which are dropped first when host RAM is short, before any layer goes to the NVMe
+  tier. The search runs only without regenerated layers or an NVMe tier: those mean RAM is short.
 - regenerated layers (exact clipping, ``train.clip_regen = auto``): when host RAM is still short
   without speculation, the fewest lowest layers whose gradient a second backward pass
   regenerates (slideformer.engine.runtime.regen: 4 B/param of host gradient buffer less each) that
@@ -36,16 +40,19 @@ from slideformer.engine.plan.frozen import frozen_allocations, frozen_estimate
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.memory import Allocation, Precision, allocations, peak, peak_phase
 from slideformer.engine.plan.speed import SpeedEstimate, estimate
-from slideformer.engine.runtime.shapes import ExecShape
+from slideformer.engine.runtime.shapes import ExecShape, speculative_layers
 
 TIGHT = 0.9
 """A budget used above this share is "tight"."""
 HEAD_LOGITS_CAP = 512 << 20
 DEVICE_SLOTS = 4
 SPEC_LAYERS = 4
-"""Speculative layers with clipping: their snapshots hold 12 B/param more than the barrier's
-gradient buffers (4 Llama-3.2-3B layers: 4.8 GB) and move 4 layers' CPU updates from the next
-forward into the backward."""
+"""Speculative layers with clipping at least (while host RAM fits them): their second buffers
+hold 12 B/param more than the barrier's gradient buffers (4 Llama-3.2-3B layers: 4.8 GB) and
+move 4 layers' CPU updates from the next forward into the backward."""
+SPEC_GAIN = 0.99
+"""More speculative layers are taken while they lift the predicted speed above this share of
+what the most that fit would give."""
 MAX_SEARCH = 1 << 16
 
 
@@ -76,6 +83,9 @@ class Knobs:
     """The adapters' slideformer.engine.models.lora.LoraSpec (lora, qlora)."""
     regen: int | None = None
     """Regenerated layers with clipping (train.clip_regen); None: the planner's choice."""
+    speculate: bool = True
+    """Speculative layers with clipping; False: a rank of a data-parallel run, which has none
+    (slideformer.engine.dist.ranks.rank_shape)."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +194,7 @@ class Evaluator:
     def _shape(self, k: Knobs, slots: int, ckpt: str) -> ExecShape:
         return ExecShape(micro_batch=k.micro_batch, seq_len=k.seq_len, n_micro=k.grad_accum,
                          slots=slots, checkpoints=ckpt, head_chunk=head_chunk(self.spec.vocab_size),
-                         spec_layers=SPEC_LAYERS if k.clip else 0)
+                         spec_layers=SPEC_LAYERS if k.clip and k.speculate else 0)
 
     def _most_slots(self, k: Knobs, ckpt: str) -> Evaluation:
         """As many slots as fit (at least 2, at most L) keeping the budgets' last 10% free, or
@@ -210,7 +220,7 @@ class Evaluator:
         """The executor shape for these knobs (see the module docstring)."""
         options = ["gpu", "host"] if k.checkpoints == "auto" else [k.checkpoints]
         evals = [self._most_slots(k, ck) for ck in options]
-        fitting = [self._device_items(k, e) for e in evals if e.fits]
+        fitting = [self._speculative(k, self._device_items(k, e)) for e in evals if e.fits]
         if not fitting:
             return min(evals, key=lambda e: _overshoot(e.tiers))
         return max(fitting, key=lambda e: self.speed(k, e).tokens_per_s)
@@ -239,6 +249,29 @@ class Evaluator:
             else:
                 hi = mid - 1
         return best if self.speed(k, best).tokens_per_s > self.speed(k, e).tokens_per_s else e
+
+    def _speculative(self, k: Knobs, e: Evaluation) -> Evaluation:
+        """``e`` with the speculative layers that pay (module docstring)."""
+        S = e.shape.spec_layers
+        if not (S and k.clip and k.method == "full") or e.shape.regen_layers or e.disk_layers:
+            return e
+        L = self.spec.num_layers
+        top = len(speculative_layers(L, e.shape.device_layers, L, []))
+
+        def at(s: int) -> Evaluation:
+            return self._evaluate(k, replace(e.shape, spec_layers=s), 0)
+        lo, hi = S, top
+        while lo < hi:  # host RAM grows with them: the most that keep 10% free
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if _within(at(mid).tiers, TIGHT) else (lo, mid - 1)
+        if lo == S:
+            return e
+        goal = SPEC_GAIN * self.speed(k, at(lo)).tokens_per_s
+        a, b = S, lo
+        while a < b:  # speed rises with them, then flattens: the fewest near the most's
+            mid = (a + b) // 2
+            a, b = (a, mid) if self.speed(k, at(mid)).tokens_per_s >= goal else (mid + 1, b)
+        return at(a)
 
     def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
         if k.method != "full":

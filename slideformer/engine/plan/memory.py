@@ -91,17 +91,21 @@ def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
     spec_n = len(speculative_layers(L, shape.device_layers, shape.spec_layers,
                                     nvme_layers(L, disk_layers) + regen))
     regen_n = len(regen) if clip else 0
-    if clip:  # HostItem.g of every item but the speculative layers, whose snapshots hold theirs
-        grads, grad_note = n * 4, f"{n:,} params x 4 B (fp32)"
+    ends = 0 if shape.device_update else spec.embed_layout.numel + spec.head_layout.numel
+    G = min(shape.device_layers, L)  # the device-updated items keep their gradient there
+    if clip:  # HostItem.g of every host item but the speculative layers (their snapshots hold it)
+        kept = ends + (L - G) * P
+        grads, grad_note = kept * 4, f"{kept:,} params x 4 B (fp32)"
         if regen_n:  # the regenerated layers own none: the ring serves them in pass 2
             ring = min(shape.grad_ring, regen_n)
             grads += (ring - regen_n) * P * 4
-            grad_note = (f"{n - regen_n * P:,} params + a ring of {ring} layers x 4 B (fp32; "
+            grad_note = (f"{kept - regen_n * P:,} params + a ring of {ring} layers x 4 B (fp32; "
                          f"{regen_n} layers' gradients regenerated)")
     else:  # HostItem.g of embed and head + the ring (+ the speculative layers' snapshots)
         ring = min(shape.grad_ring, L) if spec_n < L else 0
-        grads = (spec.embed_layout.numel + spec.head_layout.numel + (ring + spec_n) * P) * 4
-        grad_note = f"embedding, head and a ring of {ring} layers x 4 B (fp32; no clipping)"
+        grads = (ends + (ring + spec_n) * P) * 4
+        grad_note = (f"{'embedding, head and ' if ends else ''}a ring of {ring} layers x 4 B "
+                     "(fp32; no clipping)")
     in_ram = n - disk_layers * spec.params_per_layer
     pinned = " (pinned)" if device == "cuda" else ""
     out = [Allocation("host", f"{_dt(prec.compute)} weights", n * c,  # HostItem.w

@@ -159,13 +159,14 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
 
 
 def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
-             hardware: HardwareProfile | str = "auto") -> Plan:
+             hardware: HardwareProfile | str = "auto", speculate: bool = True) -> Plan:
     """The plan of a run config on a machine (budgets ``auto`` read NVML and psutil here).
 
     Args:
         device: the backend the run uses; None derives it from ``train.device`` and the profile.
         hardware: a profile, or the target to plan for (slideformer.engine.plan.targets.load_profile: this
             machine, a GPU preset such as ``rtx4090``, or a profile file).
+        speculate: False for one rank of a data-parallel run (no speculative layers).
     """
     validate(cfg, "values")
     hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
@@ -178,4 +179,5 @@ def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
                         "target), or use the CPU backend")
     gpu = None if hw.preset else gpu_memory()  # a preset's VRAM is the preset's, not this GPU's
     budgets = resolve_budgets(cfg.budget, device, hw, gpu, host_memory())
-    return make_plan(spec, knobs_from_config(cfg, spec, device), device, budgets, hw)
+    knobs = replace(knobs_from_config(cfg, spec, device), speculate=speculate)
+    return make_plan(spec, knobs, device, budgets, hw)

@@ -14,9 +14,9 @@ backward  a pipeline over L layers: H2D of the L-K layers no longer resident (an
           stages once (filling and draining).
 Without clipping the next forward waits for the embedding's update, queued after the layers'.
 speculation with exact clipping the S speculative layers (ExecShape.spec_layers, the first S of
-          the backward) update during the backward, each after its gradient landed and after
-          copying its pre-update state (snapshot_share of an update's time); the
-          other layers keep the barrier chain. Predicted for steps that do not clip; a step
+          the backward) update during the backward, each after its gradient landed (into a
+          second set of buffers: no copy, runtime.grad_ring); the other layers keep the
+          barrier chain. Predicted for steps that do not clip; a step
           that clips stops speculating once the layers' partial norm exceeds the limit and
           redoes the speculative updates made before (at most S more updates).
 regen     with exact clipping the R regenerated layers (ExecShape.regen_layers, the lowest R above
@@ -105,13 +105,6 @@ def cpu_dispatch_s(layers: int, n_micro: int) -> float:
     """Fixed op costs of one CPU-backend step: forward, recompute and backward of every layer."""
     return 3 * layers * n_micro * CPU_OPS_PER_PASS * CPU_OP_S
 
-def snapshot_share(c: int, mo: int) -> float:
-    """A speculative layer's snapshot copy (w, rem, m, v read and written) in units of its AdamW
-    update, for (compute, moments) element sizes: both stream memory, the update reading and
-    writing the same fields and reading the fp32 gradient too."""
-    state = c + (2 if c == 2 else 0) + 2 * mo
-    return 2 * state / (2 * state + 4)
-
 SERIAL = 1.15
 """A step this much longer than its busiest resource means resources wait for each other."""
 RESOURCES = ("gpu compute", "pcie h2d", "pcie d2h", "cpu optimizer", "disk")
@@ -194,12 +187,12 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
                   grads_eh=(E + Hd) * 4 / both)
 
 
-def _speculation(S: int, t: _Times, snap: float) -> float:
+def _speculation(S: int, t: _Times) -> float:
     """End (from the backward's start) of the S speculative updates: the i-th of them follows
     its layer's gradient copy and the update before it."""
     stage, end = max(t.load_b, t.b, t.grad), 0.0
     for i in range(S):
-        end = max(end, (i + 1) * stage + t.grad) + t.upd + snap
+        end = max(end, (i + 1) * stage + t.grad) + t.upd
     return end
 
 
@@ -251,7 +244,6 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
         t = replace(t, embed_upd=0.0, head_upd=0.0, refresh_e=0.0, refresh_h=0.0, grads_eh=0.0)
     S = len(speculative_layers(L, G, shape.spec_layers,
                                nvme_layers(L, disk_layers) + regen_layers(L, G, R))) if clip else 0
-    snap = t.upd * snapshot_share(prec.c, prec.mo)
     regen = _pipeline(R, [t.reload, t.b, t.grad, t.upd]) if R else 0.0
     if clip:  # updates embed, G .. L-1, head from the step's start, overlapping the forward
         ready, chain = [0.0] * L, t.embed_upd
@@ -260,7 +252,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
             ready[j] = chain
         fwd_end = _forward(L, k, ready, dev_upd + t.embed_upd + t.refresh_e, t, G)
         head_ready = max(ready + [t.embed_upd]) + t.head_upd + t.refresh_h
-        bwd = max(_pipeline(L - G, [t.load_b, t.b, t.grad]), _speculation(S, t, snap)) + G * t.b
+        bwd = max(_pipeline(L - G, [t.load_b, t.b, t.grad]), _speculation(S, t)) + G * t.b
         bwd += regen
     else:  # each layer's update follows its grads in the backward; the embedding's comes last
         fwd_end = _forward(L, k, [0.0] * L, dev_upd + t.embed_upd + t.refresh_e, t, G)
@@ -271,7 +263,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
             "pcie h2d": (L - G) * (t.load_f + t.load_b) + R * t.reload
                         + t.refresh_e + t.refresh_h,
             "pcie d2h": (L - G) * t.grad + L * t.ck_d2h + t.grads_eh,
-            "cpu optimizer": (spec.num_params - on_device) / hw.adam_params_per_s + S * snap,
+            "cpu optimizer": (spec.num_params - on_device) / hw.adam_params_per_s,
             "disk": disk}
     note = ""
     if step > SERIAL * max(busy.values()):

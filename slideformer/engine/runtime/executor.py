@@ -118,7 +118,7 @@ class SlidingExecutor(ResidentEnds):
         # zeros, not empty: the pages are resident from the start, as the planner counts them,
         # even while steps clip early and skip speculating (tests/engine/plan/test_plan_rss.py)
         self.updates = HostUpdates(backend.is_cuda, self.snapshots, self.health_host, L, self.group)
-        borrow = [i for i in range(L)
+        borrow = [i for i in range(self.G, L)  # device layers keep their gradient there
                   if trained and host[f"layer{i}"].g is None and i not in self.snapshots]
         self.gradless = [i for i in borrow if i not in self.regen]
         """Layers without a gradient of their own that clipping has no other way to serve."""

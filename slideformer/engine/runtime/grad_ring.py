@@ -7,15 +7,18 @@ buffer waits for the update that last read it.
 With exact global-norm clipping the coefficient ``c = min(1, max_norm / (norm + 1e-6))`` is known
 only when the backward ends (the barrier). :class:`Speculation` lets the last ``depth`` decoder
 layers updated on the host (the first ones the backward finishes) update at once anyway, with
-``c = 1``, overlapping the rest of the backward. Before its update, a speculative layer copies its
-pre-update state (w, rem, m, v) into a snapshot of its own, and its gradient lands in that
-snapshot's gradient buffer (the layer owns none). At the barrier:
+``c = 1``, overlapping the rest of the backward. Each speculative layer has a second set of
+state buffers (w, rem, m, v: its snapshot) and a gradient buffer there (the layer owns none).
+Its update reads the layer's state and writes the new state into the snapshot's buffers; the
+two sets then trade places, so the layer holds the new state and the snapshot its pre-update
+state, bit for bit, with no copy (the update moves the bytes an update in place moves). At the
+barrier:
 
     c == 1      the speculative call was ``adam_update(state, g, hyper(1.0))``: the very call the
                 barrier mode makes, on the same state and gradient; nothing is left to do
-    c < 1       restore the snapshot (bit copies), then ``adam_update(state, g, hyper(c))``: the
-                barrier mode's call again. A restart is needed, not a rescale: AdamW's moments
-                see c * g and c^2 * g^2, so the update is not linear in c
+    c < 1       restore the snapshot (the sets trade places back), then ``adam_update(state, g,
+                hyper(c))``: the barrier mode's call again. A restart is needed, not a rescale:
+                AdamW's moments see c * g and c^2 * g^2, so the update is not linear in c
     skipped     (non-finite loss or norm) restore the snapshot: the weights stay unchanged
 
 The update reads its gradient and never writes it (coefficient 1 passes no scale), so the
@@ -23,9 +26,14 @@ repair sees the gradient the speculative update saw; the state is restored bit f
 hyper-parameters are the barrier's. Every layer therefore ends each step with the barrier
 mode's bits. Layers beyond the window, on the device or in the NVMe tier keep the barrier.
 
-Memory: a snapshot holds a layer's weights, remainder and moments plus its gradient (4 B more
-per parameter than the barrier's gradient buffer for fp32 moments and bf16 weights: 16 B
-instead of 4), so the window is a few layers (the planner's choice, ExecShape.spec_layers).
+The sets trade places while nothing reads them: a layer's weights are copied to the device
+before its backward, its update follows its gradient, and the next read (the next step's
+forward) waits for the update; both weight buffers are page-locked, as the device copies need.
+
+Memory: a snapshot holds a layer's weights, remainder and moments plus its gradient (12 B per
+parameter more than the barrier's gradient buffer for fp32 moments and bf16 weights: 16 B
+instead of 4), so the planner picks how many layers speculate from host RAM
+(ExecShape.spec_layers).
 """
 from __future__ import annotations
 
@@ -55,19 +63,22 @@ class GradRing:
 
 
 class _Snapshot:
-    """One layer's pre-update state and its gradient."""
+    """One layer's second state buffers and its gradient."""
 
     def __init__(self, item, host_alloc, alloc):
         self.g = host_alloc(item.numel, torch.float32)
-        self.w = alloc(item.numel, item.w.dtype)
+        self.w = host_alloc(item.numel, item.w.dtype)  # the layer's weights when the sets trade
         self.rem = None if item.rem is None else alloc(item.numel, item.rem.dtype)
         self.m, self.v = alloc(item.numel, item.m.dtype), alloc(item.numel, item.v.dtype)
         self.saved = False
         """This step's speculative update ran (the snapshot holds its pre-update state)."""
 
-    def pairs(self, item):
-        return [(s, t) for s, t in ((self.w, item.w), (self.rem, item.rem), (self.m, item.m),
-                                    (self.v, item.v)) if s is not None]
+    def trade(self, item) -> None:
+        """The layer takes these buffers and this snapshot the layer's."""
+        for k in ("w", "rem", "m", "v"):
+            mine, theirs = getattr(self, k), getattr(item, k)
+            setattr(self, k, theirs)
+            setattr(item, k, mine)
 
 
 class Speculation:
@@ -84,11 +95,12 @@ class Speculation:
         """Where the layer's gradient lands (kept until the barrier)."""
         return self.snaps[layer].g[:n]
 
-    def save(self, layer: int, item) -> None:
-        """Copy the layer's state before its speculative update (in the update's thread)."""
+    def update(self, layer: int, item, update) -> None:
+        """Run ``update(out=snapshot)`` (in the update's thread): it writes the layer's new
+        state into the snapshot's buffers, which the layer then takes in exchange for its own."""
         snap = self.snaps[layer]
-        for s, t in snap.pairs(item):
-            s.copy_(t)
+        update(out=snap)
+        snap.trade(item)
         snap.saved = True
 
     def take(self, layer: int) -> bool:
@@ -98,9 +110,9 @@ class Speculation:
         return saved
 
     def restore(self, layer: int, item) -> None:
-        """Put the state :meth:`save` copied back (call once that update finished)."""
-        for s, t in self.snaps[layer].pairs(item):
-            t.copy_(s)
+        """Give the layer back the state it had before :meth:`update` (call once that update
+        finished)."""
+        self.snaps[layer].trade(item)
 
     def buffers(self) -> list[torch.Tensor]:
         """Every tensor the snapshots hold (for the planner's memory rows)."""

@@ -212,13 +212,16 @@ class DeviceItem:
 
 def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool | None = None,
                 staged: dict[str, torch.Tensor] | None = None,
-                grad: torch.Tensor | None = None) -> None:
+                grad: torch.Tensor | None = None, out=None) -> None:
     """One AdamW step on the item's master weights from ``grad`` (default ``item.g``);
     refreshes ``item.w``.
 
     bf16 weights with fp32 or bf16 moments go through the one-pass compiled kernel when it is
     available (``native``: None = when available); everything else, and the reference, through
     a chunked chain of PyTorch ops. ``staged``: the item's disk fields in a tier buffer.
+    ``out``: an object with ``w``, ``rem``, ``m``, ``v`` shaped as the item's (RAM fields only):
+    the new state goes there and the item's own stays as it was (the speculative updates of
+    runtime.grad_ring); the same values as an update in place.
     """
     rem, mom1, mom2 = item.fields(staged)
     g = item.g if grad is None else grad
@@ -226,12 +229,21 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
     native = cpu_adam.native_available() if native is None else native and cpu_adam.native_available()
     if native and rem is not None and mom1.dtype in (torch.float32, torch.bfloat16) \
             and g.device.type == "cpu":
+        to = (item.w, rem, mom1, mom2) if out is None else (out.w, out.rem, out.m, out.v)
         for start, end, decay in item.runs:
             cpu_adam.fused_update(item.w[start:end], rem[start:end], g[start:end],
                                   mom1[start:end], mom2[start:end], hp.lr, hp.beta1,
                                   hp.beta2, hp.eps, hp.weight_decay if decay else 0.0, hp.step,
-                                  hp.grad_scale)
+                                  hp.grad_scale, out=[t[start:end] for t in to])
         return
+    if out is not None:  # the reference path updates in place: on a copy of the state
+        if staged:
+            raise ValueError(f"{item.name}: an update into another buffer needs its state in RAM")
+        for src, dst in ((item.w, out.w), (rem, out.rem), (mom1, out.m), (mom2, out.v)):
+            if src is not None:
+                dst.copy_(src)
+        item = _Fields(out, item.runs)
+        rem, mom1, mom2 = out.rem, out.m, out.v
     step = torch.tensor(float(hp.step), device=g.device)
     scale = None if hp.grad_scale == 1.0 else torch.tensor(1.0 / hp.grad_scale, device=g.device)
     exact_moments = mom1.dtype == torch.float32
@@ -250,3 +262,10 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
             if not exact_moments:
                 mom1[s:e].copy_(m)
                 mom2[s:e].copy_(v)
+
+
+class _Fields:
+    """Another buffer set (w, rem, m, v) seen as an item, for adam_update's ``out``."""
+
+    def __init__(self, out, runs):
+        self.w, self.rem, self.m, self.v, self.runs = out.w, out.rem, out.m, out.v, runs

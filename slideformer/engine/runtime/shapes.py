@@ -57,6 +57,13 @@ def speculative_layers(num_layers: int, device_layers: int, depth: int,
     return host[:max(depth, 0)]
 
 
+def device_items(shape: ExecShape, num_layers: int) -> list[str]:
+    """The items updated on the device (ExecShape.device_update, device_layers): their gradient
+    stays there, so their host state has no gradient buffer."""
+    layers = [f"layer{i}" for i in range(min(shape.device_layers, num_layers))]
+    return layers + (["embed", "head"] if shape.device_update else [])
+
+
 def regen_layers(num_layers: int, device_layers: int, count: int) -> list[int]:
     """The decoder layers whose gradient is regenerated with clipping, lowest first: the
     ``count`` layers above the device layers (contiguous, so one boundary gradient serves them)."""

@@ -8,7 +8,7 @@ there, updates, and writes them behind. Three ways an update starts:
                 :class:`Guard` that skips it (and every later one of the step) once a gradient
                 or the loss is not finite
     speculative with exact clipping, the last host layers update with coefficient 1 during the
-                backward, from a snapshot (runtime.grad_ring.Speculation), and are settled
+                backward, keeping their pre-update state (runtime.grad_ring.Speculation), settled
                 at the barrier: kept when the coefficient is 1, redone from the snapshot otherwise
     barrier     with clipping, every other update, once the global norm is known
 
@@ -163,8 +163,10 @@ class HostUpdates:
             if speculative and not self._may_speculate(item.layer):
                 return
             if speculative:
-                self.snapshots.save(item.layer, host)
-            adam_update(host, hp, self.workspace, staged=staged, grad=grad)
+                self.snapshots.update(item.layer, host, lambda out: adam_update(
+                    host, hp, self.workspace, grad=grad, out=out))
+            else:
+                adam_update(host, hp, self.workspace, staged=staged, grad=grad)
             tl.host_span("optimizer", item.name, t0, time.perf_counter())
         finally:
             if host.disk is not None:

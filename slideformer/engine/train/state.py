@@ -22,7 +22,8 @@ from slideformer.engine.runtime.lora import FrozenItem, build_adapters
 
 def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
                      tier=None, layer_grads: bool = True,
-                     borrowed: Collection[int] = ()) -> dict[str, HostItem]:
+                     borrowed: Collection[int] = (),
+                     on_device: Collection[str] = ()) -> dict[str, HostItem]:
     """Allocate the host state of every item (zero moments, uninitialised weights).
 
     ``tier``: an slideformer.engine.runtime.nvme.NvmeTier; the items it chose keep their moments on disk.
@@ -30,9 +31,12 @@ def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
     borrow the executor's gradient ring (training without clipping only). ``borrowed``: layers
     that own none in any case (with clipping, the executor's speculative layers:
     slideformer.engine.runtime.shapes.speculative_layers, and its regenerated ones:
-    slideformer.engine.runtime.shapes.regen_layers).
+    slideformer.engine.runtime.shapes.regen_layers). ``on_device``: the items the executor updates on
+    the device (their gradient stays there: ExecShape.device_update, device_layers).
     """
     def owns_grad(name: str) -> bool:
+        if name in on_device:
+            return False
         return not name.startswith("layer") or (layer_grads and int(name[5:]) not in borrowed)
     return {name: HostItem(name, item_layout(spec, name), compute_dtype, moments_dtype,
                            backend.host_alloc, _alloc, tier, grad=owns_grad(name))

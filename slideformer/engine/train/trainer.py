@@ -40,7 +40,8 @@ from slideformer.engine.runtime.backend import make_backend
 from slideformer.engine.runtime.executor import SlidingExecutor
 from slideformer.engine.runtime.host_state import AdamHyper
 from slideformer.engine.runtime.nvme import NvmeTier
-from slideformer.engine.runtime.shapes import ExecShape, disk_layers, regen_layers, speculative_layers
+from slideformer.engine.runtime.shapes import (ExecShape, device_items, disk_layers, regen_layers,
+                                              speculative_layers)
 from slideformer.engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from slideformer.engine.train.lock import LOCK_FILE, RunLock, run_owner
@@ -183,7 +184,8 @@ class Trainer:
             self.host = build_host_state(self.spec, host_alloc(self.backend, self.world),
                                          self.dtype, moments, self.tier,
                                          layer_grads=cfg.optim.max_grad_norm > 0,
-                                         borrowed=speculative + regen)
+                                         borrowed=speculative + regen,
+                                         on_device=device_items(shape, L))
         else:
             self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
                                            nf4=cfg.train.method == "qlora", tier=self.tier)
@@ -200,7 +202,8 @@ class Trainer:
         executor runs, so prediction and run cannot drift apart; budget.slots and
         budget.checkpoints, when set, override the plan's choice.
         """
-        self.plan = plan_run(self.cfg, self.spec, device="cuda" if self.backend.is_cuda else "cpu")
+        self.plan = plan_run(self.cfg, self.spec, device="cuda" if self.backend.is_cuda else "cpu",
+                             speculate=gpu_count(self.cfg) == 1)  # ranks do not speculate (rank_shape)
         if self.plan.verdict == "does not fit":
             fix = f"; try: {self.plan.fixes[0].change}" if self.plan.fixes else ""
             self.emit(Log("warning", f"the planner predicts this run does not fit: "

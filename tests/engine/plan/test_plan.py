@@ -258,7 +258,13 @@ def test_spare_vram_goes_to_the_device_optimizer(tmp_path):
     assert card.verdict == "fits"
     off = plan("24GiB", **{"budget.gpu_layers": 0})
     assert not off.exec_shape.device_update and off.exec_shape.device_layers == 0
-    assert card.tier("host").peak == off.tier("host").peak  # host copies are kept either way
+    rows = lambda p: {a.purpose: a.bytes for a in p.allocations if a.tier == "host"}  # noqa: E731
+    on, host_only = rows(card), rows(off)
+    for what in ("bfloat16 weights", "weight remainders", "AdamW moments m, v"):
+        assert on[what] == host_only[what]  # the host copies are kept either way (checkpoints)
+    shape = card.exec_shape  # their gradients stay on the device
+    on_device = spec.embed_layout.numel + spec.head_layout.numel + shape.device_layers * spec.params_per_layer
+    assert on["gradient buffers"] == host_only["gradient buffers"] - 4 * on_device
     assert plan("24GiB", **{"budget.gpu_layers": 3}).exec_shape.device_layers == 3
     short = plan("24GiB", **{"train.micro_batch": 24, "budget.checkpoints": "gpu"})
     assert short.exec_shape.device_layers == 0

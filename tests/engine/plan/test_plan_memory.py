@@ -21,7 +21,7 @@ from slideformer.engine.plan import memory as M
 from slideformer.engine.plan import transients as TR
 from slideformer.engine.runtime.backend import CpuBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
-from slideformer.engine.runtime.shapes import regen_layers, speculative_layers
+from slideformer.engine.runtime.shapes import device_items, regen_layers, speculative_layers
 from slideformer.engine.train.state import build_host_state
 
 MiB = 1 << 20
@@ -56,7 +56,8 @@ def test_persistent_buffers_match_the_engine(compute, moments, ckpt, clip, dev, 
     backend = CpuBackend()
     regenerated = regen_layers(5, dev, regen)
     host = build_host_state(spec, backend, compute, moments, layer_grads=clip,
-                            borrowed=speculative_layers(5, dev, spec_n, regenerated) + regenerated)
+                            borrowed=speculative_layers(5, dev, spec_n, regenerated) + regenerated,
+                            on_device=device_items(shape, 5))
     ex = SlidingExecutor(spec, backend, host, shape, compute, residual_dtype=res)
     allocs = M.allocations(spec, shape, M.Precision(compute, moments, residual=res), "cpu",
                            packed=True, clip=clip)

@@ -6,6 +6,8 @@ the preset's published bf16 rate.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from slideformer.engine import cli
@@ -49,7 +51,8 @@ def test_a_preset_plans_with_its_own_vram_name_and_speed(tmp_path, nothing_here,
     assert plan.hardware.matmul_tflops == pytest.approx(p.bf16_tflops * MATMUL_SHARE)
     ref = PRESETS["rtx4090"]
     mine, other = plan_for(tmp_path, key, **SAME_SHAPE), plan_for(tmp_path, ref.key, **SAME_SHAPE)
-    assert mine.exec_shape == other.exec_shape
+    # the same shape; how many layers speculate follows the GPU's speed against the CPU's
+    assert replace(mine.exec_shape, spec_layers=0) == replace(other.exec_shape, spec_layers=0)
     compute = mine.speed.busy_dict()["gpu compute"]
     assert compute * p.bf16_tflops == pytest.approx(
         other.speed.busy_dict()["gpu compute"] * ref.bf16_tflops)

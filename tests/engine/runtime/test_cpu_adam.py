@@ -50,3 +50,41 @@ def test_native_update_matches_reference(coef, moments):
     if moments == torch.bfloat16:  # the same bf16 moments but where fp32 maths rounds apart
         assert (a.m != b.m).float().mean() < 1e-3 and (a.v != b.v).float().mean() < 1e-3
     assert not torch.equal(ma, make_item(1 << 16)[0].master())  # it did update
+
+
+class _State:
+    def __init__(self, item):
+        self.w, self.rem = torch.empty_like(item.w), torch.empty_like(item.rem)
+        self.m, self.v = torch.empty_like(item.m), torch.empty_like(item.v)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_update_into_other_buffers_equals_in_place_and_keeps_the_input(native, moments):
+    """adam_update(out=...) (the speculative updates' second buffers) writes the bits an update
+    in place writes, and leaves the item's own state as it was."""
+    if native and not cpu_adam.native_available():
+        pytest.skip("no C compiler")
+    a, g = make_item(1 << 14, moments=moments)
+    b, _ = make_item(1 << 14, moments=moments)
+    a.g.copy_(torch.randn(a.numel, generator=g))
+    b.g.copy_(a.g)
+    before = [t.clone() for t in (a.w, a.rem, a.m, a.v)]
+    out, ws = _State(a), AdamWorkspace()
+    hp = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.1, 3, 0.5)
+    adam_update(a, hp, ws, native=native, out=out)
+    adam_update(b, hp, ws, native=native)
+    for kept, now in zip(before, (a.w, a.rem, a.m, a.v)):
+        assert torch.equal(kept, now)
+    for new, ref in zip((out.w, out.rem, out.m, out.v), (b.w, b.rem, b.m, b.v)):
+        assert torch.equal(new, ref)
+    assert not torch.equal(out.w, a.w)  # it did update
+
+
+@pytest.mark.skipif(not cpu_adam.native_available(), reason="no C compiler")
+def test_update_into_other_buffers_refuses_another_alignment():
+    a, _ = make_item(1 << 10)
+    out = _State(a)
+    with pytest.raises(ValueError, match="alignment"):
+        cpu_adam.fused_update(*(t[1:-1] for t in (a.w, a.rem, a.g, a.m, a.v)), 1e-3, 0.9, 0.999,
+                              1e-8, 0.0, 1, 1.0, out=[t[2:] for t in (out.w, out.rem, out.m, out.v)])

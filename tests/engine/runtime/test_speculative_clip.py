@@ -144,3 +144,39 @@ def test_skipped_step_undoes_speculative_updates(model, monkeypatch, extra):
     assert [o.skipped for o in specul[0]] == [False, False, True, False, False]
     assert_bitwise(barrier, specul)
     assert all(torch.isfinite(item.w).all() for item in specul[1].values())
+
+
+def test_speculation_trades_buffers_instead_of_copying(monkeypatch):
+    """A speculative update writes the new state into the snapshot's buffers and the layer takes
+    them (no copy of the state); restoring hands the untouched pre-update buffers back."""
+    from slideformer.engine.models.spec import Layout
+    from slideformer.engine.runtime.grad_ring import Speculation
+    from slideformer.engine.runtime.host_state import AdamWorkspace, HostItem, adam_update
+    zeros = lambda k, d: torch.zeros(k, dtype=d)  # noqa: E731
+    item = HostItem("layer0", Layout.build([("w", (33, 7))]), torch.bfloat16, torch.float32,
+                    zeros, zeros, grad=False)
+    item.set_master(torch.randn(item.numel) * 0.02)
+    spec = Speculation({"layer0": item}, [0], zeros, zeros)
+    spec.grad(0, item.numel).copy_(torch.randn(item.numel))
+    fields = ("w", "rem", "m", "v")
+    old = {k: getattr(item, k) for k in fields}
+    before = {k: t.clone() for k, t in old.items()}
+    copies = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, *a, **kw: copies.append(1) or real_copy(t, *a, **kw))
+    hp = AdamHyper(1e-3, 0.9, 0.999, 1e-8, 0.0, 1, 1.0)
+    spec.update(0, item, lambda out: adam_update(item, hp, AdamWorkspace(), grad=spec.grad(0, item.numel), out=out))
+    monkeypatch.setattr(torch.Tensor, "copy_", real_copy)
+    if cpu_adam_native():
+        assert not copies  # the compiled kernel writes the other buffers directly
+    assert all(getattr(item, k) is not old[k] for k in fields)
+    assert all(torch.equal(old[k], before[k]) for k in fields)  # the pre-update state, kept
+    assert not torch.equal(item.w, before["w"])
+    assert spec.take(0)
+    spec.restore(0, item)
+    assert all(getattr(item, k) is old[k] for k in fields)
+
+
+def cpu_adam_native() -> bool:
+    from slideformer.engine.kernels import cpu_adam
+    return cpu_adam.native_available()
