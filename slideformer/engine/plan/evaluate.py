@@ -19,7 +19,7 @@
 - speculative layers (exact clipping): the last decoder layers updated on the host update in
   the backward and keep their pre-update state in a second set of buffers
   (slideformer.engine.runtime.grad_ring: 12 B/param of host RAM each, no CPU time). Of the counts that
-  keep host RAM 10% free, the fewest whose predicted speed is within SPEC_GAIN of the most's
+  keep host RAM 10% free, the fewest whose predicted speed is within SPEC_GAIN of the best's
   (the barrier's updates left must fit in the next forward; more buy nothing); at least
   SPEC_LAYERS, which are dropped first when host RAM is short, before any layer goes to the NVMe
   tier. The search runs only without regenerated layers or an NVMe tier: those mean RAM is short.
@@ -52,7 +52,8 @@ hold 12 B/param more than the barrier's gradient buffers (4 Llama-3.2-3B layers:
 move 4 layers' CPU updates from the next forward into the backward."""
 SPEC_GAIN = 0.99
 """More speculative layers are taken while they lift the predicted speed above this share of
-what the most that fit would give."""
+the best that fit would give (the best of SPEC_GRID + 1 evenly spaced counts)."""
+SPEC_GRID = 6
 MAX_SEARCH = 1 << 16
 
 
@@ -260,17 +261,35 @@ class Evaluator:
 
         def at(s: int) -> Evaluation:
             return self._evaluate(k, replace(e.shape, spec_layers=s), 0)
+
+        def roomy(s: int) -> bool:  # they take host RAM only
+            host = at(s).tiers[1]
+            return host.budget is None or host.peak <= TIGHT * host.budget
         lo, hi = S, top
         while lo < hi:  # host RAM grows with them: the most that keep 10% free
             mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if _within(at(mid).tiers, TIGHT) else (lo, mid - 1)
+            lo, hi = (mid, hi) if roomy(mid) else (lo, mid - 1)
         if lo == S:
             return e
-        goal = SPEC_GAIN * self.speed(k, at(lo)).tokens_per_s
-        a, b = S, lo
-        while a < b:  # speed rises with them, then flattens: the fewest near the most's
+        speed = {}
+
+        def tps(s: int) -> float:
+            if s not in speed:
+                speed[s] = self.speed(k, at(s)).tokens_per_s
+            return speed[s]
+        # the speed rises with them, then flattens (it may dip by a little at the very end):
+        # the best of a coarse grid, climbed to its peak, then the fewest below it within
+        # SPEC_GAIN of that
+        grid = sorted({S + (lo - S) * i // SPEC_GRID for i in range(SPEC_GRID + 1)})
+        best = max(grid, key=tps)
+        for step in (1, -1):
+            while S <= best + step <= lo and tps(best + step) > tps(best):
+                best += step
+        goal = SPEC_GAIN * tps(best)
+        a, b = S, best
+        while a < b:
             mid = (a + b) // 2
-            a, b = (a, mid) if self.speed(k, at(mid)).tokens_per_s >= goal else (mid + 1, b)
+            a, b = (a, mid) if tps(mid) >= goal else (mid + 1, b)
         return at(a)
 
     def speed(self, k: Knobs, e: Evaluation) -> SpeedEstimate:
