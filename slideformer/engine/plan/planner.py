@@ -18,7 +18,7 @@ from slideformer.engine.kernels import cpu_adam
 from slideformer.engine.models.lora import lora_spec
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.budget import Budgets, resolve_budgets
-from slideformer.engine.plan.evaluate import TIGHT, Evaluation, Evaluator, Knobs, TierUse
+from slideformer.engine.plan.evaluate import SPEC_LAYERS, TIGHT, Evaluation, Evaluator, Knobs, TierUse
 from slideformer.engine.plan.fixes import Fix, find_fixes, floor_notes
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.machine import gpu_memory, host_memory
@@ -120,6 +120,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
     short = tuple(t.tier for t in base.tiers if t.budget is not None and t.peak > share * t.budget)
     fixes = find_fixes(ev, base, knobs, short, share) if short else ()
     notes = floor_notes(ev, knobs, short) if verdict == "does not fit" else ()
+    notes += _speculation_note(ev, knobs, base)
     m_max, g_max = _max_batches(ev, knobs)
     rss_tiers = ("host",) if device == "cuda" else ("gpu", "host")
     p = knobs.precision
@@ -132,6 +133,21 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
                 max_global_batch=g_max, speed=ev.speed(knobs, base), hardware=hardware,
                 tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
                 disk_layers=base.disk_layers, method=knobs.method)
+
+
+def _speculation_note(ev: Evaluator, k: Knobs, e: Evaluation) -> tuple[str, ...]:
+    """What the speculative layers beyond the minimum buy and cost (plan.evaluate._speculative)."""
+    S = e.shape.spec_layers
+    if S <= SPEC_LAYERS:
+        return ()
+    fewer = ev._evaluate(k, replace(e.shape, spec_layers=SPEC_LAYERS), e.disk_layers)
+    snaps = lambda x: sum(a.bytes for a in x.allocs  # noqa: E731
+                          if a.purpose == "speculative update snapshots")
+    fast, slow = ev.speed(k, e).tokens_per_s, ev.speed(k, fewer).tokens_per_s
+    return (f"{S} decoder layers update during the backward, before the clipping coefficient is "
+            f"known (exact: the barrier redoes any it changes); their second state buffers take "
+            f"{(snaps(e) - snaps(fewer)) / (1 << 30):.1f} GiB more host RAM than {SPEC_LAYERS} "
+            f"would, for {fast / slow - 1:+.0%} tokens/s ({fast:,.0f} against {slow:,.0f})",)
 
 
 # ---- from a run config --------------------------------------------------------------------------

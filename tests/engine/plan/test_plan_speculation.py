@@ -79,3 +79,16 @@ def test_none_beyond_the_minimum_where_they_buy_nothing(spec):
 def test_ranks_of_a_data_parallel_run_plan_none(spec):
     cfg = override(RunConfig(), {**BASE, "train.grad_accum": 4, "budget.ram": "120GiB"})
     assert plan_run(cfg, spec, device="cuda", hardware=REFERENCE, speculate=False).exec_shape.spec_layers == 0
+
+
+def test_the_plan_says_what_they_buy(spec):
+    p = plan(spec, **{"train.grad_accum": 4, "budget.ram": "120GiB"})
+    S, by_count = p.exec_shape.spec_layers, speeds(spec, p)
+    note = next(n for n in p.notes if "update during the backward" in n)
+    assert note.startswith(f"{S} decoder layers")
+    extra = (host_peak(spec, p, S) - host_peak(spec, p, SPEC_LAYERS)) / (1 << 30)
+    assert f"{extra:.1f} GiB more host RAM than {SPEC_LAYERS}" in note
+    assert f"({by_count[S]:,.0f} against {by_count[SPEC_LAYERS]:,.0f})" in note
+    fast = plan(spec, **{"train.grad_accum": 8, "budget.ram": "120GiB"})
+    if fast.exec_shape.spec_layers == SPEC_LAYERS:
+        assert not any("update during the backward" in n for n in fast.notes)
