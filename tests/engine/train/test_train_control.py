@@ -1,5 +1,6 @@
 """The run folder's control file: commands reach the Trainer, the file names a live process."""
 import os
+import threading
 import time
 
 import pytest
@@ -27,24 +28,38 @@ class FakeTrainer:
         self.events.append(ev)
 
 
-def wait_for(cond, timeout=120.0):
-    """Poll until ``cond``; the timeout only turns a hang into a failure (no latency bound)."""
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
+class CountingStop(threading.Event):
+    """The command reader's stop event, counting the reader's polls (one wait each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.polls = 0
+
+    def wait(self, timeout=None):
+        self.polls += 1
+        return super().wait(timeout)
+
+
+def after_reads(control: RunControl, n: int = 2) -> None:
+    """Return once the reader has read the file anew after this call: polls counted at each
+    wait's start, so the read after the next wait ends began after the call. Bounded by the
+    reader's own loop, not by a clock (a reader thread that died ends it too)."""
+    target = control._stop.polls + n
+    while control._stop.polls < target and control._thread.is_alive():
         time.sleep(0.02)
 
 
 def test_commands_reach_the_trainer_and_the_file_names_the_process(tmp_path):
     send_command(tmp_path, "stop")  # meant for an earlier process: dropped at start
     control, trainer = RunControl(tmp_path), FakeTrainer()
+    control._stop = CountingStop()
     assert engine_alive(tmp_path) is None
     with control.attached(trainer):
         control.on_event(RunState("setup"))
         assert engine_alive(tmp_path) == os.getpid()
         for command in ("pause", "resume", "abort", "stop"):
             send_command(tmp_path, command)
-        wait_for(lambda: len(trainer.calls) == 4)
+        after_reads(control)
     assert trainer.calls == ["pause", "resume", "stop(save=False)", "stop(save=True)"]
     assert not (tmp_path / CONTROL_FILE).exists() and engine_alive(tmp_path) is None
     with pytest.raises(ValueError):
