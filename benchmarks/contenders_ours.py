@@ -12,7 +12,7 @@ import torch
 from contenders_common import (CAPPED, GiB, BenchConfig, cap_vram, emit, environment, guarded)
 from sliding_step import make_backend, plan_shape, random_state, run_config, shape_spec
 
-from slideformer.engine.runtime.shapes import device_items, regen_layers, speculative_layers
+from slideformer.engine.runtime.shapes import borrowed_layers, device_items
 
 OUR_LANES = {"compute": "GPU compute", "h2d": "PCIe H2D", "d2h": "PCIe D2H",
              "optimizer": "CPU optimizer"}
@@ -65,9 +65,7 @@ def planned_state(cfg: BenchConfig, spec, contender: str) -> tuple[list[int], li
         return [], []
     s = plan_shape(spec, cfg.micro_batch, cfg.seq, cfg.grad_accum[0], cfg.clip, cfg.vram_cap).exec_shape
     L = spec.num_layers
-    regen = regen_layers(L, s.device_layers, s.regen_layers) if cfg.clip > 0 else []
-    spec_l = speculative_layers(L, s.device_layers, s.spec_layers, regen) if cfg.clip > 0 else []
-    return spec_l + regen, device_items(s, L)
+    return borrowed_layers(s, L) if cfg.clip > 0 else [], device_items(s, L)
 
 
 def our_planned(cfg: BenchConfig, spec, host, backend, contender: str, accum: int) -> dict:

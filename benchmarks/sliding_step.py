@@ -28,7 +28,7 @@ from slideformer.engine.runtime.backend import make_backend  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
 from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
 from slideformer.engine.kernels.attention import take_flex_fallback  # noqa: E402
-from slideformer.engine.runtime.shapes import regen_layers, speculative_layers  # noqa: E402
+from slideformer.engine.runtime.shapes import borrowed_layers, regen_layers  # noqa: E402
 from slideformer.engine.train.state import build_host_state  # noqa: E402
 from slideformer.engine.train.trainer import peak_rss  # noqa: E402
 
@@ -140,8 +140,7 @@ def planned_borrowed(spec, args) -> list[int]:
         for accum in args.grad_accum:
             s = plan_shape(spec, mb, args.seq, accum, args.clip, args.vram_cap,
                            precision=args.precision).exec_shape
-            regen = regen_layers(L, s.device_layers, s.regen_layers)
-            mine = set(speculative_layers(L, s.device_layers, s.spec_layers, regen) + regen)
+            mine = set(borrowed_layers(s, L))
             common = mine if common is None else common & mine
     return sorted(common or ())
 

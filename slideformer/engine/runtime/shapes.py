@@ -57,6 +57,15 @@ def speculative_layers(num_layers: int, device_layers: int, depth: int,
     return host[:max(depth, 0)]
 
 
+def borrowed_layers(shape: ExecShape, num_layers: int, disk: Iterable[int] = ()) -> list[int]:
+    """The decoder layers that own no host gradient buffer under exact clipping: the
+    speculative ones (their snapshot holds it) and the regenerated ones (the ring serves them);
+    ``disk``: the layers in the NVMe tier (never speculative)."""
+    regen = regen_layers(num_layers, shape.device_layers, shape.regen_layers)
+    return speculative_layers(num_layers, shape.device_layers, shape.spec_layers,
+                              list(disk) + regen) + regen
+
+
 def device_items(shape: ExecShape, num_layers: int) -> list[str]:
     """The items updated on the device (ExecShape.device_update, device_layers): their gradient
     stays there, so their host state has no gradient buffer."""

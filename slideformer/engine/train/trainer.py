@@ -40,8 +40,7 @@ from slideformer.engine.runtime.backend import make_backend
 from slideformer.engine.runtime.executor import SlidingExecutor
 from slideformer.engine.runtime.host_state import AdamHyper
 from slideformer.engine.runtime.nvme import NvmeTier
-from slideformer.engine.runtime.shapes import (ExecShape, device_items, disk_layers, regen_layers,
-                                              speculative_layers)
+from slideformer.engine.runtime.shapes import ExecShape, borrowed_layers, device_items, disk_layers
 from slideformer.engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
                                      set_rng_state, write_checkpoint, write_error)
 from slideformer.engine.train.lock import LOCK_FILE, RunLock, run_owner
@@ -178,14 +177,11 @@ class Trainer:
         cfg = self.cfg
         if self.lora is None:
             L = self.spec.num_layers
-            regen = regen_layers(L, shape.device_layers, shape.regen_layers)
-            speculative = speculative_layers(L, shape.device_layers, shape.spec_layers,
-                                             disk_layers(L, self.plan.disk_layers) + regen)
+            borrowed = borrowed_layers(shape, L, disk_layers(L, self.plan.disk_layers))
             self.host = build_host_state(self.spec, host_alloc(self.backend, self.world),
                                          self.dtype, moments, self.tier,
                                          layer_grads=cfg.optim.max_grad_norm > 0,
-                                         borrowed=speculative + regen,
-                                         on_device=device_items(shape, L))
+                                         borrowed=borrowed, on_device=device_items(shape, L))
         else:
             self.host = build_frozen_state(self.spec, self.backend, self.dtype, moments, self.lora,
                                            nf4=cfg.train.method == "qlora", tier=self.tier)
