@@ -39,6 +39,9 @@ class MethodFit:
     """The planner's reason, as it words it ("fits with 18.5 GiB of host RAM to spare on ...")."""
     tokens_per_s: float
     """The predicted speed (of these settings if they fitted)."""
+    ram_budget: int = 0
+    """The host RAM the verdict assumed, in bytes (with ``budget.ram = auto``: what the planner
+    found available when it ran)."""
 
     @property
     def title(self) -> str:
@@ -58,7 +61,7 @@ def method_fits(plan: Planner, model_path: str, settings: dict,
     fits = []
     for method, _ in METHODS:
         p = plan(model_path, {**settings, "train.method": method}, hardware)
-        fits.append(MethodFit(method, p.verdict, p.reason, p.speed.tokens_per_s))
+        fits.append(MethodFit(method, p.verdict, p.reason, p.speed.tokens_per_s, p.budgets.ram))
     return tuple(fits)
 
 
