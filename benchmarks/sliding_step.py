@@ -112,17 +112,19 @@ def residual(precision: str):
 
 
 def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_gib: float,
-               device: str = "cuda", precision: str = "bf16"):
+               device: str = "cuda", precision: str = "bf16", ram_gib: float = 0.0):
     """The plan the engine's planner makes for this run: VRAM budget ``vram_gib`` (0: the GPU's
-    free memory less a margin), the machine's available RAM, its measured or reference
-    hardware profile. Its exec_shape is what ``slideformer train`` would run."""
+    free memory less a margin), RAM budget ``ram_gib`` (0: the machine's available RAM), its
+    measured or reference hardware profile. Its exec_shape is what ``slideformer train`` would
+    run with the same budgets."""
     from slideformer.engine.config import BudgetConfig
     from slideformer.engine.plan import Knobs, Precision, make_plan, resolve_budgets
     from slideformer.engine.plan.targets import load_profile
     from slideformer.engine.plan.machine import gpu_memory, host_memory
     hw = load_profile("this")
     vram = f"{int(vram_gib * 2**30)}" if vram_gib else "auto"
-    budgets = resolve_budgets(BudgetConfig(vram=vram), device, hw, gpu_memory(), host_memory())
+    ram = f"{int(ram_gib * 2**30)}" if ram_gib else "auto"
+    budgets = resolve_budgets(BudgetConfig(vram=vram, ram=ram), device, hw, gpu_memory(), host_memory())
     knobs = Knobs(seq_len=seq, micro_batch=micro_batch, grad_accum=accum,
                   precision=Precision(torch.bfloat16, torch.float32, residual=residual(precision)),
                   clip=clip > 0, packed=False)
@@ -139,7 +141,7 @@ def planned_borrowed(spec, args) -> list[int]:
     for mb in args.micro_batch:
         for accum in args.grad_accum:
             s = plan_shape(spec, mb, args.seq, accum, args.clip, args.vram_cap,
-                           precision=args.precision).exec_shape
+                           device=args.device, precision=args.precision, ram_gib=args.ram).exec_shape
             mine = set(borrowed_layers(s, L))
             common = mine if common is None else common & mine
     return sorted(common or ())
@@ -259,6 +261,9 @@ def main() -> None:
     ap.add_argument("--precision", choices=["autocast", "bf16"], default="bf16",
                     help="train.precision: autocast (fp32 residual stream) or bf16")
     ap.add_argument("--vram-cap", type=float, default=24.0, help="GiB; 0 = uncapped")
+    ap.add_argument("--ram", type=float, default=0.0,
+                    help="with --plan: the RAM budget in GiB the planner fits the run into "
+                         "(0: the machine's available RAM)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cpu-update", type=int, default=0, help="also bench the CPU update on N params")
@@ -298,7 +303,7 @@ def run_micro_batch(spec, host, backend, args) -> None:
         shape = None
         if args.plan:
             plan = plan_shape(spec, args.micro_batch, args.seq, accum, args.clip, args.vram_cap,
-                              precision=args.precision)
+                              device=args.device, precision=args.precision, ram_gib=args.ram)
             shape = plan.exec_shape
             if args.spec_layers is not None:  # the planner's shape with another speculation depth
                 shape = replace(shape, spec_layers=args.spec_layers)
@@ -307,7 +312,8 @@ def run_micro_batch(spec, host, backend, args) -> None:
                                   predicted_tokens_per_s=round(plan.speed.tokens_per_s),
                                   predicted_bound=plan.speed.bound,
                                   predicted_vram_gib=round(plan.tier("gpu").peak / 2**30, 2),
-                                  predicted_host_gib=round(plan.tier("host").peak / 2**30, 2))),
+                                  predicted_host_gib=round(plan.tier("host").peak / 2**30, 2),
+                                  regen_layers=shape.regen_layers, ram_budget_gib=args.ram or None)),
                   flush=True)
         print(json.dumps(run_config(spec, host, backend, args, accum, shape)), flush=True)
 

@@ -55,6 +55,44 @@ def fused_ops_on(device: str) -> bool:
     return on_device and triton_enabled()
 
 
+FP32_GRADS_ENV = "SLIDEFORMER_FP32_GRADS"
+"""``SLIDEFORMER_FP32_GRADS=0``: weight gradients leave the matmul in the compute dtype and are
+added to their fp32 buffer afterwards, as on the CPU (for side-by-side timings)."""
+
+
+@functools.cache
+def _fp32_addmm_runs() -> bool:
+    try:
+        a = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
+        c = torch.ones(2, 2, device="cuda")
+        torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+        return bool((c == 3).all())
+    except (RuntimeError, TypeError):
+        return False
+
+
+def fp32_accumulate(device: str) -> bool:
+    """Whether weight gradients on ``device`` accumulate inside their matmul: cuBLAS adds the
+    16-bit product to the fp32 gradient buffer in its epilogue (``torch.addmm(..., out_dtype=
+    float32, out=buffer)``; CUDA builds of torch with the ``addmm.dtype_out`` overload). Else
+    the product is formed in the compute dtype and added to the buffer afterwards: an extra
+    pass over the gradient, and the product rounded to bf16 first. Without a GPU in this
+    process (planning for one) the overload's presence answers."""
+    if device != "cuda" or os.environ.get(FP32_GRADS_ENV) == "0":
+        return False
+    if "dtype_out" not in torch.ops.aten.addmm.overloads():
+        return False
+    return _fp32_addmm_runs() if torch.cuda.is_available() else True
+
+
+def add_product_(dest: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """dest (fp32) += a @ b for 16-bit a, b: inside the matmul where fp32_accumulate says so."""
+    if dest.is_cuda and a.dtype != torch.float32 and fp32_accumulate("cuda"):
+        torch.addmm(dest, a, b, out_dtype=torch.float32, out=dest)
+    else:
+        dest += (a @ b).float()
+
+
 def use_triton(x: torch.Tensor) -> bool:
     """Whether an op on ``x`` takes its fused Triton kernel (:func:`fused_ops_on`)."""
     return fused_ops_on(x.device.type)
@@ -77,6 +115,9 @@ class KernelPath:
     """The LM head's cross-entropy runs as a Triton kernel (kernels.linear_ce)."""
     attention: str
     """One of ATTENTION."""
+    fp32_grads: bool = False
+    """Weight gradients (decoder layers' projections, the LM head) accumulate inside their
+    matmul (fp32_accumulate): no compute-dtype copy of them exists."""
 
     @property
     def key(self) -> str:
@@ -97,7 +138,8 @@ def kernel_path(device: str, head_dim: int, packed: bool) -> KernelPath:
     from slideformer.engine.kernels.attention import flex_available  # it imports this module
     fused = fused_ops_on(device)
     attention = "causal" if not packed else "flex" if flex_available(device, head_dim) else "mask"
-    return KernelPath(fused_ops=fused, fused_ce=fused and device == "cuda", attention=attention)
+    return KernelPath(fused_ops=fused, fused_ce=fused and device == "cuda", attention=attention,
+                      fp32_grads=fp32_accumulate(device))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,

@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from slideformer.engine.kernels import IGNORE
+from slideformer.engine.kernels import IGNORE, dispatch
 
 
 @functools.cache
@@ -102,7 +102,15 @@ GW_ROWS = 8192
 
 
 def _add_outer(gw_out: torch.Tensor, dz: torch.Tensor, hc: torch.Tensor) -> None:
-    """gw_out (V, H) fp32 += dz^T (V, n) @ hc (n, H), a block of vocabulary rows at a time."""
+    """gw_out (V, H) fp32 += dz^T (V, n) @ hc (n, H).
+
+    On CUDA in one matmul with an fp32 output (dispatch.fp32_accumulate): no transient, and the
+    chunk's product is not rounded to the compute dtype before the sum (on the H200, 2.6 ms
+    instead of 4.6 for 2,048 tokens of a 128k x 3072 head: benchmarks/RESULTS.md, 2026-12-02
+    second session). Elsewhere a block of vocabulary rows at a time in the compute dtype."""
+    if gw_out.is_cuda and dz.dtype != torch.float32 and dispatch.fp32_accumulate("cuda"):
+        dispatch.add_product_(gw_out, dz.t(), hc)
+        return
     for r in range(0, gw_out.shape[0], GW_ROWS):
         gw_out[r:r + GW_ROWS] += (dz[:, r:r + GW_ROWS].t() @ hc).float()
 

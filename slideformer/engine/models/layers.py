@@ -84,10 +84,47 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return (x * cos + _rotate_half(x) * sin).to(out or x.dtype)
 
 
+class GradInto:
+    """A projection weight whose gradient the backward adds into ``dest`` (an fp32 buffer of the
+    weight's shape) inside the matmul, instead of returning it (:func:`layer_backward`'s
+    ``into``; kernels.dispatch.add_product_)."""
+    __slots__ = ("w", "dest")
+
+    def __init__(self, w: torch.Tensor, dest: torch.Tensor):
+        self.w, self.dest = w, dest
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.w.dtype
+
+
+class _LinearInto(torch.autograd.Function):
+    """``F.linear(x, w, b)`` whose backward gives dL/dx = go @ w and dL/db as autograd does
+    and adds dL/dw = go^T @ x to ``dest`` in fp32 (no gradient is returned for w)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, dest):
+        ctx.save_for_backward(x, w)
+        ctx.dest = dest
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, go):
+        x, w = ctx.saved_tensors
+        go2 = go.reshape(-1, w.shape[0])
+        dispatch.add_product_(ctx.dest, go2.t(), x.reshape(-1, w.shape[1]))
+        gb = go2.sum(0) if ctx.needs_input_grad[2] else None
+        return go2.mm(w).view(*go.shape[:-1], w.shape[1]), None, gb, None
+
+
 def linear(p: dict, name: str, x: torch.Tensor, lora=None) -> torch.Tensor:
     """Projection ``name`` (e.g. "mlp.up_proj") of x, plus its adapter's update if ``lora``
     (an slideformer.engine.models.lora.LoraForward) has one."""
-    y = F.linear(x, p[name + ".weight"], p.get(name + ".bias"))
+    w, b = p[name + ".weight"], p.get(name + ".bias")
+    if isinstance(w, GradInto):
+        y = _LinearInto.apply(x, w.w, b, w.dest)
+    else:
+        y = F.linear(x, w, b)
     return y if lora is None else lora.add(name, x, y)
 
 
@@ -166,37 +203,52 @@ class _DownGrads(torch.autograd.Function):
     """y = x1 + down_proj(z) for a backward only: the forward forms no output (a broadcast
     zero of y's shape stands for it), the backward gives dL/dx1 = gy and the matmuls autograd
     makes for ``F.linear`` without a bias: dL/dz = go @ W, dL/dW = go^T @ z (go = gy in z's
-    dtype). z is saved and freed as autograd frees the projection's saved input."""
+    dtype), or adds dL/dW to ``dest`` (:class:`GradInto`). z is saved and freed as autograd
+    frees the projection's saved input."""
 
     @staticmethod
-    def forward(ctx, x1, z, w):
+    def forward(ctx, x1, z, w, dest=None):
         ctx.save_for_backward(z, w)
+        ctx.dest = dest
         return x1.new_zeros(()).expand(x1.shape)
 
     @staticmethod
     def backward(ctx, gy):
         z, w = ctx.saved_tensors
         go = gy.to(z.dtype).reshape(-1, w.shape[0])
-        return gy, go.mm(w).view(z.shape), go.t().mm(z.reshape(-1, w.shape[1]))
+        z2 = z.reshape(-1, w.shape[1])
+        if ctx.dest is None:
+            return gy, go.mm(w).view(z.shape), go.t().mm(z2), None
+        dispatch.add_product_(ctx.dest, go.t(), z2)
+        return gy, go.mm(w).view(z.shape), None, None
 
 
 def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Tensor, rope,
-                   mask=None) -> tuple[torch.Tensor, dict]:
+                   mask=None, into: dict | None = None) -> tuple[torch.Tensor, dict]:
     """Recompute one decoder layer from its input ``x`` and backpropagate ``gy`` = dL/dy:
     (dL/dx, {name: dL/d leaf}) for the parameter ``leaves`` (tensors that require grad).
 
+    ``into``: {name: fp32 buffer} for projection weights (``*_proj.weight``, in ``leaves`` as
+    plain tensors) whose gradient is added to the buffer inside its matmul
+    (kernels.dispatch.add_product_) instead of being returned; the CUDA path of the executor,
+    where no compute-dtype copy of those gradients is then formed.
+
     The layer's output is never formed (:class:`_DownGrads`), so the recompute skips the down
     projection's forward: a quarter of a Llama layer's forward matmuls, ~6% of a full
-    fine-tuning step's FLOPs, and one hidden state per token of memory. Every gradient is the
-    one autograd gives through :func:`decoder_layer` (the same calls; tests compare them with
-    ``torch.equal``). A down projection with a bias keeps the plain autograd path.
+    fine-tuning step's FLOPs, and one hidden state per token of memory. Without ``into`` every
+    gradient is the one autograd gives through :func:`decoder_layer` (the same calls; tests
+    compare them with ``torch.equal``). A down projection with a bias keeps the plain autograd path.
     """
+    into = into or {}
     x = x.detach().requires_grad_()
+    p = {k: GradInto(v, into[k]) if k in into else v for k, v in leaves.items()}
+    wanted = [v for k, v in leaves.items() if k not in into]
     with torch.enable_grad():
         if "mlp.down_proj.bias" in leaves:
-            y = decoder_layer(spec, leaves, x, rope, mask)
+            y = decoder_layer(spec, p, x, rope, mask)
         else:  # one expression: the graph alone keeps the mid residual and z alive
-            y = _DownGrads.apply(*layer_to_down(spec, leaves, x, rope, mask),
-                                 leaves["mlp.down_proj.weight"])
-        grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
-    return grads[0], dict(zip(leaves, grads[1:]))
+            down = leaves["mlp.down_proj.weight"]
+            y = _DownGrads.apply(*layer_to_down(spec, p, x, rope, mask), down,
+                                 into.get("mlp.down_proj.weight"))
+        grads = torch.autograd.grad(y, [x, *wanted], gy)
+    return grads[0], dict(zip([k for k in leaves if k not in into], grads[1:]))

@@ -43,6 +43,11 @@ class Layout:
     def names(self) -> list[str]:
         return [n for n, _, _ in self.entries]
 
+    def only(self, names) -> "Layout":
+        """The entries named in ``names``, in this layout's order and at their offsets here."""
+        keep = set(names)
+        return Layout(tuple(e for e in self.entries if e[0] in keep), self.numel)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return next(s for n, _, s in self.entries if n == name)
 

@@ -206,12 +206,12 @@ class Evaluator:
             return self.evaluate(k, self._shape(k, min(k.slots, L), ckpt))
         lo, hi = min(2, L), L
         best = self.evaluate(k, self._shape(k, lo, ckpt))
-        if not _within(best.tiers, TIGHT):
+        if not self._room(best.tiers):
             return best
         while lo < hi:  # memory grows with K: binary search the largest that fits
             mid = (lo + hi + 1) // 2
             e = self.evaluate(k, self._shape(k, mid, ckpt))
-            if _within(e.tiers, TIGHT):
+            if self._room(e.tiers):
                 lo, best = mid, e
             else:
                 hi = mid - 1
@@ -239,17 +239,26 @@ class Evaluator:
         if k.gpu_layers > 0:
             return at(min(k.gpu_layers, L))
         best = at(0)
-        if not _within(best.tiers, TIGHT):
+        if not self._room(best.tiers):
             return e
         lo, hi = 0, L
         while lo < hi:  # VRAM grows with the device layers: the most that leave 10% free
             mid = (lo + hi + 1) // 2
             cand = at(mid)
-            if _within(cand.tiers, TIGHT):
+            if self._room(cand.tiers):
                 lo, best = mid, cand
             else:
                 hi = mid - 1
         return best if self.speed(k, best).tokens_per_s > self.speed(k, e).tokens_per_s else e
+
+    def _room(self, tiers) -> bool:
+        """Room for a shape's slots and device layers: on CUDA they take VRAM, so the GPU keeps
+        its last 10% free while the other tiers need only fit (a host made to fit by
+        regenerated gradients is tight, and must not cost the run its slots); on the CPU
+        backend, where they take host RAM too, every tier keeps 10% free."""
+        if self.device != "cuda":
+            return _within(tiers, TIGHT)
+        return _within(tiers[:1], TIGHT) and _within(tiers[1:], 1.0)
 
     def _speculative(self, k: Knobs, e: Evaluation) -> Evaluation:
         """``e`` with the speculative layers that pay (module docstring)."""

@@ -72,6 +72,13 @@ _OPS = {"torch": 0.607, "fused": 0.802}
 _ATTENTION = {"causal": 1.0, "flex": 0.820 / 0.802, "mask": 0.570 / 0.607}
 LAYER_EFFICIENCY = {f"{o}+{a}": round(e * f, 3)
                     for o, e in _OPS.items() for a, f in _ATTENTION.items()}
+UPDATE_CONTENTION = 1.38
+"""How many times slower the CPU update runs inside a CUDA step than ``slideformer bench
+--hardware`` measures it alone: the step's pinned copies (PCIe DMA into and out of host memory)
+share its memory bandwidth. The median of six runs on the H200 (Llama-3.2-3B shape, 8K / 32K /
+64K tokens under 24 and 8 GiB caps; benchmarks/RESULTS.md, 2026-12-02 second session: the
+optimizer lane's busy time over the host-updated parameters, 1.31-1.63x)."""
+
 HEAD_EFFICIENCY = 0.55
 """The LM head's chunked GEMMs and loss, of the matmul rate: the executor's compute spans of
 2026-11-29 (PyTorch cross-entropy), not re-measured with the Triton loss."""
@@ -176,7 +183,7 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     one, both = hw.h2d_gbs * 1e9, hw.duplex_gbs * 1e9
     host_ck = shape.checkpoints == "host"
     ck = tokens * spec.hidden_size * prec.r if host_ck else 0  # one layer's checkpoints
-    u = 1.0 / hw.adam_params_per_s
+    u = UPDATE_CONTENTION / hw.adam_params_per_s
     head_rate = hw.matmul_tflops * 1e12 * HEAD_EFFICIENCY
     head = 6.0 * tokens * spec.vocab_size * spec.hidden_size / head_rate
     return _Times(f=f_fwd / rate, b=f_bwd / rate, head=head,
@@ -263,7 +270,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
             "pcie h2d": (L - G) * (t.load_f + t.load_b) + R * t.reload
                         + t.refresh_e + t.refresh_h,
             "pcie d2h": (L - G) * t.grad + L * t.ck_d2h + t.grads_eh,
-            "cpu optimizer": (spec.num_params - on_device) / hw.adam_params_per_s,
+            "cpu optimizer": (spec.num_params - on_device) * UPDATE_CONTENTION / hw.adam_params_per_s,
             "disk": disk}
     note = ""
     if step > SERIAL * max(busy.values()):

@@ -50,7 +50,8 @@ def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, kernels:
     out += [Allocation("gpu", "hidden states or their grads", hidden, f"{mb}x{H} x {r} B", "step"),
             Allocation("gpu", "hidden-state grads beside them", hidden, f"{mb}x{H} x {r} B", "head")]
     fwd, *bwd = layer_transients(spec, N, B, T, prec, kernels, frozen)
-    head = head_scratch(spec, shape, prec, kernels.fused_ce, kernels.fused_ops, frozen is not None)
+    head = head_scratch(spec, shape, prec, kernels.fused_ce, kernels.fused_ops, frozen is not None,
+                        kernels.fp32_grads)
     out += [fwd, head, *bwd]
     return out
 
@@ -76,11 +77,12 @@ def layer_transients(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     activations and the layer's grads, on the PyTorch ops or the fused Triton ones, for a
     trained base or a ``frozen`` one."""
     masked = kernels.attention == "mask"
+    into = kernels.fp32_grads and frozen is None and prec.c < 4
     if kernels.fused_ops:
         return [fused_forward_scratch(spec, N, B, T, prec, masked),
-                *fused_recompute_scratch(spec, N, B, T, prec, masked, frozen)]
+                *fused_recompute_scratch(spec, N, B, T, prec, masked, frozen, into)]
     return [forward_scratch(spec, N, B, T, prec, masked),
-            *recompute_scratch(spec, N, B, T, prec, masked, frozen)]
+            *recompute_scratch(spec, N, B, T, prec, masked, frozen, into)]
 
 
 def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, masked: bool) -> Allocation:
@@ -96,13 +98,15 @@ def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, ma
 
 
 def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: bool = False,
-                 fused_norm: bool = False, frozen: bool = False) -> Allocation:
+                 fused_norm: bool = False, frozen: bool = False, fp32_grads: bool = False) -> Allocation:
     """head_step for one micro-batch: RMSNorm with autograd, dL/dh, and one chunk of
     linear_ce_fwd_bwd: logits in the compute dtype and fp32, their softmax-gradient in fp32 and
     in the compute dtype (the Triton kernel: only the logits, overwritten by dz), or later dz
     next to one row block of the head-gradient product and its upcast. ``fused_norm``: the
     Triton RMSNorm, which keeps only its output and one fp32 rsqrt per token. ``frozen``: the
-    head of a frozen base, whose loss computes no dL/dW (no row blocks of its product)."""
+    head of a frozen base, whose loss computes no dL/dW (no row blocks of its product).
+    ``fp32_grads``: dL/dW accumulates inside the matmul (linear_ce.fp32_accumulate): no row
+    blocks either, only dz."""
     c, H, V = prec.c, spec.hidden_size, spec.vocab_size
     N = shape.micro_batch * shape.seq_len
     nc = min(shape.head_chunk, N)
@@ -111,7 +115,7 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
     if N > nc:  # the previous chunk's dz is still bound while the next one is computed
         softmax += nc * V * c
     rows = min(V, GW_ROWS)  # linear_ce._add_outer: one block of vocabulary rows at a time
-    wgrad = 0 if frozen else nc * V * c + rows * H * (c + up)
+    wgrad = 0 if frozen else nc * V * c + (0 if fp32_grads else rows * H * (c + up))
     # saved x.float()/normalised/output (8 B per element) + gh; an fp32 stream needs no copy
     # but keeps the fp32 normalised value and the rounded output
     norm = N * H * (4 + 2 * c if prec.wide else 8 + c)
@@ -122,7 +126,8 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
 
 
 def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
-                      masked: bool, frozen: FrozenBase | None = None) -> list[Allocation]:
+                      masked: bool, frozen: FrozenBase | None = None,
+                      into: bool = False) -> list[Allocation]:
     """_layer_backward for one micro-batch, PyTorch ops: the recompute's saved activations and
     the grads (``masked``: attention takes a boolean document mask).
 
@@ -153,19 +158,26 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
     # fp32 temporaries of the norm's backward, the residual grad and dL/dh (and the output)
     return _backward_peak(spec, N, prec, (N * per_token + mask, H * I * c),
-                          (N * H * (20 + 2 * c + out), P * c), frozen)
+                          (N * H * (20 + 2 * c + out), P * c), frozen, into)
 
 
 def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int],
-                   norm1: tuple[int, int], frozen: FrozenBase | None = None) -> list[Allocation]:
+                   norm1: tuple[int, int], frozen: FrozenBase | None = None,
+                   into: bool = False) -> list[Allocation]:
     """The recompute's peak, of (activations, grads) at the MLP's backward, at the input norm's
     backward, at the end of the layer and in the embedding's backward. A ``frozen`` base has
     no weight grads at any of them, only its adapters' (held from the end of autograd.grad
     until they join the adapters' fp32 gradient), the adapters' saved activations beside the
-    MLP's, and no embedding backward."""
+    MLP's, and no embedding backward. ``into``: the projection weights' grads are added to the
+    fp32 slot inside their matmuls (executor.grads_into), so only the norms' and biases' exist
+    in the compute dtype."""
     c, H, P = prec.c, spec.hidden_size, spec.params_per_layer
+    rest = [math.prod(s) for n, _, s in spec.layer_layout.entries if not n.endswith("_proj.weight")]
+    if into:
+        mlp, norm1, P = (mlp[0], 0), (norm1[0], sum(rest) * c), sum(rest)
+    largest = max(rest) if into else _largest_layer_tensor(spec)
     # adding a narrower grad into the fp32 slot goes through an fp32 copy of that tensor
-    end = N * H * prec.r, P * c + (_largest_layer_tensor(spec) * 4 if c < 4 else 0)
+    end = N * H * prec.r, P * c + (largest * 4 if c < 4 else 0)
     embed_grad = N * H * 4 if prec.r < 4 else 0  # _embed_backward: gy.float() per micro-batch
     if frozen is not None:  # dL/dx beside the output decoder_layer formed
         acts = max(mlp[0] + N * frozen.saved_per_token, norm1[0], 2 * end[0])
@@ -203,7 +215,8 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
 
 
 def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
-                            masked: bool, frozen: FrozenBase | None = None) -> list[Allocation]:
+                            masked: bool, frozen: FrozenBase | None = None,
+                            into: bool = False) -> list[Allocation]:
     """_layer_backward for one micro-batch on the fused Triton RMSNorm, RoPE and SwiGLU.
 
     Saved per token at the MLP's backward (the peak for long micro-batches): the two normed
@@ -228,7 +241,7 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
     per_token = H * (2 * c + r + out) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8
     mask = B * T * T * c if masked else 0
     return _backward_peak(spec, N, prec, (N * per_token + mask, H * I * c),
-                          (N * H * (3 * r + c + out), spec.params_per_layer * c), frozen)
+                          (N * H * (3 * r + c + out), spec.params_per_layer * c), frozen, into)
 
 
 def _largest_layer_tensor(spec: ModelSpec) -> int:

@@ -50,6 +50,7 @@ import torch
 from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
 from slideformer.engine.kernels.attention import document_mask
+from slideformer.engine.kernels.dispatch import fp32_accumulate
 from slideformer.engine.models.layers import decoder_layer, layer_backward, rope_tables
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
 from slideformer.engine.models.model import embed, positions_for
@@ -80,6 +81,16 @@ class StepOutput:
     applied: int = 0
     """Layer updates of a skipped step applied before its non-finite gradients were seen
     (without clipping only, where updates overlap the backward; 0: the skip was whole)."""
+
+
+def grads_into(spec: ModelSpec, g: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The fp32 views of a layer's gradient buffer ``g`` that its projection weights' backward
+    matmuls add to directly (kernels.dispatch.fp32_accumulate: CUDA, ``dtype`` 16-bit); {}
+    elsewhere, where autograd returns those gradients and they are added afterwards."""
+    if not (g.is_cuda and dtype != torch.float32 and fp32_accumulate("cuda")):
+        return {}
+    return {n: g[o:o + math.prod(sh)].view(sh) for n, o, sh in spec.layer_layout.entries
+            if n.endswith("_proj.weight")}
 
 
 class SlidingExecutor(ResidentEnds):
@@ -456,9 +467,11 @@ class SlidingExecutor(ResidentEnds):
         spec = self.spec
         base = self._norm_views(f"layer{layer}", spec.layer_layout.views(w))
         if self.lora is None:  # the recompute skips the layer's output (layer_backward)
-            layout = spec.layer_layout
-            gx, grads = layer_backward(spec, {k: v.detach().requires_grad_() for k, v in base.items()},
-                                       x, gy, rope, mask)
+            into = grads_into(spec, g, w.dtype)
+            leaves = {k: v.detach() if k in into else v.detach().requires_grad_()
+                      for k, v in base.items()}
+            gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, into)
+            layout = spec.layer_layout.only(grads)
             grads = list(grads.values())
         else:
             item = self.layers[layer].adapter

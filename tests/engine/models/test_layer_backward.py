@@ -92,3 +92,58 @@ def test_layer_backward_on_cuda_with_the_fused_kernels(arch, residual):
     assert torch.equal(gx, ref_gx)
     for name in ref:
         assert torch.equal(grads[name], ref[name]), name
+
+
+def _into(spec, leaves, seed=1, device="cpu"):
+    """fp32 buffers for the projection weights, starting from random values (they are added to)."""
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g).to(device) for k, v in leaves.items()
+            if k.endswith("_proj.weight")}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("dtype,residual", [(torch.float32, torch.float32),
+                                            (torch.bfloat16, torch.bfloat16),
+                                            (torch.bfloat16, torch.float32)])
+def test_gradients_added_into_buffers_equal_the_returned_ones(arch, dtype, residual):
+    """``into``: the projection weights' gradients are added to fp32 buffers, the others come
+    back as before. On the CPU the product is formed in the compute dtype and added, so the
+    buffers hold exactly start + autograd's gradient (upcast), and dL/dx is autograd's."""
+    spec, leaves, x, gy, rope = case(arch, dtype, residual)
+    ref_gx, ref = autograd_reference(spec, leaves, x, gy, rope, None)
+    into = _into(spec, leaves)
+    start = {k: v.clone() for k, v in into.items()}
+    plain = {k: v.detach() if k in into else v for k, v in leaves.items()}
+    gx, grads = layer_backward(spec, plain, x, gy, rope, None, into)
+    assert torch.equal(gx, ref_gx)
+    assert set(grads) == set(ref) - set(into) and set(into)  # norms, biases come back
+    for name in grads:
+        assert torch.equal(grads[name], ref[name]), name
+    for name, buf in into.items():
+        assert buf.dtype == torch.float32
+        assert torch.equal(buf, start[name] + ref[name].float()), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_gradients_accumulate_in_fp32_inside_the_matmul_on_cuda(arch):
+    """CUDA, bf16: the buffers receive the fp32 product (dispatch.fp32_accumulate), closer to
+    the exact gradient than autograd's bf16 one; dL/dx agrees with autograd's."""
+    from slideformer.engine.kernels.dispatch import fp32_accumulate
+    assert fp32_accumulate("cuda")
+    spec, leaves, x, gy, rope = case(arch, torch.bfloat16, torch.bfloat16, B=4, T=256)
+    leaves = {k: v.detach().cuda().requires_grad_() for k, v in leaves.items()}
+    x, gy = x.cuda(), gy.cuda()
+    rope = tuple(t.cuda() for t in rope)
+    ref_gx, ref = autograd_reference(spec, leaves, x, gy, rope, None)
+    into = {k: torch.zeros(v.shape, device="cuda") for k, v in leaves.items()
+            if k.endswith("_proj.weight")}
+    plain = {k: v.detach() if k in into else v for k, v in leaves.items()}
+    gx, grads = layer_backward(spec, plain, x, gy, rope, None, into)
+    torch.testing.assert_close(gx, ref_gx, rtol=2e-2, atol=1e-3)
+    for name in grads:
+        assert torch.equal(grads[name], ref[name]), name
+    for name, buf in into.items():  # the bf16 rounding of autograd's gradient bounds the gap
+        gap = float((buf - ref[name].float()).abs().max())
+        assert gap <= 2 ** -7 * float(ref[name].float().abs().max()), name

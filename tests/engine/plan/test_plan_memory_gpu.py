@@ -135,7 +135,8 @@ def test_head_transients_match_cuda_peaks(fused):
             _, gh = linear_ce_fwd_bwd(h.detach(), head_w, ids, 1.0, shape.head_chunk, head_g)
             torch.autograd.grad(h, [xx, nw], gh)
         measured = _peak_above_base(head)
-    predicted = TR.head_scratch(spec, shape, M.Precision(BF16, F32), path.fused_ce, path.fused_ops)
+    predicted = TR.head_scratch(spec, shape, M.Precision(BF16, F32), path.fused_ce, path.fused_ops,
+                                fp32_grads=path.fp32_grads)
     _close(f"head ({path.key})", predicted.bytes, measured)
 
 

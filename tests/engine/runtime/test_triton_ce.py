@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from slideformer.engine.kernels import linear_ce
+from slideformer.engine.kernels import dispatch, linear_ce
 from slideformer.engine.kernels.linear_ce import (_chunk_grads, _chunk_grads_torch, linear_ce_fwd_bwd,
                                       linear_ce_loss, reference_linear_cross_entropy)
 
@@ -193,3 +193,27 @@ def test_forcing_triton_without_it_says_how_to_fix():
     h, w, y = make_inputs(2, 8, 4, torch.float32, "cpu")
     with pytest.raises(RuntimeError, match="pip install triton"):
         linear_ce_loss(h, w, y, 4, use_triton=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_head_gradient_accumulates_in_fp32_on_cuda():
+    """dL/dW of the head: on CUDA one matmul adds dz^T h to the fp32 buffer (fp32_accumulate);
+    it must equal the fp32 product to fp32 accumulation error, be closer to it than the
+    row-block loop that rounds each block's product to bf16, and add to what was there."""
+    assert dispatch.fp32_accumulate("cuda")
+    g = torch.Generator().manual_seed(3)
+    n, V, H = 1000, 20000, 256
+    dz = (torch.randn(n, V, generator=g) * 1e-2).to("cuda", torch.bfloat16)
+    h = torch.randn(n, H, generator=g).to("cuda", torch.bfloat16)
+    before = torch.randn(V, H, generator=g).cuda()
+    exact = before.double() + dz.double().t() @ h.double()
+    fused = before.clone()
+    linear_ce._add_outer(fused, dz, h)
+    loop = before.clone()
+    for r in range(0, V, linear_ce.GW_ROWS):  # the path elsewhere (CPU, older torch)
+        loop[r:r + linear_ce.GW_ROWS] += (dz[:, r:r + linear_ce.GW_ROWS].t() @ h).float()
+    err_fused = float((fused.double() - exact).abs().max())
+    err_loop = float((loop.double() - exact).abs().max())
+    assert err_fused <= 1e-5 * float(exact.abs().max())
+    assert err_fused < err_loop
