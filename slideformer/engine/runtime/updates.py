@@ -13,13 +13,20 @@ there, updates, and writes them behind. Three ways an update starts:
     barrier     with clipping, every other update, once the global norm is known
 
 The worker is a single thread under CUDA (updates overlap the device) and runs each update at
-once on the CPU backend (deterministic, same calls).
+once on the CPU backend (deterministic, same calls). Under CUDA it takes the queued updates in
+submission order, except at the barrier: then the speculative updates still queued (the CPU
+falls behind the backward) and the barrier's own are taken in the order the next forward needs
+them (:class:`OrderedWorker`), so the forward's first host layer does not wait behind the
+speculative updates of layers it reaches later. Each item's own updates keep their order.
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -72,6 +79,62 @@ class Sync:
         pass
 
 
+class OrderedWorker:
+    """One worker thread: queued work runs in submission order until :meth:`prioritise`, which
+    reorders what is still queued by each entry's ``order`` (ties and entries without one in
+    submission order); work submitted after that runs after all of it."""
+
+    def __init__(self, name: str = "cpu-adam"):
+        self._queue: list[list] = []  # heap of [key, fn, args, future]
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._epoch = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args, order: float = 0.0) -> Future:
+        fut: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the update worker is shut down")
+            seq = next(self._seq)
+            heapq.heappush(self._queue, [(self._epoch, 0.0, seq), fn, args, fut, order])
+            self._cv.notify()
+        return fut
+
+    def prioritise(self) -> None:
+        """What is queued now runs by its ``order``, before anything submitted later."""
+        with self._cv:
+            for entry in self._queue:
+                epoch, _, seq = entry[0]
+                if epoch == self._epoch:
+                    entry[0] = (epoch, entry[4], seq)
+            heapq.heapify(self._queue)
+            self._epoch += 1
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                _, fn, args, fut, _ = heapq.heappop(self._queue)
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # the waiter re-raises it
+                    fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Run what is queued, then stop."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+
 class HostUpdates:
     """Submits and settles the CPU updates of the host items.
 
@@ -82,7 +145,7 @@ class HostUpdates:
 
     def __init__(self, threaded: bool, snapshots: Speculation, norms: torch.Tensor,
                  num_layers: int, group):
-        self.pool = ThreadPoolExecutor(1, "cpu-adam") if threaded else Sync()
+        self.pool = OrderedWorker() if threaded else Sync()
         """Runs the updates (one thread: an item's updates stay in submission order)."""
         self.workspace = AdamWorkspace()
         self.snapshots, self.norms, self.num_layers = snapshots, norms, num_layers
@@ -111,8 +174,17 @@ class HostUpdates:
         self.submitted += not speculative
         if speculative:
             self.speculated.append(item.layer)
-        item.update = self.pool.submit(self._run, item, item.grads_out, hp, tl, guard, grad,
-                                       speculative)
+        item.update = self._submit(item, self._run, item, item.grads_out, hp, tl, guard, grad,
+                                   speculative)
+
+    def _submit(self, item: WindowItem, fn, *args) -> Future:
+        """Queue ``fn``; with an OrderedWorker, tagged with the item's place in the forward
+        (the embedding first, the head last)."""
+        if not isinstance(self.pool, OrderedWorker):
+            return self.pool.submit(fn, *args)
+        order = -1 if item.layer is None and item.name == "embed" else (
+            self.num_layers if item.layer is None else item.layer)
+        return self.pool.submit(fn, *args, order=order)
 
     def at_barrier(self, item: WindowItem, hp: AdamHyper, coef: float, tl: StepTimeline) -> None:
         """The item's update once the norm is known; a speculative layer's update stands when
@@ -120,11 +192,14 @@ class HostUpdates:
         if item.layer not in self.speculated:
             self.submit(item, hp, tl)
         else:
-            item.update = self.pool.submit(self._settle, item, item.update, hp, coef, tl)
+            item.update = self._submit(item, self._settle, item, item.update, hp, coef, tl)
 
     def settled(self) -> None:
-        """The barrier updates are queued: the speculative ones are this step's updates now."""
+        """The barrier updates are queued: the speculative ones are this step's updates now,
+        and what is still queued runs in the next forward's order."""
         self.speculated = []
+        if isinstance(self.pool, OrderedWorker):
+            self.pool.prioritise()
 
     def wait(self, item: WindowItem) -> None:
         """Block until the item's update in flight (if any) finished."""
@@ -185,7 +260,7 @@ class HostUpdates:
                 tl: StepTimeline) -> None:
         """At the barrier: keep a speculative update made with the right coefficient, else
         redo it from the snapshot; a layer that did not speculate updates now."""
-        speculative.result()  # submitted before this to the same worker: already done
+        speculative.result()  # queued before this for the same item: already done
         layer, host = item.layer, item.host
         saved = self.snapshots.take(layer)
         if saved and coef == 1.0:

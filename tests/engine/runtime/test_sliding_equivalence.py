@@ -1,7 +1,6 @@
 """Sliding-window training equals plain dense training (CPU, fp32), step by step."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -17,6 +16,7 @@ from slideformer.engine.models.weights import Checkpoint, item_layout, item_name
 from slideformer.engine.runtime.backend import CpuBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
 from slideformer.engine.runtime.host_state import AdamHyper
+from slideformer.engine.runtime.updates import OrderedWorker
 from slideformer.engine.train.schedule import lr_at
 from slideformer.engine.train.state import build_host_state, load_weights
 
@@ -118,7 +118,7 @@ def run_sliding(spec, model_dir, steps, optim, shape, threaded=False):
     load_weights(host, spec, model_dir)
     ex = SlidingExecutor(spec, backend, host, shape, torch.float32)
     if threaded:
-        ex.updater = ThreadPoolExecutor(1)
+        ex.updater = OrderedWorker()  # the worker CUDA runs
     losses = []
     for k, mbs in enumerate(steps, start=1):
         hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, optim), optim.beta1, optim.beta2,  # noqa: E731

@@ -9,8 +9,8 @@ PyTorch AdamW + clip_grad_norm_ by tests/engine/runtime/test_sliding_equivalence
 """
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 import statistics
+import threading
 
 import pytest
 import torch
@@ -23,6 +23,7 @@ from slideformer.engine.runtime.backend import CpuBackend
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
 from slideformer.engine.runtime.shapes import regen_layers, speculative_layers
 from slideformer.engine.runtime.host_state import AdamHyper
+from slideformer.engine.runtime.updates import OrderedWorker
 from slideformer.engine.train.schedule import lr_at
 from slideformer.engine.train.state import build_host_state, load_weights
 from tests.engine.runtime.test_sliding_equivalence import STEPS, DenseReference, assert_same, make_batches
@@ -48,15 +49,21 @@ def run(spec, d, steps, clip, shape, threaded=False):
                             borrowed=spec_layers + regen)
     load_weights(host, spec, d)
     ex = SlidingExecutor(spec, backend, host, shape, torch.float32)
-    if threaded:  # updates race the backward in a worker thread, as on CUDA
-        ex.updater = ThreadPoolExecutor(1)
+    if threaded == "held":  # every update queues until the barrier reorders them
+        ex.updater = HeldWorker()
+    elif threaded:  # updates race the backward in a worker thread, as on CUDA
+        ex.updater = OrderedWorker()  # the worker CUDA runs
     outs = []
     for k, mbs in enumerate(steps, start=1):
         hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, optim), optim.beta1, optim.beta2,  # noqa: E731
                                             optim.eps, optim.weight_decay, k, coef)
+        if threaded == "held":
+            ex.updater.hold()
         outs.append(ex.train_step(mbs, hyper, clip))
     ex.close()
     assert len(ex.snapshots.snaps) == len(spec_layers)
+    if threaded == "held":
+        assert ex.updater.reordered, "the barrier found no queued speculative update to move"
     return outs, host, optim
 
 
@@ -93,10 +100,33 @@ def _threshold(spec, d, steps, kind):
 SLOW = pytest.mark.slow
 
 
+class HeldWorker(OrderedWorker):
+    """The update worker held busy from the step's start until the barrier has queued its
+    updates and reordered the queue: every speculative update of the step is still queued
+    then (as when the CPU falls behind the backward), so the reordering is exercised."""
+
+    def __init__(self):
+        super().__init__()
+        self.reordered = 0
+
+    def hold(self) -> None:
+        go, started = threading.Event(), threading.Event()
+        self.submit(lambda: (started.set(), go.wait()))
+        started.wait()
+        self.go = go
+
+    def prioritise(self) -> None:
+        queued = [e[4] for e in self._queue]
+        super().prioritise()
+        self.reordered += queued != sorted(queued)
+        self.go.set()
+
+
 @pytest.mark.parametrize("kind,slots,n_micro,depth,threaded", [
     ("always", 2, 2, 2, False), pytest.param("always", 4, 1, 4, True, marks=SLOW),
     pytest.param("never", 2, 2, 4, True, marks=SLOW), ("never", 1, 3, 1, False),
-    ("sometimes", 2, 2, 3, True), pytest.param("sometimes", 3, 1, 4, False, marks=SLOW)])
+    ("sometimes", 2, 2, 3, True), pytest.param("sometimes", 3, 1, 4, False, marks=SLOW),
+    ("sometimes", 2, 1, 4, "held"), ("always", 2, 2, 3, "held")])
 def test_speculative_equals_barrier(model, kind, slots, n_micro, depth, threaded):
     spec, d = model
     steps = make_batches(spec, n_micro, B=1, T=16, seed=12)
