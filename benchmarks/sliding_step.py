@@ -28,7 +28,7 @@ from slideformer.engine.runtime.backend import make_backend  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
 from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
 from slideformer.engine.kernels.attention import take_flex_fallback  # noqa: E402
-from slideformer.engine.runtime.shapes import borrowed_layers, regen_layers  # noqa: E402
+from slideformer.engine.runtime.shapes import borrowed_layers, device_items, regen_layers  # noqa: E402
 from slideformer.engine.train.state import build_host_state  # noqa: E402
 from slideformer.engine.train.trainer import peak_rss  # noqa: E402
 
@@ -131,20 +131,23 @@ def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_g
     return make_plan(spec, knobs, device, budgets, hw)
 
 
-def planned_borrowed(spec, args) -> list[int]:
-    """With --plan and clipping: the layers that own no host gradient buffer in every planned
-    run (speculative and regenerated ones), as ``slideformer train`` builds its state, so the
-    host RAM is what the planner counted (owning one anyway would only cost memory)."""
-    if not (args.plan and args.clip > 0):
-        return []
-    L, common = spec.num_layers, None
+def planned_state(spec, args) -> tuple[list[int], list[str]]:
+    """With --plan: the layers that own no host gradient buffer in every planned run
+    (speculative and regenerated ones, with clipping) and the items updated on the device in
+    every planned run, as ``slideformer train`` builds its state, so the host RAM is what the
+    planner counted (owning them anyway would only cost memory)."""
+    if not args.plan:
+        return [], []
+    L, common, dev = spec.num_layers, None, None
     for mb in args.micro_batch:
         for accum in args.grad_accum:
             s = plan_shape(spec, mb, args.seq, accum, args.clip, args.vram_cap,
                            device=args.device, precision=args.precision, ram_gib=args.ram).exec_shape
-            mine = set(borrowed_layers(s, L))
+            mine = set(borrowed_layers(s, L)) if args.clip > 0 else set()
             common = mine if common is None else common & mine
-    return sorted(common or ())
+            items = set(device_items(s, L))
+            dev = items if dev is None else dev & items
+    return sorted(common or ()), sorted(dev or ())
 
 
 def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = None) -> dict:
@@ -285,8 +288,9 @@ def main() -> None:
         torch.cuda.set_per_process_memory_fraction(args.vram_cap * 2**30 / total)
     spec = shape_spec(args.shape)
     moments = torch.bfloat16 if args.moments == "bfloat16" else torch.float32
+    borrowed, on_device = planned_state(spec, args)
     host = random_state(spec, backend, moments, layer_grads=args.clip > 0,
-                        borrowed=planned_borrowed(spec, args))
+                        borrowed=borrowed, on_device=on_device)
     print(json.dumps(dict(event="state_ready", params=spec.num_params,
                           rss_gib=round(peak_rss() / 2**30, 2))), flush=True)
     for mb in args.micro_batch:
