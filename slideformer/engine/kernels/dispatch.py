@@ -61,6 +61,12 @@ added to their fp32 buffer afterwards, as on the CPU (for side-by-side timings).
 
 
 @functools.cache
+def _has_fp32_addmm() -> bool:
+    """This torch has the fp32-output addmm overload (asked once: it runs per layer)."""
+    return "dtype_out" in torch.ops.aten.addmm.overloads()
+
+
+@functools.cache
 def _fp32_addmm_runs() -> bool:
     try:
         a = torch.ones(2, 2, device="cuda", dtype=torch.bfloat16)
@@ -80,7 +86,7 @@ def fp32_accumulate(device: str) -> bool:
     process (planning for one) the overload's presence answers."""
     if device != "cuda" or os.environ.get(FP32_GRADS_ENV) == "0":
         return False
-    if "dtype_out" not in torch.ops.aten.addmm.overloads():
+    if not _has_fp32_addmm():
         return False
     return _fp32_addmm_runs() if torch.cuda.is_available() else True
 
