@@ -38,7 +38,8 @@
 #     python3 benchmarks/side_by_side.py --merge A/side_by_side_cap24.json B/side_by_side_cap24.json \
 #       C/side_by_side_cap24.json --out DIR/side_by_side_cap24
 #   and the same with CAP=8 for the capped contenders (side_by_side_cap8.*).
-# MAX_BATCH=0 leaves out the largest micro-batch search.
+# MAX_BATCH=0 leaves out the largest micro-batch search. ACCUM (default "1 4 8") sets the grad-accum
+# values, e.g. ACCUM="1 2" for 8K and 16K tokens per step.
 # TIMEOUT (seconds per contender, default 480) ends a hung contender before the call's own limit,
 # so the records it made so far are still written.
 set -euo pipefail
@@ -75,6 +76,6 @@ for cap in $CAP; do  # the uncapped contenders (dense, resident) run with the fi
   first=
   [ -n "$list" ] || continue
   python3 -u benchmarks/side_by_side.py --shape llama-3.2-3b --seq 1024 --micro-batch 8 \
-    --grad-accum 1 4 8 --vram-cap "$cap" --contenders "$list" $MAXB \
+    --grad-accum ${ACCUM:-1 4 8} --vram-cap "$cap" --contenders "$list" $MAXB \
     --timeout "${TIMEOUT:-480}" --out "$OUT/side_by_side_cap$cap" 2>&1 | tee "$OUT/side_by_side_cap$cap.log"
 done
