@@ -62,7 +62,7 @@ class AboutDialog(QDialog):
             self.values[name] = label
             form.addRow(name, label)
         # Asking the CUDA runtime and NVML can take a second on some machines: off the GUI thread.
-        self.task = run_task(versions, name="versions", done=self._show_versions)
+        self.task = run_task(versions, name="versions", owner=self, done=self._show_versions)
         buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close)
         buttons.rejected.connect(self.reject)
         lay = QVBoxLayout(self)

@@ -324,7 +324,7 @@ class DataPage(QWidget):
     def use_demo(self) -> None:
         self.demo_button.setEnabled(False)
         target = self.ctx.data_dir / "datasets" / "reverse-letters.jsonl"
-        run_task(make_demo_dataset, target, name="demo-data",
+        run_task(make_demo_dataset, target, name="demo-data", owner=self,
                  done=lambda path: (self.demo_button.setEnabled(True), self.set_file(path)),
                  failed=lambda msg: (self.demo_button.setEnabled(True),
                                      self._show_status("error", msg)))
@@ -360,7 +360,7 @@ class DataPage(QWidget):
         self._show_status("busy", "Tokenising and laying out the data…")
         self.busy.setRange(0, 0)
         run_task(analyse, cfg, self.ctx.model_path, self.ctx.runs_dir / ".token-cache",
-                 self._progress, name="data-prepare",
+                 self._progress, name="data-prepare", owner=self,
                  done=lambda report: self._on_report(cfg, report),
                  failed=lambda message: self._on_error(cfg, message))
 

@@ -193,7 +193,7 @@ class ModelPage(QWidget):
         self.folder.setText(short_path(path))
         self._show_status("busy", "Checking the folder…")
         self._clear_fields()
-        run_task(inspect_model, path, True, name="model-report",
+        run_task(inspect_model, path, True, name="model-report", owner=self,
                  done=lambda report: self._on_report(path, report),
                  failed=lambda message: self._on_error(path, message))
 
@@ -249,7 +249,8 @@ class ModelPage(QWidget):
             w.setEnabled(False)
         self.folder.setText(short_path(target))
         self._show_status("busy", busy)
-        self._demo_task = run_task(fn, target, *extra, name="model-task", done=self._demo_done,
+        self._demo_task = run_task(fn, target, *extra, name="model-task", owner=self,
+                                   done=self._demo_done,
                                    failed=lambda msg: self._demo_failed(msg, failure))
 
     def _demo_done(self, path: str) -> None:

@@ -94,8 +94,8 @@ class FitBox(QGroupBox):
     def _ask(self) -> None:
         self._asked = version = self._version
         run_task(numbered_fits, version, shared_planner().plan, self.ctx.model_path,
-                 self.settings(), self.ctx.target, name="method-fits", done=self._answered,
-                 failed=self._failed)
+                 self.settings(), self.ctx.target, name="method-fits", owner=self,
+                 done=self._answered, failed=self._failed)
 
     def _failed(self, message: str) -> None:
         """A bug's message (the planner's own come with the answer): shown, not hidden."""

@@ -186,7 +186,7 @@ class RunsPage(QWidget):
             return
         self._scanning = True
         extra = [Path(p) for p in self.ctx.settings.extra_runs()]
-        run_task(scan_runs, self.roots(), extra, name="scan-runs", done=self._show,
+        run_task(scan_runs, self.roots(), extra, name="scan-runs", owner=self, done=self._show,
                  failed=lambda _msg: setattr(self, "_scanning", False))
 
     def _show(self, summaries: list[RunSummary]) -> None:
@@ -295,7 +295,7 @@ class RunsPage(QWidget):
         self._update_buttons()
         self.export_status.setText(f"Exporting {short_path(final_dir)} as {kind} GGUF…")
         self.export_status.show()
-        run_task(export_run_gguf, final_dir, kind, name="export-gguf",
+        run_task(export_run_gguf, final_dir, kind, name="export-gguf", owner=self,
                  done=lambda text: self._export_finished(text),
                  failed=lambda msg: self._export_finished(f"Export failed: {msg}"))
 

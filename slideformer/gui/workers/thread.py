@@ -1,7 +1,9 @@
 """Run one function off the GUI thread and get its result back as a signal.
 
-``run_task(fn, *args, done=..., failed=...)`` connects the callbacks, then calls ``fn`` on a
-worker thread, and returns the :class:`Task` (a QObject living in the GUI thread). The worker
+``run_task(fn, *args, owner=widget, done=..., failed=...)`` connects the callbacks, then calls
+``fn`` on a worker thread, and returns the :class:`Task` (a QObject living in the GUI thread).
+The callbacks run only while ``owner`` (the page or dialog they update) still exists: a page
+closed before its task ends is not called back into. The worker
 never touches widgets: it only emits ``done(result)`` or ``failed(message)``, which Qt
 delivers in the GUI thread. A :class:`~slideformer.engine.errors.UserError` or :class:`TaskError` becomes
 its own message; any other exception one line naming its type.
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import threading
 
+import shiboken6
 from PySide6.QtCore import QObject, Signal
 
 from slideformer.engine.api import UserError
@@ -51,17 +54,24 @@ class Task(QObject):
         _live.discard(self)
 
 
-def run_task(fn, *args, done=None, failed=None, name: str = "task") -> Task:
+def run_task(fn, *args, owner: QObject, done=None, failed=None, name: str = "task") -> Task:
     """Start ``fn(*args)`` on a worker thread.
 
     ``done(result)`` and ``failed(message)`` are connected before the thread starts, so a fast
-    function cannot finish before anyone listens.
+    function cannot finish before anyone listens; they are skipped once ``owner``'s C++ object
+    is gone (a lambda has no receiver for Qt to disconnect when it is destroyed).
     """
     task = Task(fn, args, name)
-    if done is not None:
-        task.done.connect(done)
-    if failed is not None:
-        task.failed.connect(failed)
+    for signal, callback in ((task.done, done), (task.failed, failed)):
+        if callback is not None:
+            signal.connect(_while_alive(owner, callback))
     _live.add(task)
     task._thread.start()
     return task
+
+
+def _while_alive(owner: QObject, callback):
+    def call(value) -> None:
+        if shiboken6.isValid(owner):
+            callback(value)
+    return call

@@ -133,7 +133,7 @@ class ChatPage(QWidget):
             return
         self._scanning = True
         extra = [Path(p) for p in self.ctx.settings.extra_runs()]
-        run_task(scan_runs, [self.ctx.runs_dir], extra, name="chat-models",
+        run_task(scan_runs, [self.ctx.runs_dir], extra, name="chat-models", owner=self,
                  done=self._show_models, failed=lambda _msg: self._show_models([]))
 
     def _show_models(self, runs) -> None:

@@ -156,7 +156,7 @@ class PlanPage(QWidget):
         self._replies = PlanReplies(QCoreApplication.instance())
         self._replies.planned.connect(self._planned)  # bound methods: gone with the page
         self._replies.failed.connect(self._not_planned)
-        run_task(detect_machine, name="plan-machine", done=self.set_machine,
+        run_task(detect_machine, name="plan-machine", owner=self, done=self.set_machine,
                  failed=self._not_detected)
 
     def _build_results(self) -> QWidget:
@@ -277,7 +277,7 @@ class PlanPage(QWidget):
         self.ctx.set_target(self.inputs.target.currentData())
         self._version += 1
         self._mark_stale()
-        run_task(detect_machine, self.inputs.target.currentData(), name="plan-machine",
+        run_task(detect_machine, self.inputs.target.currentData(), name="plan-machine", owner=self,
                  done=self.set_machine, failed=self._not_detected)
 
     def _model_changed(self, path: str) -> None:
@@ -414,7 +414,7 @@ class PlanPage(QWidget):
         self._methods_asked = version = self._version
         settings = {k: v for k, v in self.inputs.settings().items() if k != "train.method"}
         run_task(numbered_fits, version, self.planner.plan, self.ctx.model_path, settings,
-                 self.machine.profile, name="plan-methods", done=self._methods_answered,
+                 self.machine.profile, name="plan-methods", owner=self, done=self._methods_answered,
                  failed=self._methods_failed)
 
     def _methods_failed(self, _message: str) -> None:
