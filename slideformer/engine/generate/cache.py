@@ -4,7 +4,9 @@ A layer's keys and values after RoPE are kept for every position seen so far, so
 costs one token's work per layer instead of the whole sequence's. The buffers are allocated at
 the start for the longest sequence the request can reach (prompt + max new tokens): no
 allocation while tokens stream. Per token the cache holds ``2 * layers * kv_heads * head_dim``
-values (SmolLM2-135M: 2 * 30 * 3 * 64 = 11,520, 45 KB in fp32).
+values (SmolLM2-135M: 2 * 30 * 3 * 64 = 11,520, 45 KB in fp32). Sliding layers keep every
+position too and mask the ones outside their window (simple; a ring of ``window`` positions
+would save memory on long chats).
 """
 from __future__ import annotations
 
@@ -49,16 +51,22 @@ class KVCache:
         """Positions (1, T) of the next ``t`` tokens."""
         return torch.arange(self.length, self.length + t, device=device)[None]
 
-    def mask(self, t: int, device) -> torch.Tensor | None:
-        """The attention mask of ``t`` new tokens over past + new keys (True = may attend).
+    def mask(self, t: int, device, window: int | None = None) -> torch.Tensor | None:
+        """The attention mask of ``t`` new tokens over past + new keys (True = may attend);
+        with a ``window``, a sliding layer's (a token sees itself and ``window - 1`` keys back).
 
         None where SDPA needs none: a single new token sees every key, and a first chunk with
-        an empty cache is plainly causal.
+        an empty cache is plainly causal (within the window, if any).
         """
+        end = self.length + t
+        if window is not None and end > window:
+            # token j (absolute position length + j) sees keys length + j - window + 1 .. length + j
+            return torch.ones(t, end, dtype=torch.bool, device=device).tril(
+                self.length).triu(self.length - window + 1)
         if t == 1 or self.length == 0:
             return None
         # new token j (absolute position length + j) sees keys 0 .. length + j
-        return torch.ones(t, self.length + t, dtype=torch.bool, device=device).tril(self.length)
+        return torch.ones(t, end, dtype=torch.bool, device=device).tril(self.length)
 
     def advance(self, t: int) -> None:
         self.length += t

@@ -16,8 +16,9 @@ import torch
 
 from slideformer.engine.generate.cache import KVCache
 from slideformer.engine.generate.sampling import SamplingConfig, next_token
-from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
-from slideformer.engine.models.model import embed, head_weight
+from slideformer.engine.models.inputs import LayerInputs
+from slideformer.engine.models.layers import decoder_layer
+from slideformer.engine.models.model import embed, final_norm, head_weight
 from slideformer.engine.models.spec import ModelSpec
 
 
@@ -50,12 +51,13 @@ def forward(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache) -> torc
     head = spec.head_layout.views(weights.head_w)
     T = ids.shape[1]
     x = embed(spec, emb, ids)  # (1, T, H)
-    rope = rope_tables(spec, cache.positions(T, ids.device), x.dtype)
-    mask = cache.mask(T, ids.device)
+    window = spec.sliding_window
+    inp = LayerInputs(spec, cache.positions(T, ids.device), x.dtype, cache.mask(T, ids.device),
+                      None if window is None else cache.mask(T, ids.device, window))
     for i, p in enumerate(weights.layers()):  # to the end: a streamed window frees its slots
-        x = decoder_layer(spec, p, x, rope, mask, cache.layers[i])
+        x = decoder_layer(spec, p, x, *inp.at(i), cache.layers[i])
     cache.advance(T)
-    h = rms_norm(x[:, -1], head["norm.weight"], spec.rms_norm_eps)  # (1, H)
+    h = final_norm(spec, head["norm.weight"], x[:, -1])  # (1, H)
     return (h @ head_weight(spec, head, emb).t())[0].float()
 
 

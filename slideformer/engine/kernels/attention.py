@@ -29,10 +29,13 @@ ENV = "SLIDEFORMER_FLEX"
 """``SLIDEFORMER_FLEX=0`` keeps packed documents on the boolean-mask SDPA (the reference)."""
 
 
-def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Block-diagonal causal mask (B, 1, T, T) from per-token document ids (B, T)."""
+def packed_causal_mask(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Block-diagonal causal mask (B, 1, T, T) from per-token document ids (B, T); with a
+    ``window``, a query also sees only itself and the ``window - 1`` keys before it."""
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    if window is not None:
+        causal = causal.triu(-(window - 1))
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     return (same & causal)[:, None]
 
@@ -84,15 +87,15 @@ def flex_available(device: torch.device | str, head_dim: int) -> bool:
             and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _flex_module() is not None)
 
 
-def document_mask(doc_ids: torch.Tensor, head_dim: int):
-    """The attention mask of a packed micro-batch with document ids (B, T): a FlexAttention
-    BlockMask where :func:`flex_available`, else :func:`packed_causal_mask`."""
+def document_mask(doc_ids: torch.Tensor, head_dim: int, window: int | None = None):
+    """The attention mask of a packed (or windowed) micro-batch with document ids (B, T): a
+    FlexAttention BlockMask where :func:`flex_available`, else :func:`packed_causal_mask`."""
     if flex_available(doc_ids.device, head_dim):
-        return document_block_mask(doc_ids)
-    return packed_causal_mask(doc_ids)
+        return document_block_mask(doc_ids, window)
+    return packed_causal_mask(doc_ids, window)
 
 
-def document_block_mask(doc_ids: torch.Tensor):
+def document_block_mask(doc_ids: torch.Tensor, window: int | None = None):
     """:func:`packed_causal_mask` as a FlexAttention BlockMask (on any device, for the tests).
 
     Evaluates the rule on every (query, key) pair once, like the boolean mask, but keeps only
@@ -102,27 +105,31 @@ def document_block_mask(doc_ids: torch.Tensor):
 
     def same_document_causal(b, h, q, kv):
         return (docs[b, q] == docs[b, kv]) & (q >= kv)
-    return _flex_module().create_block_mask(same_document_causal, B, None, T, T,
-                                            device=doc_ids.device)
+
+    def windowed(b, h, q, kv):
+        return same_document_causal(b, h, q, kv) & (q - kv < window)
+    rule = same_document_causal if window is None else windowed
+    return _flex_module().create_block_mask(rule, B, None, T, T, device=doc_ids.device)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool,
-           gqa: bool) -> torch.Tensor:
+           gqa: bool, scale: float | None = None) -> torch.Tensor:
     """Attention of q (B, nh, T, hd) over k, v (B, nkv, S, hd) -> (B, nh, T, hd).
 
     Args:
         mask: a BlockMask from :func:`document_mask`, a boolean mask (True = may attend), or
             None (then ``causal`` says whether the rows are causal).
         gqa: nkv < nh (grouped-query attention).
+        scale: of the scores; None: 1/sqrt(hd).
     """
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                              enable_gqa=gqa)
+                                              enable_gqa=gqa, scale=scale)
     count_launch("flex_attention")  # only document_mask makes anything else: a BlockMask
     flag, errors = _limit_flag()
     try:
         with torch._dynamo.config.patch(**{flag: True}):
-            return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+            return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
     except errors as e:
         # dynamo alone would fall back silently; this path is the same, but said once
         if not _FALLBACK["seen"]:
@@ -131,7 +138,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
                 "it materialises the attention scores of every micro-batch, slower and with more "
                 "GPU memory than planned (this process compiled it for more than "
                 f"{FLEX_RECOMPILE_LIMIT} shapes)"))
-        return _flex_module().flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _flex_module().flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa,
+                                             scale=scale)
 
 
 _FALLBACK = {"seen": False, "notice": None}

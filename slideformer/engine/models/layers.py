@@ -1,4 +1,7 @@
-"""Decoder maths on flat parameter views: RMSNorm, RoPE, attention, SwiGLU, one decoder layer.
+"""Decoder maths on flat parameter views: RMSNorm, RoPE, attention, gated MLP, one decoder layer.
+
+The layer is Llama's with the differences its family declares (models.families): norm
+placement, q/k norms, NoPE layers, GeGLU, a mixture of experts (models.moe).
 
 Every function takes the parameter views of :meth:`Layout.views` (a dict keyed by Hugging Face
 names without the ``model.layers.{i}.`` prefix), so the same code runs on a GPU slot, a host
@@ -20,17 +23,24 @@ import torch.nn.functional as F
 
 from slideformer.engine.kernels import dispatch
 from slideformer.engine.kernels.attention import attend
+from slideformer.engine.models.moe import moe_ffn
 from slideformer.engine.models.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
-             out: torch.dtype | None = None) -> torch.Tensor:
-    """y = w * x / sqrt(mean(x^2) + eps), the statistics in fp32.
+             out: torch.dtype | None = None, offset: float = 0.0) -> torch.Tensor:
+    """y = (offset + w) * x / sqrt(mean(x^2) + eps), the statistics in fp32.
 
     ``out``: the dtype y is used in. None, or x's own: Hugging Face's rounding (the normalised
     value rounded to x's dtype, then scaled by w). Another: the scaling in fp32, rounded once to
     ``out`` (an fp32 stream feeding bf16 matmuls, or fp32 q/k ahead of fp32 RoPE).
+    ``offset`` 1 is Gemma's norm (weights stored as w - 1), which scales in fp32 and rounds
+    once whatever ``out`` is, as transformers' Gemma3RMSNorm does.
     """
+    if offset:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return ((offset + w.float()) * xf).to(out or x.dtype)
     if dispatch.use_triton(x):
         return dispatch.rms_norm(x, w, eps, out)
     xf = x.float()
@@ -40,13 +50,20 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     return (w.float() * xf).to(out)
 
 
-def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) in fp32, with linear or llama3 scaling applied."""
-    hd = spec.head_dim
-    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
-    if not spec.rope_scaling:
+def norm(spec: ModelSpec, p: dict, name: str, x: torch.Tensor,
+         out: torch.dtype | None = None) -> torch.Tensor:
+    """The family's RMSNorm ``name`` (e.g. "input_layernorm") of x."""
+    return rms_norm(x, p[name + ".weight"], spec.rms_norm_eps, out, spec.family.norm_offset)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) in fp32, with linear or llama3 ``scaling`` (a spec's
+    sorted items, or None) applied."""
+    hd = head_dim
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+    if not scaling:
         return inv
-    rs = dict(spec.rope_scaling)
+    rs = dict(scaling)
     kind, factor = rs.get("rope_type", rs.get("type")), float(rs["factor"])
     if kind == "linear":
         return inv / factor
@@ -62,9 +79,12 @@ def rope_inv_freq(spec: ModelSpec) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
-def rope_tables(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin tables (B, 1, T, head_dim) for integer ``positions`` (B, T)."""
-    inv = rope_inv_freq(spec).to(positions.device)
+def rope_tables(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype,
+                local: bool = False):
+    """cos, sin tables (B, 1, T, head_dim) for integer ``positions`` (B, T); ``local``: of the
+    sliding layers' own RoPE (:attr:`ModelSpec.local_rope`)."""
+    theta, scaling = spec.local_rope if local else (spec.rope_theta, spec.rope_scaling)
+    inv = rope_inv_freq(spec.head_dim, theta, scaling).to(positions.device)
     freqs = positions.float()[..., None] * inv  # (B, T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
     return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
@@ -132,6 +152,7 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
               lora=None) -> torch.Tensor:
     """Self-attention of normed input h (B, T, H) -> (B, T, H).
 
+    ``rope``: (cos, sin) tables, or None for a layer without RoPE (NoPE).
     ``cache``: a layer's KV cache (:class:`slideformer.engine.generate.cache.LayerCache`) for generation;
     the new keys and values are appended to it and the queries attend to all of them.
     ``lora``: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
@@ -141,20 +162,26 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     q = linear(p, "self_attn.q_proj", h, lora)
     k = linear(p, "self_attn.k_proj", h, lora)
     v = linear(p, "self_attn.v_proj", h, lora)
+    tables = v.dtype if rope is None else rope[0].dtype
+    if spec.qk_norm == "full":  # over all heads at once, before they split (OLMo 2)
+        q, k = norm(spec, p, "self_attn.q_norm", q), norm(spec, p, "self_attn.k_norm", k)
     q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
     k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(B, T, nkv, hd).transpose(1, 2)
-    cos, sin = rope
-    if spec.qk_norm:  # normed q, k in the tables' dtype: fp32 tables rotate fp32 values
-        q = rms_norm(q, p["self_attn.q_norm.weight"], spec.rms_norm_eps, cos.dtype)
-        k = rms_norm(k, p["self_attn.k_norm.weight"], spec.rms_norm_eps, cos.dtype)
-    q, k = apply_rope(q, cos, sin, v.dtype), apply_rope(k, cos, sin, v.dtype)
+    if spec.qk_norm == "head":  # normed q, k in the tables' dtype: fp32 tables rotate fp32 values
+        q = norm(spec, p, "self_attn.q_norm", q, tables)
+        k = norm(spec, p, "self_attn.k_norm", k, tables)
+    if rope is not None:
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin, v.dtype), apply_rope(k, cos, sin, v.dtype)
+    else:
+        q, k = q.to(v.dtype), k.to(v.dtype)
     if cache is not None:
         k, v = cache.extend(k, v)  # (B, nkv, past + T, hd)
     # is_causal aligns the mask top-left; with cached keys the caller passes the mask
     # (one new token attends to everything: no mask at all).
     causal = mask is None and k.shape[2] == T and T > 1
-    a = attend(q, k, v, mask, causal, nh != nkv)  # (B, nh, T, hd)
+    a = attend(q, k, v, mask, causal, nh != nkv, spec.attn_scale)  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
     return linear(p, "self_attn.o_proj", a, lora)
 
@@ -166,37 +193,73 @@ def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def gated(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
-    """The MLP up to its down projection's input: silu(gate(h)) * up(h)."""
-    return swiglu(linear(p, "mlp.gate_proj", h, lora), linear(p, "mlp.up_proj", h, lora))
+def geglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(g) * u, Gemma's gated activation."""
+    return F.gelu(g, approximate="tanh") * u
+
+
+ACTIVATIONS = {"silu": swiglu, "gelu_tanh": geglu}
+
+
+def gated(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
+    """The MLP up to its down projection's input: act(gate(h)) * up(h)."""
+    act = ACTIVATIONS[spec.family.act]
+    return act(linear(p, "mlp.gate_proj", h, lora), linear(p, "mlp.up_proj", h, lora))
+
+
+def feed_forward(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
+    """The feed-forward of normed input h: the gated MLP, or the mixture of experts."""
+    if spec.moe is not None:
+        return moe_ffn(spec, p, h, ACTIVATIONS[spec.family.act])
+    return linear(p, "mlp.down_proj", gated(spec, p, h, lora), lora)
 
 
 def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
                   cache=None, lora=None) -> torch.Tensor:
-    """One pre-norm decoder layer: x (B, T, H) -> (B, T, H).
+    """One decoder layer: x (B, T, H) -> (B, T, H), norms placed as the family says.
 
     Args:
         p: parameter views of :attr:`ModelSpec.layer_layout`.
         x: the residual stream, in the weights' dtype or wider (fp32; module docstring).
-        rope: (cos, sin) from :func:`rope_tables`, in x's dtype.
+        rope: (cos, sin) from :func:`rope_tables`, in x's dtype; None for a NoPE layer.
         mask: None for plain causal attention, else a boolean (B, 1, T, T) mask
-            (True = may attend), e.g. block-diagonal causal for packed documents, or the
-            FlexAttention BlockMask of ``kernels.attention.document_mask``; with a
-            ``cache``, a boolean (T, past + T).
+            (True = may attend), e.g. block-diagonal causal for packed documents or windowed,
+            or the FlexAttention BlockMask of ``kernels.attention.document_mask``; with a
+            ``cache``, a boolean (T, past + T). :class:`LayerInputs` gives each layer its own.
         cache: the layer's KV cache when generating (see :func:`attention`).
         lora: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
     """
-    x, z = layer_to_down(spec, p, x, rope, mask, cache, lora)
-    return x + linear(p, "mlp.down_proj", z, lora)
+    if _plain(spec, p):
+        x, z = layer_to_down(spec, p, x, rope, mask, cache, lora)
+        return x + linear(p, "mlp.down_proj", z, lora)
+    style, c = spec.family.norm, p["self_attn.q_proj.weight"].dtype
+    h = x.to(c) if style == "post" else norm(spec, p, "input_layernorm", x, c)
+    a = attention(spec, p, h, rope, mask, cache, lora)
+    if style != "pre":
+        a = norm(spec, p, "post_attention_layernorm", a)
+    x = x + a
+    h = (x.to(c) if style == "post" else
+         norm(spec, p, "pre_feedforward_layernorm" if style == "sandwich"
+              else "post_attention_layernorm", x, c))
+    m = feed_forward(spec, p, h, lora)
+    if style != "pre":
+        m = norm(spec, p, "post_feedforward_layernorm", m)
+    return x + m
+
+
+def _plain(spec: ModelSpec, p: dict) -> bool:
+    """Llama's layer shape: pre-norm, a dense MLP whose down projection has no bias; its
+    backward may skip the layer's output (:func:`layer_backward`)."""
+    return spec.family.norm == "pre" and spec.moe is None and "mlp.down_proj.bias" not in p
 
 
 def layer_to_down(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None, cache=None,
                   lora=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decoder_layer` short of its last projection: (the mid residual x + attention,
-    the gated MLP activation z that the down projection reads)."""
-    eps, c = spec.rms_norm_eps, p["self_attn.q_proj.weight"].dtype
-    x = x + attention(spec, p, rms_norm(x, p["input_layernorm.weight"], eps, c), rope, mask, cache, lora)
-    return x, gated(p, rms_norm(x, p["post_attention_layernorm.weight"], eps, c), lora)
+    """:func:`decoder_layer` of a pre-norm dense layer short of its last projection: (the mid
+    residual x + attention, the gated MLP activation z that the down projection reads)."""
+    c = p["self_attn.q_proj.weight"].dtype
+    x = x + attention(spec, p, norm(spec, p, "input_layernorm", x, c), rope, mask, cache, lora)
+    return x, gated(spec, p, norm(spec, p, "post_attention_layernorm", x, c), lora)
 
 
 class _DownGrads(torch.autograd.Function):
@@ -237,14 +300,15 @@ def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Ten
     projection's forward: a quarter of a Llama layer's forward matmuls, ~6% of a full
     fine-tuning step's FLOPs, and one hidden state per token of memory. Without ``into`` every
     gradient is the one autograd gives through :func:`decoder_layer` (the same calls; tests
-    compare them with ``torch.equal``). A down projection with a bias keeps the plain autograd path.
+    compare them with ``torch.equal``). Other layer shapes (a down projection with a bias,
+    post or sandwich norms, experts) keep the plain autograd path.
     """
     into = into or {}
     x = x.detach().requires_grad_()
     p = {k: GradInto(v, into[k]) if k in into else v for k, v in leaves.items()}
     wanted = [v for k, v in leaves.items() if k not in into]
     with torch.enable_grad():
-        if "mlp.down_proj.bias" in leaves:
+        if not _plain(spec, leaves):
             y = decoder_layer(spec, p, x, rope, mask)
         else:  # one expression: the graph alone keeps the mid residual and z alive
             down = leaves["mlp.down_proj.weight"]

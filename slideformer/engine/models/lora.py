@@ -14,7 +14,7 @@ micro-batch, projection): the backward's recompute draws the same mask as the fo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -62,8 +62,22 @@ def lora_spec(cfg) -> LoraSpec:
                     tuple(t for t in PROJECTIONS if t in names), cfg.use_rslora)
 
 
+def for_model(lora: LoraSpec, spec: ModelSpec) -> LoraSpec:
+    """``lora`` with only the targets this model's layers have: in a mixture of experts the
+    MLP names (gate_proj, up_proj, down_proj) match no tensor, so adapters train on attention
+    and the experts and router stay frozen (PEFT's ``target_modules`` reaches no stacked
+    experts either)."""
+    present = set(spec.layer_layout.names())
+    kept = tuple(t for t in lora.targets if PROJECTIONS[t] + ".weight" in present)
+    if not kept:
+        raise UserError("lora.target_modules", f"{','.join(lora.targets)} names no projection "
+                        f"a {spec.model_type} layer has", "add q_proj,k_proj,v_proj,o_proj")
+    return replace(lora, targets=kept)
+
+
 def adapter_layout(spec: ModelSpec, lora: LoraSpec) -> Layout:
-    """The flat layout of one decoder layer's adapters: A then B of each target, layer order."""
+    """The flat layout of one decoder layer's adapters: A then B of each target (of
+    :func:`for_model`), layer order."""
     base = spec.layer_layout
     shapes = []
     for t in lora.targets:

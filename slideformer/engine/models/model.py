@@ -11,31 +11,36 @@ from torch import nn
 
 from slideformer.engine.kernels.attention import packed_causal_mask
 from slideformer.engine.kernels.linear_ce import linear_cross_entropy
-from slideformer.engine.models.layers import decoder_layer, rms_norm, rope_tables
+from slideformer.engine.models.inputs import LayerInputs, positions_for  # noqa: F401 (re-export)
+from slideformer.engine.models.layers import decoder_layer, rms_norm
 from slideformer.engine.models.spec import ModelSpec
 
 
 def embed(spec: ModelSpec, p: dict, ids: torch.Tensor) -> torch.Tensor:
-    """Token embedding lookup: ids (B, T) -> (B, T, H)."""
-    return nn.functional.embedding(ids, p["embed_tokens.weight"])
+    """Token embedding lookup: ids (B, T) -> (B, T, H), scaled where the family scales it."""
+    w = p["embed_tokens.weight"]
+    x = nn.functional.embedding(ids, w)
+    scale = embed_scale(spec, w.dtype)
+    return x if scale is None else x * scale
+
+
+def embed_scale(spec: ModelSpec, dtype: torch.dtype) -> float | None:
+    """Gemma's sqrt(hidden_size), rounded to the embedding's dtype as transformers multiplies
+    it (its gradient is the same factor), or None."""
+    if not spec.family.embed_scale:
+        return None
+    return torch.tensor(spec.hidden_size ** 0.5, dtype=dtype).item()
+
+
+def final_norm(spec: ModelSpec, w: torch.Tensor, x: torch.Tensor,
+               out: torch.dtype | None = None) -> torch.Tensor:
+    """The head's RMSNorm of the last hidden states."""
+    return rms_norm(x, w, spec.rms_norm_eps, out, spec.family.norm_offset)
 
 
 def head_weight(spec: ModelSpec, head: dict, emb: dict) -> torch.Tensor:
     """The LM head matrix (V, H): its own, or the embedding's when tied."""
     return emb["embed_tokens.weight"] if spec.tie_word_embeddings else head["lm_head.weight"]
-
-
-def positions_for(ids: torch.Tensor, doc_ids: torch.Tensor | None) -> torch.Tensor:
-    """Positions (B, T): 0..T-1, restarting at each document boundary when packed."""
-    B, T = ids.shape
-    pos = torch.arange(T, device=ids.device).expand(B, T)
-    if doc_ids is None:
-        return pos
-    start = torch.ones_like(doc_ids, dtype=torch.bool)
-    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    # index of the latest document start at or before each token
-    first = torch.where(start, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return pos - first
 
 
 class DenseModel(nn.Module):
@@ -62,12 +67,11 @@ class DenseModel(nn.Module):
         s = self.spec
         emb = s.embed_layout.views(self.embed)
         x = embed(s, emb, ids)
-        rope = rope_tables(s, positions_for(ids, doc_ids), x.dtype)
-        mask = None if doc_ids is None else packed_causal_mask(doc_ids)
-        for p in self.layers:
-            x = decoder_layer(s, s.layer_layout.views(p), x, rope, mask)
+        inp = LayerInputs.of_rows(s, ids, doc_ids, x.dtype, packed_causal_mask)
+        for i, p in enumerate(self.layers):
+            x = decoder_layer(s, s.layer_layout.views(p), x, *inp.at(i))
         head = s.head_layout.views(self.head)
-        return rms_norm(x, head["norm.weight"], s.rms_norm_eps), head_weight(s, head, emb)
+        return final_norm(s, head["norm.weight"], x), head_weight(s, head, emb)
 
     def logits(self, ids, doc_ids=None):
         h, w = self.hidden(ids, doc_ids)

@@ -3,7 +3,11 @@
 A decoder layer's parameters live in ONE flat buffer; each weight is a view at a fixed offset
 (a :class:`Layout`). The embedding and the head (final norm + LM head) are separate items with
 layouts of their own. Parameter names inside a layer are the Hugging Face names without the
-``model.layers.{i}.`` prefix, so reading and writing checkpoints is a rename, not a mapping table.
+``model.layers.{i}.`` prefix, so reading and writing checkpoints is a rename, not a mapping table;
+the one exception is a mixture of experts, whose experts are one stacked tensor per projection
+here and one tensor per expert on disk (:meth:`ModelSpec.stored_names`).
+
+What differs between families is declared in ``models/families/`` (one file per family).
 """
 from __future__ import annotations
 
@@ -14,12 +18,13 @@ from typing import TYPE_CHECKING
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import read_json, surrogate_key
+from slideformer.engine.models.families import FAMILIES, SUPPORTED
+from slideformer.engine.models.families.base import (FIX, FULL, SLIDING, Family, all_layers, flag,
+                                                     positive_int, positive_real,
+                                                     rope_of, window)
 
 if TYPE_CHECKING:  # spec reading needs no torch: ``info`` and ``plan`` start without it
     import torch
-
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
-
 
 @dataclass(frozen=True)
 class Layout:
@@ -56,8 +61,23 @@ class Layout:
         return [(n, o, s[0]) for n, o, s in self.entries if n.endswith("norm.weight")]
 
     def no_decay_mask(self) -> list[tuple[int, int]]:
-        """(offset, numel) spans excluded from weight decay: norms and biases (1-D tensors)."""
-        return [(o, math.prod(s)) for _, o, s in self.entries if len(s) == 1]
+        """(offset, numel) spans excluded from weight decay: norms and biases, whatever their
+        shape (1-D tensors, and any ``*norm.weight`` or ``*bias``)."""
+        return [(o, math.prod(s)) for n, o, s in self.entries
+                if len(s) == 1 or n.endswith("norm.weight") or n.endswith("bias")]
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The mixture-of-experts sizes of a model whose family has a :class:`Moe` feed-forward."""
+
+    experts: int
+    top_k: int
+    """Experts each token is routed to (``num_experts_per_tok``)."""
+    width: int
+    """Intermediate size of one expert."""
+    renormalise: bool
+    """The top-k routing weights are renormalised to sum to 1."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +89,7 @@ class ModelSpec:
     vocab_size: int
     hidden_size: int
     intermediate_size: int
+    """The dense MLP's width (MoE models: unused, see :attr:`moe`)."""
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -83,24 +104,50 @@ class ModelSpec:
     o_bias: bool
     """Bias on the output projection (``attention_bias``)."""
     mlp_bias: bool
-    qk_norm: bool
-    """Per-head RMSNorm on q and k (qwen3)."""
+    qk_norm: str | None
+    """RMSNorm on q and k: None, "head" (per head: qwen3, gemma3) or "full" (olmo2)."""
     max_position_embeddings: int
     sliding_window: int | None
-    """Attention window of the layers config.json makes windowed (Mistral's ``sliding_window``;
-    Qwen2/3's ``use_sliding_window`` with ``max_window_layers``; ``layer_types``), None if none.
-    Not implemented: :func:`check_window` refuses sequences longer than it."""
+    """Attention window of the layers :attr:`layer_types` marks sliding (a query sees itself and
+    the ``sliding_window - 1`` keys before it), None if no layer is windowed."""
     torch_dtype: str
     """Checkpoint dtype declared in config.json (for display and export)."""
     raw_config: dict = field(compare=False, hash=False, repr=False)
     """The config.json as read, written back unchanged on export."""
+    family: Family = field(default=None, compare=False, repr=False)
+    """What the family's layer does differently (models.families); set from model_type."""
+    layer_types: tuple[str, ...] = ()
+    """Per layer, "full_attention" or "sliding_attention" (all full when empty)."""
+    rope_layers: tuple[bool, ...] = ()
+    """Per layer, whether it rotates q and k (SmolLM3's NoPE layers do not; all when empty)."""
+    local_rope: tuple[float, tuple | None] | None = None
+    """(theta, scaling) of the sliding layers' RoPE when it differs from the full layers'
+    (Gemma 3), else None."""
+    attn_scale: float | None = None
+    """Softmax scale of the attention scores; None: 1/sqrt(head_dim)."""
+    moe: MoeShape | None = None
+    """The experts of every layer's feed-forward, or None: a dense gated MLP."""
+
+    def __post_init__(self):
+        if self.family is None:  # specs made in code (tests, benchmarks) name only the type
+            object.__setattr__(self, "family", FAMILIES[self.model_type])
+
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else FULL
+
+    def has_rope(self, i: int) -> bool:
+        return self.rope_layers[i] if self.rope_layers else True
 
     # ---- layouts -------------------------------------------------------------------------
     @property
     def layer_layout(self) -> Layout:
-        h, i, hd = self.hidden_size, self.intermediate_size, self.head_dim
+        """A decoder layer's tensors, in the order of its maths (norms as the family places
+        them; a mixture of experts as its router and one stacked tensor per projection)."""
+        h, hd, fam = self.hidden_size, self.head_dim, self.family
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
-        s: list[tuple[str, tuple[int, ...]]] = [("input_layernorm.weight", (h,))]
+        s: list[tuple[str, tuple[int, ...]]] = []
+        if fam.norm != "post":
+            s.append(("input_layernorm.weight", (h,)))
         for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             s.append((f"self_attn.{proj}.weight", (out, h)))
             if self.qkv_bias:
@@ -109,13 +156,38 @@ class ModelSpec:
         if self.o_bias:
             s.append(("self_attn.o_proj.bias", (h,)))
         if self.qk_norm:
-            s += [("self_attn.q_norm.weight", (hd,)), ("self_attn.k_norm.weight", (hd,))]
+            wq, wk = (q, kv) if self.qk_norm == "full" else (hd, hd)
+            s += [("self_attn.q_norm.weight", (wq,)), ("self_attn.k_norm.weight", (wk,))]
         s.append(("post_attention_layernorm.weight", (h,)))
+        if fam.norm == "sandwich":
+            s.append(("pre_feedforward_layernorm.weight", (h,)))
+        s += self._ffn_shapes()
+        if fam.norm != "pre":
+            s.append(("post_feedforward_layernorm.weight", (h,)))
+        return Layout.build(s)
+
+    def _ffn_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        h, m = self.hidden_size, self.family.moe
+        if m is not None:
+            e, i = self.moe.experts, self.moe.width
+            return [(m.router, (e, h)), (m.stacked(m.gate), (e, i, h)),
+                    (m.stacked(m.up), (e, i, h)), (m.stacked(m.down), (e, h, i))]
+        i, s = self.intermediate_size, []
         for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
             s.append((f"mlp.{proj}.weight", shape))
             if self.mlp_bias:
                 s.append((f"mlp.{proj}.bias", (shape[0],)))
-        return Layout.build(s)
+        return s
+
+    def stored_names(self, local: str) -> list[str]:
+        """The checkpoint names (inside a layer) that a layer tensor is stored as: itself, or
+        for stacked experts one tensor per expert, in expert order."""
+        m = self.family.moe
+        if m is not None:
+            for proj in (m.gate, m.up, m.down):
+                if local == m.stacked(proj):
+                    return [f"{m.experts}.{e}.{proj}.weight" for e in range(self.moe.experts)]
+        return [local]
 
     @property
     def embed_layout(self) -> Layout:
@@ -140,22 +212,50 @@ class ModelSpec:
         return (self.num_layers * self.params_per_layer + self.embed_layout.numel
                 + self.head_layout.numel)
 
+    @property
+    def active_params_per_layer(self) -> int:
+        """A layer's parameters one token computes with (all but the experts it is not
+        routed to): what the FLOPs of a token count."""
+        if self.moe is None:
+            return self.params_per_layer
+        e = self.moe
+        return self.params_per_layer - (e.experts - e.top_k) * 3 * e.width * self.hidden_size
+
+    @property
+    def active_params(self) -> int:
+        return self.num_params - self.num_layers * (self.params_per_layer
+                                                    - self.active_params_per_layer)
+
     def summary(self) -> dict:
         """Plain figures for display (GUI model page, ``slideformer info``)."""
         return {"family": self.model_type, "layers": self.num_layers, "hidden": self.hidden_size,
                 "intermediate": self.intermediate_size, "heads": self.num_heads,
                 "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "vocab": self.vocab_size, "parameters": self.num_params,
+                "active_parameters": self.active_params,
+                "experts": self.moe.experts if self.moe else None,
+                "experts_per_token": self.moe.top_k if self.moe else None,
+                "layer_types": _type_counts(self),
                 "dtype": self.torch_dtype, "tied_embeddings": self.tie_word_embeddings}
 
 
-_FIX = "use the config.json that came with the model's weights"
+def _type_counts(spec: ModelSpec) -> str:
+    """'24 full' or '20 sliding (window 512) + 4 full', NoPE layers counted apart."""
+    types = [spec.layer_type(i) for i in range(spec.num_layers)]
+    parts = [f"{types.count(SLIDING)} sliding (window {spec.sliding_window})"] if SLIDING in types else []
+    parts.append(f"{types.count(FULL)} full") if FULL in types else None
+    nope = sum(not spec.has_rope(i) for i in range(spec.num_layers))
+    return " + ".join(parts) + (f", {nope} without RoPE" if nope else "")
+
+
+_FIX = FIX
 # Far above any model of the supported families (the largest have ~130 layers, hidden 16384,
-# vocab 256K); the planner and the host state allocate per layer and per row, so an absurd
-# figure is refused here rather than met as a MemoryError or a search that never ends.
+# vocab 256K, 512 experts); the planner and the host state allocate per layer and per row, so
+# an absurd figure is refused here rather than met as a MemoryError or a search that never ends.
 _LIMITS = {"hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1024,
            "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
-           "vocab_size": 1 << 24}
+           "vocab_size": 1 << 24, "num_experts": 1 << 12, "num_local_experts": 1 << 12,
+           "moe_intermediate_size": 1 << 20, "num_experts_per_tok": 1 << 12}
 
 
 def _need(cfg: dict, key: str, path: Path):
@@ -165,21 +265,7 @@ def _need(cfg: dict, key: str, path: Path):
 
 
 def _positive_int(cfg: dict, key: str, path: Path) -> int:
-    v = cfg[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise UserError(path, f"'{key}' is {v!r}, not a positive integer", _FIX)
-    if v > _LIMITS.get(key, v):
-        raise UserError(path, f"'{key}' is {v:,}, more than any model of the supported "
-                        f"families has (at most {_LIMITS[key]:,})", _FIX)
-    return v
-
-
-def _positive_real(cfg: dict, key: str, path: Path, default: float, below: float = math.inf) -> float:
-    v = default if cfg.get(key) is None else cfg[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < below:
-        rule = "a positive number" if below == math.inf else f"a number in (0, {below:g})"
-        raise UserError(path, f"'{key}' is {v!r}, not {rule}", _FIX)
-    return float(v)
+    return positive_int(cfg, key, path, _LIMITS.get(key))
 
 
 def _dtype_name(cfg: dict, path: Path) -> str:
@@ -189,94 +275,56 @@ def _dtype_name(cfg: dict, path: Path) -> str:
     return v
 
 
-def _flag(cfg: dict, key: str, path: Path) -> bool:
-    v = cfg.get(key)
-    if v is not None and not isinstance(v, bool):
-        raise UserError(path, f"'{key}' is {v!r}, not true or false", _FIX)
-    return bool(v)
-
-
-# Keys each rope_scaling type needs (rope_inv_freq reads them).
-_ROPE_KEYS = {"linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}
-
-
-def _rope_scaling(cfg: dict, path: Path) -> tuple[tuple[str, object], ...] | None:
-    """The RoPE scaling of config.json as sorted items, or None for plain RoPE.
-
-    transformers < 5 writes ``rope_scaling`` (plus ``rope_theta``); transformers >= 5 writes one
-    ``rope_parameters`` dict holding both, and no ``rope_scaling``: read either spelling.
-    """
-    for key in ("rope_scaling", "rope_parameters"):
-        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
-            raise UserError(path, f"'{key}' is {cfg[key]!r}, not an object", _FIX)
-    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    rs = cfg.get(key)
-    if not rs:
+def _moe_shape(fam: Family, cfg: dict, path: Path) -> MoeShape | None:
+    """The experts' sizes, each checked against the others."""
+    m = fam.moe
+    if m is None:
         return None
-    rs = {k: v for k, v in rs.items() if k != "rope_theta"}
-    kind = rs.get("rope_type", rs.get("type"))
-    if not rs or kind == "default":
-        return None
-    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
-        raise UserError(path, f"{key} type {kind!r} is not supported",
-                        "supported: none, linear, llama3")
-    missing = [k for k in _ROPE_KEYS[kind] if isinstance(rs.get(k), bool)
-               or not isinstance(rs.get(k), (int, float)) or not 0 < rs[k] < math.inf]
-    if missing:
-        raise UserError(path, f"{key} of type {kind!r} lacks a positive "
-                        f"{', '.join(missing)}", _FIX)
-    return tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))
+    key = next((k for k in m.count_keys if cfg.get(k) is not None), m.count_keys[0])
+    experts, k = _need(cfg, key, path), _need(cfg, "num_experts_per_tok", path)
+    if k > experts:
+        raise UserError(path, f"routes each token to num_experts_per_tok={k} experts, but "
+                        f"{key} is {experts}", f"{_FIX} (top-k is at most the expert count)")
+    renorm = m.renormalise if isinstance(m.renormalise, bool) else flag(cfg, m.renormalise, path)
+    return MoeShape(experts, k, _need(cfg, m.width_key, path), renorm)
 
 
-def _sliding_window(cfg: dict, mt: str, num_layers: int, path: Path) -> int | None:
-    """The window of config.json's windowed layers as transformers reads it, or None."""
-    if not cfg.get("sliding_window"):
-        return None
-    window = _positive_int(cfg, "sliding_window", path)
-    types = cfg.get("layer_types")
-    if types is not None:
-        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
-            raise UserError(path, f"'layer_types' is {types!r}, not a list of names such as "
-                            '"full_attention"', _FIX)
-        return window if "sliding_attention" in types else None
-    if mt == "mistral":
-        return window
-    if mt in ("qwen2", "qwen3") and _flag(cfg, "use_sliding_window", path):
-        # layers from this index on are windowed
-        first = (num_layers if cfg.get("max_window_layers") is None else
-                 _count(cfg, "max_window_layers", path))
-        return window if first < num_layers else None
-    return None
+def _refused(fam: Family, cfg: dict, path: Path) -> None:
+    """Settings a family's maths here does not follow: refused, never approximated."""
+    for key, only in fam.refuse:
+        if cfg.get(key) not in (None, only):
+            raise UserError(path, f"sets {key} = {cfg[key]!r}, which this engine does not "
+                            f"train exactly for {fam.model_type} (it supports {only!r} only)",
+                            f"set \"{key}\": {json_value(only)} in config.json to train "
+                            "without it, or use another tool for this setting")
 
 
-def _count(cfg: dict, key: str, path: Path) -> int:
-    """A non-negative integer of config.json."""
-    v = cfg[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise UserError(path, f"'{key}' is {v!r}, not a whole number >= 0", _FIX)
-    return v
+_ACTIVATIONS = {"silu": ("silu", "swish"), "gelu_tanh": ("gelu_pytorch_tanh", "gelu_tanh")}
+"""config.json's names for each activation a family's MLP computes."""
 
 
-def check_window(spec: "ModelSpec", seq_len: int, path: Path | str) -> None:
-    """Refuse sequences longer than a windowed model's attention window: attention here is full
-    causal, which equals windowed attention only up to the window's length."""
-    if spec.sliding_window is not None and seq_len > spec.sliding_window:
-        raise UserError(Path(path) / "config.json",
-                        f"makes attention windowed (sliding_window={spec.sliding_window}), which "
-                        f"this engine does not implement; sequences of {seq_len} tokens would "
-                        f"train a different model", f"set data.max_seq_len to at most "
-                        f"{spec.sliding_window} (within the window, full attention is the same)")
+def _check_activation(fam: Family, cfg: dict, path: Path) -> None:
+    for key in ("hidden_act", "hidden_activation"):
+        v = cfg.get(key)
+        if v is not None and v not in _ACTIVATIONS[fam.act]:
+            raise UserError(path, f"sets {key} = {v!r}, but this engine computes "
+                            f"{fam.model_type}'s MLP with {_ACTIVATIONS[fam.act][0]}",
+                            "use the config.json that came with the model's weights")
+
+
+def json_value(v) -> str:
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else repr(v)
 
 
 def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     """Build a :class:`ModelSpec` from a parsed config.json dict."""
     path = Path(path)
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED:
+    if mt not in FAMILIES:
         raise UserError(path, f"model_type {mt!r} is not supported",
                         f"choose a model of a supported family: {', '.join(SUPPORTED)}")
+    fam = FAMILIES[mt]
+    _refused(fam, cfg, path)
     h = _need(cfg, "hidden_size", path)
     nh = _need(cfg, "num_attention_heads", path)
     nkv = _positive_int(cfg, "num_key_value_heads", path) if cfg.get("num_key_value_heads") else nh
@@ -287,26 +335,37 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     if nh % nkv:
         raise UserError(path, f"num_attention_heads={nh} is not a multiple of "
                               f"num_key_value_heads={nkv}", "fix config.json")
-    rs = _rope_scaling(cfg, path)
-    attn_bias = _flag(cfg, "attention_bias", path)
-    # The legacy "default" value of Hugging Face's RoPE parameters moved into rope_parameters
-    # in recent transformers versions; accept both spellings.
-    theta = _positive_real(cfg if cfg.get("rope_theta") is not None else
-                           cfg.get("rope_parameters") or {}, "rope_theta", path, 10000.0)
-    return ModelSpec(
+    L = _need(cfg, "num_hidden_layers", path)
+    theta, rs = rope_of(cfg, path)
+    attn_bias = flag(cfg, "attention_bias", path)
+    moe = _moe_shape(fam, cfg, path)
+    values = dict(
         model_type=mt, vocab_size=_need(cfg, "vocab_size", path), hidden_size=h,
-        intermediate_size=_need(cfg, "intermediate_size", path),
-        num_layers=_need(cfg, "num_hidden_layers", path), num_heads=nh,
-        num_kv_heads=nkv, head_dim=hd,
-        rms_norm_eps=_positive_real(cfg, "rms_norm_eps", path, 1e-6, below=1.0),
+        intermediate_size=(_positive_int(cfg, "intermediate_size", path)
+                           if moe is not None and cfg.get("intermediate_size")
+                           else moe.width if moe is not None
+                           else _need(cfg, "intermediate_size", path)),
+        num_layers=L, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+        rms_norm_eps=positive_real(cfg, "rms_norm_eps", path, 1e-6, below=1.0),
         rope_theta=theta, rope_scaling=rs,
-        tie_word_embeddings=_flag(cfg, "tie_word_embeddings", path),
-        qkv_bias=(mt == "qwen2") or attn_bias, o_bias=attn_bias,
-        mlp_bias=_flag(cfg, "mlp_bias", path), qk_norm=(mt == "qwen3"),
+        tie_word_embeddings=flag(cfg, "tie_word_embeddings", path),
+        qkv_bias=fam.qkv_bias or attn_bias, o_bias=attn_bias,
+        mlp_bias=flag(cfg, "mlp_bias", path), qk_norm=fam.qk_norm,
         max_position_embeddings=(_positive_int(cfg, "max_position_embeddings", path)
                                  if cfg.get("max_position_embeddings") is not None else 4096),
-        sliding_window=_sliding_window(cfg, mt, _need(cfg, "num_hidden_layers", path), path),
-        torch_dtype=_dtype_name(cfg, path), raw_config=cfg)
+        sliding_window=None, torch_dtype=_dtype_name(cfg, path), raw_config=cfg, family=fam,
+        layer_types=all_layers(FULL, L), moe=moe)
+    if fam.configure is not None:
+        values.update(fam.configure(cfg, path, L))
+    _check_activation(fam, cfg, path)
+    if SLIDING in values["layer_types"]:
+        values["sliding_window"] = values["sliding_window"] or window(cfg, path)
+        if values["sliding_window"] is None:
+            raise UserError(path, "'layer_types' marks sliding_attention layers, but "
+                            "'sliding_window' is not set", _FIX)
+    else:
+        values["layer_types"] = ()  # all full: the plain causal path
+    return ModelSpec(**values)
 
 
 def load_config(model_dir: Path | str) -> dict:

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from slideformer.engine.models.spec import SUPPORTED, spec_from_config
-from slideformer.engine.models.weights import hf_name, item_layout, item_names, write_hf_folder
+from slideformer.engine.models.spec import FAMILIES, SUPPORTED, spec_from_config
+from slideformer.engine.models.weights import item_names, stored_shapes, write_hf_folder
 
 BOS, EOS, PAD, IM_START = "<|begin_of_text|>", "<|im_end|>", "<|pad|>", "<|im_start|>"
 CHAT_TEMPLATE = (
@@ -60,7 +60,17 @@ FAMILY_TOKENS = {
                           "<|endoftext|>", CHAT_TEMPLATE.removeprefix("{{ bos_token }}"),
                           QWEN_SPLIT),
 }
-FAMILY_TOKENS["qwen3"] = FAMILY_TOKENS["qwen2"]
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+"""Gemma's turn format (its real template also folds a system message into the first user turn)."""
+FAMILY_TOKENS["gemma3_text"] = FamilyTokens(
+    ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"), "<bos>",
+    "<end_of_turn>", "<pad>", GEMMA_TEMPLATE)
+for _a, _b in (("qwen3", "qwen2"), ("qwen3_moe", "qwen2"), ("mixtral", "mistral"),
+               ("olmo2", "llama"), ("smollm3", "llama")):
+    FAMILY_TOKENS[_a] = FAMILY_TOKENS[_b]
 
 _WORDS = ("the a model layer train token data learn small large fast slow reverse number sum "
           "answer question user assistant system write read one two three four five six seven "
@@ -118,12 +128,12 @@ class TinyShape:
 
 
 def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> dict:
-    """A config.json dict for a tiny model of family ``arch``."""
+    """A config.json dict for a tiny model of family ``arch``: every layer type of the family
+    present in 4 layers (sliding and full layers, a NoPE layer, experts routed top-2 of 4)."""
     if arch not in SUPPORTED:
         raise ValueError(f"arch must be one of {SUPPORTED}")
-    cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-           "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]
-    cfg = {"architectures": [cls], "model_type": arch, "vocab_size": shape.vocab,
+    cfg = {"architectures": [FAMILIES[arch].hf_class], "model_type": arch,
+           "vocab_size": shape.vocab,
            "hidden_size": shape.hidden, "intermediate_size": shape.intermediate,
            "num_hidden_layers": shape.layers, "num_attention_heads": shape.heads,
            "num_key_value_heads": shape.kv_heads, "hidden_act": "silu",
@@ -132,14 +142,32 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
            "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True}
     if shape.head_dim:
         cfg["head_dim"] = shape.head_dim
-    if arch == "llama":
+    hd = shape.head_dim or shape.hidden // shape.heads
+    if arch in ("llama", "olmo2", "smollm3"):
         cfg.update(attention_bias=False, mlp_bias=False)
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         cfg["sliding_window"] = None
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.layers)
-    if arch == "qwen3":
-        cfg.update(attention_bias=False, head_dim=shape.head_dim or shape.hidden // shape.heads)
+    if arch in ("qwen3", "qwen3_moe"):
+        cfg.update(attention_bias=False, head_dim=hd)
+    if arch == "mixtral":
+        cfg.update(num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+                   output_router_logits=False, intermediate_size=shape.intermediate // 2)
+    if arch == "qwen3_moe":
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate // 2,
+                   norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                   output_router_logits=False)
+    if arch == "smollm3":
+        cfg["no_rope_layer_interval"] = 4  # layer 3 of 4 has no RoPE
+    if arch == "gemma3_text":
+        del cfg["hidden_act"]
+        types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                 for i in range(shape.layers)]
+        cfg.update(hidden_activation="gelu_pytorch_tanh", head_dim=hd, attention_bias=False,
+                   query_pre_attn_scalar=hd + 8, sliding_window=8, layer_types=types,
+                   rope_theta=1e6, rope_local_base_freq=1e4, final_logit_softcapping=None,
+                   attn_logit_softcapping=None)
     if tok is not None:
         t = FAMILY_TOKENS[arch]
         cfg.update(bos_token_id=tok.token_to_id(t.bos) if t.bos else None,
@@ -150,15 +178,14 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
 def random_tensors(spec, seed: int):
     """Seeded random weights: N(0, 0.02) matrices, norms near 1, small biases."""
     g = torch.Generator().manual_seed(seed)
+    norm = 1.0 - spec.family.norm_offset  # Gemma stores weight - 1
     for item in item_names(spec):
-        for local, _, shape in item_layout(spec, item).entries:
-            if local.endswith("norm.weight"):
-                t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-            elif local.endswith("bias"):
-                t = 0.02 * torch.randn(shape, generator=g)
+        for name, shape in stored_shapes(spec, item):
+            if name.endswith("norm.weight"):
+                t = norm + 0.1 * torch.randn(shape, generator=g)
             else:
                 t = 0.02 * torch.randn(shape, generator=g)
-            yield hf_name(item, local), t
+            yield name, t
 
 
 def make_tiny_model(out: Path | str, arch: str = "llama", shape: TinyShape = TinyShape(),

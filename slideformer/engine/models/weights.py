@@ -39,6 +39,31 @@ def hf_name(item: str, local: str) -> str:
     return local if local == "lm_head.weight" else f"model.{local}"
 
 
+def stored_as(spec: ModelSpec, item: str, local: str) -> list[str]:
+    """The checkpoint names an item's tensor ``local`` is stored as: one, or one per expert
+    for stacked experts (their slices along dim 0, in order; ModelSpec.stored_names)."""
+    names = spec.stored_names(local) if item.startswith("layer") else [local]
+    return [hf_name(item, n) for n in names]
+
+
+def stored_views(spec: ModelSpec, item: str, views: dict) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """(checkpoint name, the view of the item's buffer it fills) for every stored tensor."""
+    for local, view in views.items():
+        names = stored_as(spec, item, local)
+        if len(names) == 1:
+            yield names[0], view
+        else:
+            yield from zip(names, view)
+
+
+def stored_shapes(spec: ModelSpec, item: str) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """(checkpoint name, shape) of every stored tensor of an item."""
+    for local, _, shape in item_layout(spec, item).entries:
+        names = stored_as(spec, item, local)
+        for name in names:
+            yield name, tuple(shape[1:]) if len(names) > 1 else tuple(shape)
+
+
 def item_names(spec: ModelSpec) -> list[str]:
     return ["embed"] + [f"layer{i}" for i in range(spec.num_layers)] + ["head"]
 
@@ -173,8 +198,8 @@ class Checkpoint:
     def check(self, spec: ModelSpec) -> None:
         """Every tensor the spec needs is present with the right shape (headers only)."""
         for item in item_names(spec):
-            for local, _, shape in item_layout(spec, item).entries:
-                self._meta_for(hf_name(item, local), shape)
+            for name, shape in stored_shapes(spec, item):
+                self._meta_for(name, shape)
 
     def _meta_for(self, name: str, shape: tuple) -> None:
         if name in self.meta and bnb4.is_quantised(self.meta, name):
@@ -210,8 +235,7 @@ class Checkpoint:
     def read_item(self, spec: ModelSpec, item: str, out: torch.Tensor) -> torch.Tensor:
         """Fill the flat buffer ``out`` with an item's tensors, converting dtype (4-bit
         weights are dequantised)."""
-        for local, view in item_layout(spec, item).views(out).items():
-            name = hf_name(item, local)
+        for name, view in stored_views(spec, item, item_layout(spec, item).views(out)):
             self._meta_for(name, view.shape)
             if bnb4.is_quantised(self.meta, name):
                 bnb4.dequantize(self, name, view)
@@ -226,7 +250,14 @@ class Checkpoint:
         layout = item_layout(spec, item)
         shapes = {local: shape for local, _, shape in layout.entries}
         for t in quant.tensors:
-            name = hf_name(item, t.name)
+            names = stored_as(spec, item, t.name)
+            if len(names) > 1:  # stacked experts: quantised as one tensor
+                for name in names:
+                    self._meta_for(name, t.shape[1:])
+                import torch
+                quant.quantize_tensor(t, torch.stack([self._finite(n) for n in names]), out)
+                continue
+            name = names[0]
             self._meta_for(name, t.shape)
             if bnb4.is_quantised(self.meta, name):
                 bnb4.copy_weight(self, name, t.shape, quant, t, out)

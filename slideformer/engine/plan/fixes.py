@@ -167,8 +167,8 @@ def _frozen_base(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list
     """Train adapters over a frozen base instead (LoRA), or over a 4-bit base (QLoRA): a
     different method, so never counted as exact."""
     from slideformer.engine.config import LoraConfig
-    from slideformer.engine.models.lora import lora_spec
-    lora = k.lora or lora_spec(LoraConfig())
+    from slideformer.engine.models.lora import for_model, lora_spec
+    lora = k.lora or for_model(lora_spec(LoraConfig()), ev.spec)
     methods = {"full": ("lora", "qlora"), "lora": ("qlora",)}.get(k.method, ())
     words = {"lora": "LoRA adapters over the frozen bf16 base",
              "qlora": "QLoRA: LoRA adapters over the base quantised to 4-bit NF4"}

@@ -15,7 +15,7 @@ from slideformer.engine.devices import (compute_dtype_name, device_kind, moments
                                         residual_dtype_name, torch_dtype)
 from slideformer.engine.errors import UserError
 from slideformer.engine.kernels import cpu_adam
-from slideformer.engine.models.lora import lora_spec
+from slideformer.engine.models.lora import for_model, lora_spec
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.budget import Budgets, resolve_budgets
 from slideformer.engine.plan.evaluate import SPEC_LAYERS, TIGHT, Evaluation, Evaluator, Knobs, TierUse
@@ -171,7 +171,7 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
                  precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
                  clip=o.max_grad_norm > 0, packed=cfg.data.packing, method=t.method,
                  regen=None if t.clip_regen == "auto" else t.clip_regen,
-                 lora=None if t.method == "full" else lora_spec(cfg.lora))
+                 lora=None if t.method == "full" else for_model(lora_spec(cfg.lora), spec))
 
 
 def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,

@@ -11,8 +11,7 @@ import torch
 
 from slideformer.engine.kernels import IGNORE
 from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
-from slideformer.engine.models.layers import rms_norm
-from slideformer.engine.models.model import head_weight
+from slideformer.engine.models.model import embed_scale, final_norm, head_weight
 from slideformer.engine.runtime.timeline import StepTimeline
 
 
@@ -35,10 +34,10 @@ class ResidentEnds:
         nw = head["norm.weight"].detach().requires_grad_(trained)
         loss = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         gys = []
-        for x, (_, labels, _, _) in zip(xs, inp):
+        for x, (_, labels, _) in zip(xs, inp):
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                h = rms_norm(x, nw, spec.rms_norm_eps, self.dtype)
+                h = final_norm(spec, nw, x, self.dtype)
             lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk,
                                         gw if trained else None)
             loss += lmb
@@ -65,8 +64,9 @@ class ResidentEnds:
         t0 = self.backend.mark()
         H = self.spec.hidden_size
         ge = self.embed_g.view(-1, H)
+        scale = embed_scale(self.spec, self.embed_w.dtype) or 1.0  # d(scale * E[id]) / dE[id]
         for gy, (ids, *_) in zip(gys, inp):
-            ge.index_add_(0, ids.reshape(-1), gy.reshape(-1, H).float())
+            ge.index_add_(0, ids.reshape(-1), gy.reshape(-1, H).float() * scale)
         self.group.reduce(self.embed_g)
         self.group.reduce(self.head_g)
         self.norm_sq += torch.linalg.vector_norm(self.embed_g).square()
@@ -93,7 +93,7 @@ class ResidentEnds:
         w = (self.spec.embed_layout.views(self.embed_w)["embed_tokens.weight"]
              if self.spec.tie_word_embeddings else head["lm_head.weight"])
         with torch.no_grad():
-            h = rms_norm(xs[0], head["norm.weight"], self.spec.rms_norm_eps, self.dtype)
+            h = final_norm(self.spec, head["norm.weight"], xs[0], self.dtype)
             loss = linear_ce_loss(h, w, inp[0][1], self.shape.head_chunk)
         for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
             if self.pool.has(i):

@@ -51,9 +51,10 @@ from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
 from slideformer.engine.kernels.attention import document_mask
 from slideformer.engine.kernels.dispatch import fp32_accumulate
-from slideformer.engine.models.layers import decoder_layer, layer_backward, rope_tables
+from slideformer.engine.models.inputs import LayerInputs
+from slideformer.engine.models.layers import decoder_layer, layer_backward
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
-from slideformer.engine.models.model import embed, positions_for
+from slideformer.engine.models.model import embed
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.runtime.activations import DeviceStore, HostStore
 from slideformer.engine.runtime.ends import ResidentEnds
@@ -90,7 +91,7 @@ def grads_into(spec: ModelSpec, g: torch.Tensor, dtype: torch.dtype) -> dict:
     if not (g.is_cuda and dtype != torch.float32 and fp32_accumulate("cuda")):
         return {}
     return {n: g[o:o + math.prod(sh)].view(sh) for n, o, sh in spec.layer_layout.entries
-            if n.endswith("_proj.weight")}
+            if n.endswith("_proj.weight") and len(sh) == 2}  # stacked experts: autograd's
 
 
 class SlidingExecutor(ResidentEnds):
@@ -322,11 +323,12 @@ class SlidingExecutor(ResidentEnds):
         dev = self.backend.device
         ids = mb.input_ids.to(dev, non_blocking=True)
         doc = None if mb.doc_ids is None else mb.doc_ids.to(dev, non_blocking=True)
-        rope = rope_tables(self.spec, positions_for(ids, doc), self.act)
-        # one mask per micro-batch (a BlockMask on CUDA: kernels.dispatch.kernel_path), reused
-        # by every layer's forward and recompute
-        mask = None if doc is None else document_mask(doc, self.spec.head_dim)
-        return ids, mb.labels.to(dev, non_blocking=True), rope, mask
+        # one mask per layer type and micro-batch (a BlockMask on CUDA:
+        # kernels.dispatch.kernel_path), reused by every layer's forward and recompute
+        hd = self.spec.head_dim
+        layers = LayerInputs.of_rows(self.spec, ids, doc, self.act,
+                                     lambda d, w: document_mask(d, hd, w))
+        return ids, mb.labels.to(dev, non_blocking=True), layers
 
     def forward_window(self, inp, tl: StepTimeline, save: bool = True) -> list[torch.Tensor]:
         """Layer-wise forward of every micro-batch; returns the last hidden states.
@@ -345,10 +347,10 @@ class SlidingExecutor(ResidentEnds):
                     self._prefetch(j, tl)
                 p = self._norm_views(f"layer{i}", spec.layer_layout.views(self._weights(i)))
                 t0 = self.backend.mark()
-                for mb, (_, _, rope, mask) in enumerate(inp):
+                for mb, (_, _, layers) in enumerate(inp):
                     if save:
                         self.store.save(i, mb, xs[mb])
-                    xs[mb] = decoder_layer(spec, p, xs[mb], rope, mask,
+                    xs[mb] = decoder_layer(spec, p, xs[mb], *layers.at(i),
                                            lora=self._adapters(i, mb, save))
                 tl.device_span("compute", self.layers[i].name, t0, self.backend.mark())
                 if i >= self.G:
@@ -406,8 +408,8 @@ class SlidingExecutor(ResidentEnds):
         g, slot = self._grad_buffer(i)
         g.zero_()
         t0 = self.backend.mark()
-        for mb, (_, _, rope, mask) in enumerate(inp):
-            gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], rope, mask, i, mb)
+        for mb, (_, _, layers) in enumerate(inp):
+            gys[mb] = self._layer_backward(w, g, self.store.load(i, mb), gys[mb], *layers.at(i), i, mb)
         self.group.reduce(g)
         return g, slot, t0
 

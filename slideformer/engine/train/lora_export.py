@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 
 from slideformer.engine.models.lora import PROJECTIONS, LoraSpec
 from slideformer.engine.models.spec import ModelSpec
-from slideformer.engine.models.weights import TOKENIZER_FILES, hf_name, item_layout, item_names, write_hf_folder
+from slideformer.engine.models.weights import (TOKENIZER_FILES, hf_name, item_layout, item_names,
+                                               stored_views, write_hf_folder)
 from slideformer.engine.runtime.lora import adapter_name
 
 PEFT_PREFIX = "base_model.model."
@@ -85,8 +86,7 @@ def merged_tensors(host, spec: ModelSpec, lora: LoraSpec):
                 w = PROJECTIONS[t]
                 weights[w + ".weight"] += lora.scaling * (ad[w + ".lora_B.weight"]
                                                           @ ad[w + ".lora_A.weight"])
-        for local, view in weights.items():
-            yield hf_name(name, local), view
+        yield from stored_views(spec, name, weights)
 
 
 def write_merged(out_dir: Path | str, host, spec: ModelSpec, lora: LoraSpec, base_model: str,

@@ -15,7 +15,8 @@ import torch
 
 from slideformer.engine.models.bnb4 import load_note
 from slideformer.engine.models.spec import ModelSpec
-from slideformer.engine.models.weights import Checkpoint, hf_name, item_layout, item_names, write_hf_folder
+from slideformer.engine.models.weights import (Checkpoint, item_layout, item_names, stored_views,
+                                               write_hf_folder)
 from slideformer.engine.runtime.host_state import HostItem
 from slideformer.engine.runtime.lora import FrozenItem, build_adapters
 
@@ -97,16 +98,15 @@ def _check_finite(ckpt: Checkpoint, spec: ModelSpec, item: str, flat: torch.Tens
     """Refuse weights holding NaN or infinity (training from them only yields NaN losses)."""
     if bool(torch.isfinite(flat).all()):
         return
-    for local, view in item_layout(spec, item).views(flat).items():
-        ckpt.check_finite(hf_name(item, local), view)
+    for name, view in stored_views(spec, item, item_layout(spec, item).views(flat)):
+        ckpt.check_finite(name, view)
 
 
 def master_tensors(host: dict[str, HostItem], spec: ModelSpec):
     """(checkpoint name, fp32 master) of every tensor, one item materialised at a time."""
     for name in item_names(spec):
         master = host[name].master()
-        for local, view in item_layout(spec, name).views(master).items():
-            yield hf_name(name, local), view
+        yield from stored_views(spec, name, item_layout(spec, name).views(master))
 
 
 def export_model(host, spec: ModelSpec, out_dir: Path | str, tokenizer_dir: Path | str,

@@ -32,7 +32,8 @@ from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, 
                            Timeline, read_events)
 from slideformer.engine.kernels import cpu_adam
 from slideformer.engine.kernels.attention import take_flex_fallback
-from slideformer.engine.models.spec import check_window, load_spec
+from slideformer.engine.models.lora import for_model
+from slideformer.engine.models.spec import load_spec
 from slideformer.engine.models.tokenizer import check_vocab, load_tokenizer
 from slideformer.engine.models.weights import Checkpoint
 from slideformer.engine.plan.planner import Plan, plan_run
@@ -131,7 +132,8 @@ class Trainer:
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
-        check_window(self.spec, cfg.data.max_seq_len, cfg.model.path)
+        if self.lora is not None:
+            self.lora = for_model(self.lora, self.spec)
         # headers only: weights that do not match config.json are named before any plan blames
         # the budgets for the sizes config.json claims
         Checkpoint(cfg.model.path).check(self.spec)

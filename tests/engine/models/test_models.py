@@ -38,7 +38,42 @@ VARIANTS = [
     pytest.param("llama", TinyShape(), {"attention_bias": True, "mlp_bias": True},
                  id="llama-biases"),
     pytest.param("mistral", TinyShape(kv_heads=6), None, id="mistral-mha"),
+    # sliding window 8 over 19-token rows: every query past the 8th loses keys
+    pytest.param("mistral", TinyShape(), {"sliding_window": 8}, id="mistral-window8"),
+    pytest.param("qwen2", TinyShape(), {"use_sliding_window": True, "sliding_window": 8,
+                                        "max_window_layers": 2}, id="qwen2-window8-layers2+"),
+    pytest.param("mixtral", TinyShape(), None, id="mixtral"),
+    pytest.param("mixtral", TinyShape(), {"sliding_window": 8}, id="mixtral-window8"),
+    pytest.param("qwen3_moe", TinyShape(), None, id="qwen3_moe"),
+    pytest.param("qwen3_moe", TinyShape(), {"norm_topk_prob": False}, id="qwen3_moe-unnormed"),
+    pytest.param("olmo2", TinyShape(), None, id="olmo2"),
+    pytest.param("smollm3", TinyShape(), None, id="smollm3"),
+    pytest.param("gemma3_text", TinyShape(), None, id="gemma3"),
+    pytest.param("gemma3_text", TinyShape(tie=False), {"rope_scaling": {
+        "rope_type": "linear", "factor": 4.0}}, id="gemma3-untied-rope_linear"),
 ]
+
+
+def hf_as_ours(spec, tensors: dict) -> dict:
+    """transformers' parameters (fused experts ``mlp.experts.gate_up_proj`` (E, 2I, H) and
+    ``down_proj``, the router as ``mlp.gate``) under the engine's names (one stacked tensor
+    per projection, under the family's checkpoint prefix)."""
+    m = spec.family.moe
+    if m is None:
+        return tensors
+    out = {}
+    for name, t in tensors.items():
+        base = name.rsplit(".mlp.", 1)[0]
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            gate, up = t.chunk(2, dim=1)
+            out[f"{base}.{m.stacked(m.gate)}"], out[f"{base}.{m.stacked(m.up)}"] = gate, up
+        elif name.endswith(".mlp.experts.down_proj"):
+            out[f"{base}.{m.stacked(m.down)}"] = t
+        elif name.endswith(".mlp.gate.weight"):
+            out[f"{base}.{m.router}"] = t
+        else:
+            out[name] = t
+    return out
 
 
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
@@ -90,7 +125,7 @@ def test_gradients_match_transformers(arch, shape, extra, tiny_model_factory, lo
     ref_loss.backward()
     assert rel_err(loss.detach(), ref_loss.detach()) < 1e-5
 
-    ref_grads = {name: p.grad for name, p in ref.named_parameters()}
+    ref_grads = hf_as_ours(ours.spec, {name: p.grad for name, p in ref.named_parameters()})
     ours_grads = {hf_name(item, local): g for item, flat, layout in ours.items()
                   for local, g in layout.views(flat.grad).items()}
     assert ours_grads.keys() == ref_grads.keys()
@@ -100,11 +135,13 @@ def test_gradients_match_transformers(arch, shape, extra, tiny_model_factory, lo
 
 
 @pytest.mark.parametrize("arch,shape,extra", [
-    v for v in VARIANTS if v.id in ("llama-rope_llama3", "qwen2-tied", "qwen3-head_dim24")])
+    v for v in VARIANTS if v.id in ("llama-rope_llama3", "qwen2-tied", "qwen3-head_dim24",
+                                    "mixtral", "qwen3_moe", "gemma3", "smollm3")])
 def test_folder_saved_by_transformers(arch, shape, extra, tiny_model_factory, tmp_path,
                                       load_dense, load_hf):
     """A folder written by save_pretrained: its config spelling (transformers 5 moves
-    rope_scaling into rope_parameters), its sharding, its tied-weight omissions."""
+    rope_scaling into rope_parameters, Gemma's RoPE per layer type), its sharding, its
+    tied-weight omissions, experts saved one tensor each (their checkpoints' names)."""
     src = tiny_model_factory(arch, shape, extra)
     ref = load_hf(src)
     ref.save_pretrained(tmp_path / "hf", max_shard_size="100KB")

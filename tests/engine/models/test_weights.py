@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 
 from slideformer.engine.models.tiny import TinyShape
-from slideformer.engine.models.weights import TOKENIZER_FILES, Checkpoint, hf_name, write_hf_folder
+from slideformer.engine.models.weights import (TOKENIZER_FILES, Checkpoint, hf_name, stored_views,
+                                               write_hf_folder)
 
 IDS = torch.randint(0, TinyShape().vocab, (2, 19), generator=torch.Generator().manual_seed(0))
 
@@ -20,8 +21,7 @@ IDS = torch.randint(0, TinyShape().vocab, (2, 19), generator=torch.Generator().m
 def named_tensors(model):
     """(checkpoint name, tensor) pairs of a DenseModel, as an exporter hands them over."""
     for item, flat, layout in model.items():
-        for local, t in layout.views(flat.detach()).items():
-            yield hf_name(item, local), t
+        yield from stored_views(model.spec, item, layout.views(flat.detach()))
 
 
 def hf_logits(model) -> torch.Tensor:

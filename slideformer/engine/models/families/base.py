@@ -1,0 +1,191 @@
+"""What a model family is: a declarative list of its differences from the Llama decoder layer.
+
+Every family here is one instance of :class:`Family` in a file of its own (``llama.py``,
+``gemma3.py``, ...). A decoder layer is attention and a feed-forward, each wrapped in RMSNorms
+whose placement the family names (:attr:`Family.norm`); the attention may add biases, per-head or
+whole-width q/k norms, a scale of its own, a sliding window on the layers ``layer_types`` marks,
+per-layer-type RoPE or none (NoPE layers); the feed-forward is a gated MLP or a mixture of
+experts (:class:`Moe`). config.json is read into these values by
+``models.spec.spec_from_config``, plus the family's own ``configure`` hook where its config
+spells something its own way: only the families whose transformers code reads ``layer_types``
+read it here (Llama's ignores it, Mistral windows every layer by ``sliding_window``).
+
+Adding a family: a file with its ``FAMILY = Family(...)`` (and a ``configure`` when its
+config.json needs one), its line in ``families/__init__.py``, and its tiny config in
+``models/tiny.py``; the tests against transformers pick it up from ``SUPPORTED``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from slideformer.engine.errors import UserError
+
+FIX = "use the config.json that came with the model's weights"
+FULL, SLIDING = "full_attention", "sliding_attention"
+"""The layer types of transformers' ``layer_types``."""
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A mixture-of-experts feed-forward: its tensor names and how its router combines experts.
+
+    The experts of a layer are stored stacked: one (E, out, in) tensor per projection, named
+    ``{experts}.{proj}.weight`` inside the engine, and written as E tensors
+    ``{experts}.{e}.{proj}.weight`` in Hugging Face checkpoints (their on-disk names)."""
+
+    router: str
+    """The router's weight (E, H), e.g. "mlp.gate.weight"."""
+    experts: str
+    """The experts' name prefix, e.g. "mlp.experts"."""
+    gate: str
+    up: str
+    down: str
+    """The projections' names under the prefix (Mixtral: w1, w3, w2)."""
+    count_keys: tuple[str, ...]
+    """config.json's names for the number of experts, the first present counts (Qwen3-MoE
+    writes "num_experts", transformers 5 saves it as "num_local_experts", Mixtral's name)."""
+    width_key: str
+    """config.json's width of one expert ("moe_intermediate_size"; Mixtral: "intermediate_size")."""
+    renormalise: bool | str
+    """Whether the top-k routing weights are renormalised to sum to 1: always (True), or as
+    the config key of that name says (Qwen3-MoE's "norm_topk_prob")."""
+
+    def stacked(self, proj: str) -> str:
+        return f"{self.experts}.{proj}.weight"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: its ``model_type`` and how its layer differs from Llama's."""
+
+    model_type: str
+    hf_class: str
+    """transformers' causal-LM class (the ``architectures`` of a config.json)."""
+    title: str
+    """The family's name as people say it (the app's model page)."""
+    norm: str = "pre"
+    """RMSNorm placement: "pre" (Llama: before attention and MLP), "post" (OLMo 2: on the
+    outputs of attention and MLP, before the residual add), "sandwich" (Gemma: both)."""
+    qk_norm: str | None = None
+    """RMSNorm of q and k: None, "head" (per head over head_dim: Qwen3, Gemma 3), or "full"
+    (over all heads at once, before the heads split: OLMo 2)."""
+    qkv_bias: bool = False
+    """q/k/v projections carry biases whatever ``attention_bias`` says (Qwen2)."""
+    norm_offset: float = 0.0
+    """The norms scale by (offset + weight): Gemma stores weight - 1 (offset 1)."""
+    embed_scale: bool = False
+    """The embedding is multiplied by sqrt(hidden_size) (Gemma)."""
+    act: str = "silu"
+    """The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    moe: Moe | None = None
+    """The feed-forward is a mixture of experts (every layer), or None: a gated MLP."""
+    configure: Callable[[dict, Path, int], dict] | None = field(default=None, compare=False)
+    """``configure(cfg, path, num_layers)`` -> ModelSpec field overrides for what this family's
+    config.json spells its own way (layer types, NoPE layers, RoPE per layer type)."""
+    refuse: tuple[tuple[str, object], ...] = ()
+    """(config key, the only value trained exactly): any other value is refused."""
+
+
+# ---- config.json readers shared by the families --------------------------------------------
+def positive_int(cfg: dict, key: str, path: Path, limit: int | None = None) -> int:
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise UserError(path, f"'{key}' is {v!r}, not a positive integer", FIX)
+    if limit is not None and v > limit:
+        raise UserError(path, f"'{key}' is {v:,}, more than any model of the supported "
+                        f"families has (at most {limit:,})", FIX)
+    return v
+
+
+def positive_real(cfg: dict, key: str, path: Path, default: float, below: float = math.inf) -> float:
+    v = default if cfg.get(key) is None else cfg[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < below:
+        rule = "a positive number" if below == math.inf else f"a number in (0, {below:g})"
+        raise UserError(path, f"'{key}' is {v!r}, not {rule}", FIX)
+    return float(v)
+
+
+def flag(cfg: dict, key: str, path: Path, default: bool = False) -> bool:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise UserError(path, f"'{key}' is {v!r}, not true or false", FIX)
+    return v
+
+
+def count(cfg: dict, key: str, path: Path) -> int:
+    """A non-negative integer of config.json."""
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise UserError(path, f"'{key}' is {v!r}, not a whole number >= 0", FIX)
+    return v
+
+
+def layer_types(cfg: dict, path: Path, num_layers: int) -> tuple[str, ...] | None:
+    """config.json's ``layer_types`` checked (one known type per layer), or None if absent."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise UserError(path, f"'layer_types' is {types!r}, not a list of names such as "
+                        '"full_attention"', FIX)
+    if len(types) != num_layers:
+        raise UserError(path, f"'layer_types' names {len(types)} layers, but "
+                        f"num_hidden_layers is {num_layers}", FIX)
+    unknown = sorted(set(types) - {FULL, SLIDING})
+    if unknown:
+        raise UserError(path, f"'layer_types' holds {', '.join(map(repr, unknown))}, a layer "
+                        "type this engine does not train (it knows full_attention and "
+                        "sliding_attention)", "use a model of a supported family")
+    return tuple(types)
+
+
+def window(cfg: dict, path: Path) -> int | None:
+    """config.json's ``sliding_window`` (a positive integer), or None when it is unset."""
+    return positive_int(cfg, "sliding_window", path) if cfg.get("sliding_window") else None
+
+
+def all_layers(kind: str, num_layers: int) -> tuple[str, ...]:
+    return (kind,) * num_layers
+
+
+# Keys each rope_scaling type needs (rope_inv_freq reads them).
+_ROPE_KEYS = {"linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings")}
+
+
+def rope_of(cfg: dict, path: Path, default_theta: float = 10000.0
+            ) -> tuple[float, tuple[tuple[str, object], ...] | None]:
+    """(theta, scaling as sorted items or None) of a config dict.
+
+    transformers < 5 writes ``rope_scaling`` (plus ``rope_theta``); transformers >= 5 writes one
+    ``rope_parameters`` dict holding both, and no ``rope_scaling``: read either spelling. A
+    ``rope_parameters`` per layer type (Gemma 3 in transformers >= 5) gives the full layers'.
+    """
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and isinstance(rp.get(FULL), dict):
+        cfg = {"rope_parameters": rp[FULL]}
+    for key in ("rope_scaling", "rope_parameters"):
+        if cfg.get(key) is not None and not isinstance(cfg[key], dict):
+            raise UserError(path, f"'{key}' is {cfg[key]!r}, not an object", FIX)
+    theta = positive_real(cfg if cfg.get("rope_theta") is not None else
+                          cfg.get("rope_parameters") or {}, "rope_theta", path, default_theta)
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    rs = {k: v for k, v in (cfg.get(key) or {}).items() if k != "rope_theta"}
+    kind = rs.get("rope_type", rs.get("type"))
+    if not rs or kind == "default":
+        return theta, None
+    if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+        raise UserError(path, f"{key} type {kind!r} is not supported",
+                        "supported: none, linear, llama3")
+    missing = [k for k in _ROPE_KEYS[kind] if isinstance(rs.get(k), bool)
+               or not isinstance(rs.get(k), (int, float)) or not 0 < rs[k] < math.inf]
+    if missing:
+        raise UserError(path, f"{key} of type {kind!r} lacks a positive "
+                        f"{', '.join(missing)}", FIX)
+    return theta, tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))

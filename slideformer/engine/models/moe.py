@@ -1,0 +1,69 @@
+"""A mixture-of-experts feed-forward on flat parameter views: router, routed experts, combine.
+
+For N tokens, E experts and top-k routing (Shazeer et al. 2017; Mixtral, Qwen3-MoE):
+
+    probs = softmax(x Wr^T)               (N, E), in fp32
+    w, e  = topk(probs, k)                (N, k): each token's experts and their weights
+    w     = w / sum(w)                    when the family renormalises
+    y[n]  = sum_j w[n, j] * down_e(act(gate_e(x[n])) * up_e(x[n])),  e = e[n, j]
+
+The N*k (token, expert) pairs are sorted by expert, so each expert's tokens are one contiguous
+block; the three projections are then grouped matmuls over those blocks (``F.grouped_mm`` on
+CUDA in 16-bit: one kernel per projection, no loop over experts), a loop over the blocks on the
+CPU (the reference path). Gradients are autograd's through these ops, routing weights included
+(the expert choice itself is piecewise constant and has none, as in transformers).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slideformer.engine.kernels.dispatch import count_launch
+
+
+def _grouped_kernel(x: torch.Tensor) -> bool:
+    """Whether x's expert blocks go through one grouped-matmul kernel (CUDA, 16-bit)."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and hasattr(F, "grouped_mm"))
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
+                   ends: torch.Tensor | None) -> torch.Tensor:
+    """Block b of x (rows by ``counts``, expert order) times ``w[b]^T``: (M, in) -> (M, out).
+
+    ``w``: (E, out, in), stacked experts. ``ends``: int32 cumulative counts (the grouped
+    kernel's offsets), or None on the reference path."""
+    if ends is not None:
+        count_launch("grouped_mm")
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    blocks = torch.split(x, counts.tolist())
+    return torch.cat([F.linear(xb, w[e]) for e, xb in enumerate(blocks)])
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool):
+    """(weights (N, k) in fp32, expert ids (N, k)) from router logits (N, E)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    w, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids
+
+
+def moe_ffn(spec, p: dict, h: torch.Tensor, act) -> torch.Tensor:
+    """The experts' output for normed input h (B, T, H) -> (B, T, H); ``act(g, u)`` is the
+    family's gated activation."""
+    m, s = spec.family.moe, spec.moe
+    B, T, H = h.shape
+    x = h.reshape(-1, H)  # (N, H)
+    w, ids = route(F.linear(x, p[m.router]), s.top_k, s.renormalise)  # (N, k)
+    flat = ids.reshape(-1)  # (N*k,) pair j*k + slot
+    order = torch.argsort(flat, stable=True)  # pairs sorted by expert
+    counts = torch.bincount(flat, minlength=s.experts)  # (E,)
+    ends = counts.cumsum(0).to(torch.int32) if _grouped_kernel(x) else None
+    token = order // s.top_k  # (N*k,) the token of each sorted pair
+    xs = x[token]  # (N*k, H)
+    z = act(grouped_linear(xs, p[m.stacked(m.gate)], counts, ends),
+            grouped_linear(xs, p[m.stacked(m.up)], counts, ends))  # (N*k, I)
+    y = grouped_linear(z, p[m.stacked(m.down)], counts, ends)  # (N*k, H)
+    y = (y.float() * w.reshape(-1)[order, None]).to(x.dtype)
+    return x.new_zeros(x.shape).index_add(0, token, y).view(B, T, H)
