@@ -7,7 +7,6 @@ temporary name and renamed when complete.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -21,7 +20,7 @@ import torch
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.gguf.kinds import EXPORT_KINDS
-from slideformer.engine.gguf.names import arch_name, qk_heads, tensor_names, to_gguf_order
+from slideformer.engine.gguf.names import arch_name, norm_shift, qk_heads, tensor_names, to_gguf_order
 from slideformer.engine.gguf.tokenizer import gguf_vocab
 from slideformer.engine.models.layers import rope_inv_freq
 from slideformer.engine.models.spec import ModelSpec, load_spec
@@ -97,6 +96,8 @@ def _tensors(model_dir: Path, spec: ModelSpec, planned: list[Planned]) -> Iterat
             w = view.numpy()
             if (heads := qk_heads(spec, hf)) is not None:
                 w = to_gguf_order(w, heads)
+            if shift := norm_shift(spec, hf):
+                w = w + shift
             yield convert(w, by_name[hf].qtype)
     ckpt.close()
 
@@ -122,6 +123,8 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
     if rs.get("rope_type", rs.get("type")) == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rs["factor"]))
+    if spec.sliding_window is not None and spec.model_type == "gemma3_text":
+        w.add_sliding_window(spec.sliding_window)
     _write_tokenizer(w, spec, model_dir)
 
 
@@ -132,7 +135,11 @@ def _write_tokenizer(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path) -> No
     w.add_tokenizer_pre(meta["pre"])
     w.add_token_list(meta["tokens"])
     w.add_token_types(meta["token_type"])
-    w.add_token_merges(meta["merges"])
+    if meta["model"] == "llama":  # SentencePiece: merges by score, spaces as they are
+        w.add_token_scores(meta["scores"])
+        w.add_add_space_prefix(False)
+    else:
+        w.add_token_merges(meta["merges"])
     ids = {t: i for i, t in enumerate(meta["tokens"])}
     for token, add in ((tok.bos_token, w.add_bos_token_id), (tok.eos_token, w.add_eos_token_id),
                        (tok.pad_token, w.add_pad_token_id)):
@@ -204,5 +211,5 @@ def _rope_freqs(spec: ModelSpec) -> np.ndarray | None:
     rs = dict(spec.rope_scaling or ())
     if rs.get("rope_type", rs.get("type")) != "llama3":
         return None
-    plain = rope_inv_freq(dataclasses.replace(spec, rope_scaling=None))
-    return (plain / rope_inv_freq(spec)).numpy().astype(np.float32)
+    plain = rope_inv_freq(spec.head_dim, spec.rope_theta, None)
+    return (plain / rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)).numpy().astype(np.float32)

@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.gguf.names import GGUF_ARCHS, from_gguf_order, qk_heads, tensor_names
+from slideformer.engine.gguf.names import (GGUF_ARCHS, from_gguf_order, model_type_of, norm_shift, qk_heads,
+                                          tensor_names)
 from slideformer.engine.gguf.reader import GGUFFile
 from slideformer.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
 from slideformer.engine.models.spec import SUPPORTED, spec_from_config
@@ -32,7 +33,7 @@ def _family(g: GGUFFile) -> tuple[str, str]:
     # llama.cpp writes Mistral as "llama"; the name tells them apart (as transformers reads it)
     if arch == "llama" and "mistral" in str(g.get("general.name", "")).lower():
         return arch, "mistral"
-    return arch, arch
+    return arch, model_type_of(arch)
 
 
 def _float(v) -> float:
@@ -77,11 +78,26 @@ def gguf_config(g: GGUFFile) -> dict:
         cfg["mlp_bias"] = True
     if (rs := _rope_scaling(g, arch)) is not None:
         cfg["rope_scaling"] = rs
+    if family == "gemma3_text":
+        cfg.update(_gemma3(g, arch, shape))
     for key, gkey in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         if g.get(f"tokenizer.ggml.{gkey}") is not None:
             cfg[key] = int(g.get(f"tokenizer.ggml.{gkey}"))
     return cfg
+
+
+def _gemma3(g: GGUFFile, arch: str, shape: TinyShape) -> dict:
+    """Gemma 3's config keys as llama.cpp derives them: every 6th layer full, the others
+    windowed with RoPE base 10000; scores scaled by 1/sqrt(head_dim), except the 27B's
+    (62 layers: 1/sqrt(hidden / heads))."""
+    every = g.get(f"{arch}.attention.sliding_window_pattern") or 6
+    scalar = shape.hidden // shape.heads if shape.layers == 62 else (shape.head_dim or
+                                                                    shape.hidden // shape.heads)
+    return {"sliding_window": _required(g, f"{arch}.attention.sliding_window"),
+            "layer_types": ["sliding_attention" if (i + 1) % every else "full_attention"
+                            for i in range(shape.layers)],
+            "query_pre_attn_scalar": scalar, "rope_local_base_freq": 10000.0}
 
 
 def _required(g: GGUFFile, key: str) -> int:
@@ -126,6 +142,8 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
             w = np.require(g.tensor(gg), requirements="W")  # mapped F32 data is read-only
             if (heads := qk_heads(spec, hf)) is not None:
                 w = from_gguf_order(w, heads)
+            if shift := norm_shift(spec, hf):
+                w = w - shift
             yield torch.from_numpy(w)
             if progress is not None:
                 progress(i + 1, len(names))
@@ -134,7 +152,8 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
     write_streamed_shards(tmp, shapes, tensors(), max_shard_bytes)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save(str(tmp / "tokenizer.json"))
-    tc = tokenizer_config(tok_meta, g.get("tokenizer.chat_template"), spec.max_position_embeddings)
+    template = g.get("tokenizer.chat_template") or spec.family.chat_template
+    tc = tokenizer_config(tok_meta, template, spec.max_position_embeddings)
     (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False))
     return publish_dir(tmp, out)
 

@@ -13,25 +13,43 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
+from slideformer.engine.errors import UserError
+from slideformer.engine.models.families import FAMILIES
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.models.weights import hf_name, item_layout, item_names
 
-# Hugging Face model_type -> GGUF general.architecture. Mistral is "llama" in llama.cpp's
-# converter; the family survives through general.name (transformers' loader reads it so).
-ARCH = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA,
-        "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+# Hugging Face model_type -> GGUF general.architecture (each family's ``gguf``). Mistral is
+# "llama" in llama.cpp's converter; the family survives through general.name (transformers'
+# loader reads it so).
+ARCH = {mt: gguf.MODEL_ARCH[f.gguf.upper()] for mt, f in FAMILIES.items() if f.gguf}
 GGUF_ARCHS = {gguf.MODEL_ARCH_NAMES[a]: a for a in ARCH.values()}
-"""GGUF architecture name ("llama", "qwen2", "qwen3") -> MODEL_ARCH."""
+"""GGUF architecture name ("llama", "qwen2", "gemma3", ...) -> MODEL_ARCH."""
 PERMUTED_ARCHS = ("llama",)
 
 
 def arch_name(model_type: str) -> str:
     """The GGUF ``general.architecture`` of a Hugging Face family."""
+    if model_type not in ARCH:
+        raise UserError(f"model_type {model_type}", "has no GGUF conversion here yet",
+                        f"GGUF import and export support {', '.join(ARCH)}; export the "
+                        "Hugging Face folder and convert it with llama.cpp's convert_hf_to_gguf.py")
     return gguf.MODEL_ARCH_NAMES[ARCH[model_type]]
+
+
+def model_type_of(arch: str) -> str:
+    """The first family (in SUPPORTED order) stored as GGUF architecture ``arch``."""
+    return next(mt for mt, a in ARCH.items() if gguf.MODEL_ARCH_NAMES[a] == arch)
+
+
+def norm_shift(spec: ModelSpec, hf: str) -> float:
+    """What llama.cpp's converter adds to tensor ``hf`` (Gemma's norms: weight - 1 is stored
+    in Hugging Face checkpoints, the full scale in GGUF)."""
+    return spec.family.norm_offset if hf.endswith("norm.weight") else 0.0
 
 
 def tensor_names(spec: ModelSpec) -> dict[str, str]:
     """Hugging Face checkpoint name -> GGUF tensor name, for every tensor of ``spec``."""
+    arch_name(spec.model_type)  # a family without a GGUF conversion: one clear message
     name_map = gguf.get_tensor_name_map(ARCH[spec.model_type], spec.num_layers)
     out = {}
     for item in item_names(spec):

@@ -2,8 +2,9 @@
 
 A GGUF file has no tokenizer.json; llama.cpp stores the vocabulary, merges, token types, the
 special token ids and the name of the pre-tokenizer (``tokenizer.ggml.pre``, how text is split
-before BPE). Only byte-level BPE (``tokenizer.ggml.model == "gpt2"``: GPT-2, SmolLM, Llama 3,
-Qwen) is supported: the families the engine trains use it.
+before BPE). Byte-level BPE (``tokenizer.ggml.model == "gpt2"``: GPT-2, SmolLM, Llama 3,
+Qwen) and SentencePiece BPE (``"llama"`` with per-token scores: Gemma) are imported; export
+writes byte-level BPE.
 
 The pre-tokenizers below are the ones llama.cpp names; each is written the way the original
 model's tokenizer.json writes it, so that export can recognise it again (:func:`pre_name`).
@@ -69,10 +70,12 @@ def build_tokenizer(meta: dict, where: Path) -> Tokenizer:
         where: the GGUF file (for messages).
     """
     kind = meta.get("model")
+    if kind == "llama":
+        return _sentencepiece(meta)
     if kind != "gpt2":
-        raise UserError(where, f"has a {kind!r} tokenizer; only byte-level BPE ('gpt2': "
-                               f"Llama 3, SmolLM, Qwen) can be imported",
-                        "use a GGUF of a model with a byte-level BPE tokenizer")
+        raise UserError(where, f"has a {kind!r} tokenizer; byte-level BPE ('gpt2': Llama 3, "
+                               "SmolLM, Qwen) and SentencePiece BPE ('llama': Gemma) can be "
+                               "imported", "use a GGUF of a model with one of those tokenizers")
     pre = PRE_ALIASES.get(meta.get("pre", "default"), meta.get("pre", "default"))
     if pre not in PRE_TOKENIZERS:
         raise UserError(where, f"uses the pre-tokenizer {meta.get('pre')!r}, which is not "
@@ -95,6 +98,48 @@ def build_tokenizer(meta: dict, where: Path) -> Tokenizer:
             special_tokens=[(tokens[bos], bos)])
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _sentencepiece(meta: dict) -> Tokenizer:
+    """A SentencePiece BPE vocabulary (llama.cpp's "llama" model: tokens, scores, types) as a
+    ``tokenizers`` BPE with byte fallback, the way Gemma's own tokenizer.json is built.
+
+    SentencePiece merges the adjacent pair whose merged piece scores highest; a BPE merge list
+    ranked by the merged piece's score (every split of a piece into two pieces of the
+    vocabulary) makes the same choices. Spaces are "▁" (U+2581); unknown bytes fall back to the
+    ``<0xNN>`` byte tokens.
+    """
+    from tokenizers import normalizers
+    tokens, scores = meta["tokens"], meta.get("scores") or [0.0] * len(meta["tokens"])
+    types = meta.get("token_type") or [NORMAL] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for t, i in vocab.items():
+        if types[i] != NORMAL:
+            continue
+        for k in range(1, len(t)):
+            a, b = t[:k], t[k:]
+            if a in vocab and b in vocab:
+                ranked.append((-scores[i], i, vocab[a], a, b))
+    merges = [(a, b) for *_, a, b in sorted(ranked)]
+    unk = meta.get("unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, fuse_unk=True,
+                               unk_token=tokens[unk] if unk is not None else None))
+    prefix = bool(meta.get("add_space_prefix"))
+    steps = [normalizers.Prepend("▁")] if prefix else []
+    tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
+    dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, k in zip(tokens, types) if k == CONTROL])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, k in zip(tokens, types) if k == USER_DEFINED])
+    bos = meta.get("bos_token_id")
+    if meta.get("add_bos_token") and bos is not None:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+            special_tokens=[(tokens[bos], bos)])
     return tok
 
 
@@ -130,9 +175,12 @@ def gguf_vocab(model_dir: Path, vocab_size: int) -> dict:
     path = model_dir / "tokenizer.json"
     tj = json.loads(path.read_text(encoding="utf-8"))
     model = tj.get("model", {})
+    if model.get("type") == "BPE" and model.get("byte_fallback"):
+        return _sentencepiece_vocab(tj, vocab_size, path)
     if model.get("type") != "BPE" or (tj.get("decoder") or {}).get("type") != "ByteLevel":
-        raise UserError(path, "is not a byte-level BPE tokenizer",
-                        "GGUF export supports byte-level BPE tokenizers (Llama 3, SmolLM, Qwen)")
+        raise UserError(path, "is neither a byte-level nor a SentencePiece BPE tokenizer",
+                        "GGUF export supports byte-level BPE (Llama 3, SmolLM, Qwen) and "
+                        "SentencePiece BPE with byte fallback (Gemma)")
     added = {a["id"]: a for a in tj.get("added_tokens", [])}
     vocab = dict(model["vocab"]) | {a["content"]: i for i, a in added.items()}
     if max(vocab.values()) >= vocab_size:
@@ -147,3 +195,27 @@ def gguf_vocab(model_dir: Path, vocab_size: int) -> dict:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     return {"model": "gpt2", "pre": pre_name(tj, path), "tokens": tokens, "token_type": types,
             "merges": merges}
+
+
+def _sentencepiece_vocab(tj: dict, vocab_size: int, path: Path) -> dict:
+    """llama.cpp's "llama" vocabulary of a SentencePiece BPE tokenizer.json: tokens, types
+    (<0xNN> pieces are BYTE) and scores. llama.cpp merges by score, so the scores only need
+    SentencePiece's order: a piece's is minus its id, as in Gemma's own file (its scores fall
+    with the id), and -1000 for the pieces that never merge."""
+    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+    vocab = dict(tj["model"]["vocab"]) | {a["content"]: i for i, a in added.items()}
+    if max(vocab.values()) >= vocab_size:
+        raise UserError(path, f"has token ids up to {max(vocab.values())}, beyond the "
+                              f"model's vocab_size {vocab_size}", "use the model's own tokenizer")
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types, scores = [UNUSED] * vocab_size, [-1000.0] * vocab_size
+    for t, i in vocab.items():
+        tokens[i], a = t, added.get(i)
+        if a is not None:
+            types[i] = CONTROL if a.get("special") else USER_DEFINED
+        elif len(t) == 6 and t.startswith("<0x") and t.endswith(">"):
+            types[i] = BYTE
+        else:
+            types[i], scores[i] = NORMAL, -float(i)
+    return {"model": "llama", "pre": "default", "tokens": tokens, "token_type": types,
+            "scores": scores, "merges": []}

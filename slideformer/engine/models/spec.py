@@ -222,14 +222,21 @@ class ModelSpec:
         return self.params_per_layer - (e.experts - e.top_k) * 3 * e.width * self.hidden_size
 
     @property
+    def ffn_width(self) -> int:
+        """Intermediate values a token's feed-forward forms: the MLP's width, or top-k times
+        one expert's (what the planner counts activation memory by)."""
+        return self.intermediate_size if self.moe is None else self.moe.top_k * self.moe.width
+
+    @property
     def active_params(self) -> int:
         return self.num_params - self.num_layers * (self.params_per_layer
                                                     - self.active_params_per_layer)
 
     def summary(self) -> dict:
         """Plain figures for display (GUI model page, ``slideformer info``)."""
-        return {"family": self.model_type, "layers": self.num_layers, "hidden": self.hidden_size,
-                "intermediate": self.intermediate_size, "heads": self.num_heads,
+        return {"family": self.model_type, "family_title": self.family.title,
+                "layers": self.num_layers, "hidden": self.hidden_size,
+                "intermediate": self.moe.width if self.moe else self.intermediate_size, "heads": self.num_heads,
                 "kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
                 "vocab": self.vocab_size, "parameters": self.num_params,
                 "active_parameters": self.active_params,
@@ -320,7 +327,7 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     """Build a :class:`ModelSpec` from a parsed config.json dict."""
     path = Path(path)
     mt = cfg.get("model_type")
-    if mt not in FAMILIES:
+    if not isinstance(mt, str) or mt not in FAMILIES:
         raise UserError(path, f"model_type {mt!r} is not supported",
                         f"choose a model of a supported family: {', '.join(SUPPORTED)}")
     fam = FAMILIES[mt]

@@ -36,6 +36,9 @@ class Plan:
     """Everything the planner predicts for a run (what the GUI's plan page draws)."""
     model_type: str
     total_params: int
+    active_params: int
+    """Parameters one token computes with (a mixture of experts: its routed experts only);
+    memory counts the total, FLOPs these."""
     device: str
     """cuda, or cpu (then the "gpu" tier is host memory too)."""
     compute_dtype: str
@@ -124,7 +127,8 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
     m_max, g_max = _max_batches(ev, knobs)
     rss_tiers = ("host",) if device == "cuda" else ("gpu", "host")
     p = knobs.precision
-    return Plan(model_type=spec.model_type, total_params=spec.num_params, device=device,
+    return Plan(model_type=spec.model_type, total_params=spec.num_params,
+                active_params=spec.active_params, device=device,
                 compute_dtype=str(p.compute).removeprefix("torch."),
                 moments_dtype=str(p.moments).removeprefix("torch."), exec_shape=base.shape,
                 allocations=base.allocs, tiers=base.tiers,

@@ -15,7 +15,9 @@ def _g(n: int | None) -> str:
 def format_plan(plan: Plan) -> str:
     """The text ``slideformer plan`` prints."""
     s, L = plan.exec_shape, next(a for a in plan.allocations if a.purpose == "parameter slots")
-    lines = [f"model: {plan.model_type}, {plan.total_params:,} parameters",
+    active = ("" if plan.active_params == plan.total_params else
+              f" ({plan.active_params:,} active per token: memory counts all, speed the active)")
+    lines = [f"model: {plan.model_type}, {plan.total_params:,} parameters{active}",
              f"run: {plan.device}, {plan.method}, {plan.compute_dtype} compute, "
              f"{plan.moments_dtype} moments, "
              f"micro-batch {s.micro_batch} x {s.seq_len} tokens x {s.n_micro} accumulated "

@@ -145,7 +145,7 @@ def _pipeline(n: int, stages: list[float]) -> float:
 def layer_flops(spec: ModelSpec, shape: ExecShape) -> tuple[float, float]:
     """(forward, recompute + backward) FLOPs of one decoder layer over all micro-batches."""
     B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
-    lin = 2.0 * spec.params_per_layer * B * T
+    lin = 2.0 * spec.active_params_per_layer * B * T  # a token computes with its experts only
     att = 2.0 * B * T * T * spec.num_heads * spec.head_dim  # QK^T and PV, half masked
     return n * (lin + att), n * (3 * lin + 3 * att)
 

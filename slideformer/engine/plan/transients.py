@@ -89,7 +89,7 @@ def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, ma
     """decoder_layer without autograd, one micro-batch, PyTorch ops: SwiGLU's gate, up, silu and
     product (N x I each) next to the residual and its norm (in the residual dtype); or RMSNorm's
     fp32 temporaries. ``masked``: attention takes a boolean document mask."""
-    c, H, I = prec.c, spec.hidden_size, spec.intermediate_size
+    c, H, I = prec.c, spec.hidden_size, spec.ffn_width
     mlp = N * ((4 * I + H) * c + H * prec.r)
     norm = N * H * (c + 12)  # x, and x.float(), its square, the normalised fp32 copy
     mask = B * T * T * c if masked else 0  # SDPA turns the bool mask into an additive one
@@ -144,7 +144,7 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     A ``frozen`` base's recompute runs decoder_layer under autograd (the adapters' grads), so
     the output exists; its norms save no normalised value (their weights need no grad).
     """
-    c, H, I, P = prec.c, spec.hidden_size, spec.intermediate_size, spec.params_per_layer
+    c, H, I, P = prec.c, spec.hidden_size, spec.ffn_width, spec.params_per_layer
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     norms = (4 if c < 4 else 0) + 4 + 4 * c  # per H element: norm1, norm2
     qk = (q + kv) * ((4 if c < 4 else c) + c) if spec.qk_norm else 0
@@ -204,7 +204,7 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
     dtype) or inside SDPA (its output, fp32 log-sum-exp per head, and the additive copy of a
     boolean mask, which lives only there). FlexAttention needs no such copy.
     """
-    c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.intermediate_size
+    c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.ffn_width
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     mlp = N * (3 * I * c + H * c + H * r)
     rotate = (q + kv) * (r + c) + kv * c if spec.qk_norm else 2 * q * c + 3 * kv * c
@@ -233,7 +233,7 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
     counted with the step (attention_masks). At the input norm's backward: the residual grad,
     the norm's dL/dx and their sum (residual dtype) and dL/dh (and a frozen base's output).
     """
-    c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.intermediate_size
+    c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.ffn_width
     nh, nkv = spec.num_heads, spec.num_kv_heads
     q, kv = nh * spec.head_dim, nkv * spec.head_dim
     qk = (2 * q + kv) * c + 4 * (nh + nkv) if spec.qk_norm else 0

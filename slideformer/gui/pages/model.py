@@ -25,20 +25,23 @@ from slideformer.gui.pages.gguf_actions import ensure_smollm2_model, import_gguf
 from slideformer.gui.workers.thread import run_task
 from slideformer.gui.widgets.common import ColumnScroll, action_row, page_header, set_state, status_label
 
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 NO_MODEL = ("No model chosen yet. Choose a Hugging Face model folder (config.json, "
             "*.safetensors, tokenizer.json), import a GGUF file, drop a folder onto this page, "
             "or create a demo model to try the app.")
 
 # Rows of the architecture summary: (label, how to write the engine's report).
 ROWS: tuple[tuple[str, object], ...] = (
-    ("Family", lambda r: f"{FAMILIES.get(r['family'], r['family'])}  (model_type {r['family']})"),
-    ("Layers", lambda r: f"{r['layers']}"),
-    ("Hidden size", lambda r: f"{r['hidden']}  (MLP {r['intermediate']})"),
+    ("Family", lambda r: f"{r['family_title']}  (model_type {r['family']})"),
+    ("Layers", lambda r: f"{r['layers']}: {r['layer_types']}"),
+    ("Hidden size", lambda r: f"{r['hidden']}  (MLP {r['intermediate']})" if not r["experts"]
+                              else f"{r['hidden']}  ({r['experts']} experts of width "
+                                   f"{r['intermediate']}, {r['experts_per_token']} per token)"),
     ("Attention heads", lambda r: f"{r['heads']} query / {r['kv_heads']} key-value  "
                                   f"(head dim {r['head_dim']})"),
     ("Vocabulary", lambda r: f"{r['vocab']:,} tokens"),
-    ("Parameters", lambda r: f"{r['parameters']:,}  ({human_count(r['parameters'])})"),
+    ("Parameters", lambda r: f"{r['parameters']:,}  ({human_count(r['parameters'])})"
+                             + ("" if r["active_parameters"] == r["parameters"] else
+                                f", {human_count(r['active_parameters'])} active per token")),
     ("Data type", lambda r: f"{r['dtype']}  (weights stored as {r['weights_dtype']})"
                             if r["weights_dtype"] else f"{r['dtype']}  (no weights yet)"),
     ("Tied embeddings", lambda r: "yes" if r["tied_embeddings"] else "no"),

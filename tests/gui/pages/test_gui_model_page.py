@@ -39,7 +39,7 @@ def test_shows_the_engines_figures_for_a_tiny_llama(qtbot, page, ctx, tiny_llama
     s = load_spec(tiny_llama).summary()
     f = {k: v.text() for k, v in page.fields.items()}
     assert f["Family"].startswith("Llama") and f"model_type {s['family']}" in f["Family"]
-    assert f["Layers"] == str(s["layers"])
+    assert f["Layers"] == f"{s['layers']}: {s['layers']} full"
     assert f["Hidden size"].startswith(f"{s['hidden']} ")
     assert f["Attention heads"].startswith(f"{s['heads']} query / {s['kv_heads']} key-value")
     assert f["Vocabulary"] == f"{s['vocab']:,} tokens"

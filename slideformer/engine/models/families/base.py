@@ -87,6 +87,11 @@ class Family:
     config.json spells its own way (layer types, NoPE layers, RoPE per layer type)."""
     refuse: tuple[tuple[str, object], ...] = ()
     """(config key, the only value trained exactly): any other value is refused."""
+    gguf: str | None = None
+    """llama.cpp's ``general.architecture`` for this family, where GGUF import and export are
+    supported (None: refused with a message)."""
+    chat_template: str | None = None
+    """The family's chat format, for imports whose file carries none (Gemma 3's GGUFs)."""
 
 
 # ---- config.json readers shared by the families --------------------------------------------

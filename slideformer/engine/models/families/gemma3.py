@@ -36,8 +36,20 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
             "sliding_window": window(cfg, path) or 4096}  # Gemma3TextConfig's default
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}"
+    "{% for m in turns %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else 'user' }}\n"
+    "{% if loop.first and system %}{{ system }}\n\n{% endif %}"
+    "{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+"""Gemma's turns (``<start_of_turn>user`` / ``model``, a system message folded into the first
+user turn), for GGUF files that carry no template."""
+
 FAMILY = Family(
     "gemma3_text", "Gemma3ForCausalLM", "Gemma 3", norm="sandwich", qk_norm="head",
     norm_offset=1.0, embed_scale=True, act="gelu_tanh", configure=configure,
     refuse=(("final_logit_softcapping", None), ("attn_logit_softcapping", None),
-            ("use_bidirectional_attention", False)))
+            ("use_bidirectional_attention", False)),
+    gguf="gemma3", chat_template=CHAT_TEMPLATE)

@@ -4,4 +4,4 @@ Pre-norm RMSNorm, grouped-query attention with RoPE (plain, linear or llama3 sca
 """
 from slideformer.engine.models.families.base import Family
 
-FAMILY = Family("llama", "LlamaForCausalLM", "Llama")
+FAMILY = Family("llama", "LlamaForCausalLM", "Llama", gguf="llama")

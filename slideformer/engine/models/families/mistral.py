@@ -10,4 +10,5 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
     return {"layer_types": all_layers(SLIDING if window(cfg, path) else FULL, num_layers)}
 
 
-FAMILY = Family("mistral", "MistralForCausalLM", "Mistral", configure=configure)
+FAMILY = Family("mistral", "MistralForCausalLM", "Mistral", configure=configure,
+                gguf="llama")

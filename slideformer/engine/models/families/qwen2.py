@@ -22,4 +22,5 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
     return {"layer_types": types}
 
 
-FAMILY = Family("qwen2", "Qwen2ForCausalLM", "Qwen2", qkv_bias=True, configure=configure)
+FAMILY = Family("qwen2", "Qwen2ForCausalLM", "Qwen2", qkv_bias=True, configure=configure,
+                gguf="qwen2")

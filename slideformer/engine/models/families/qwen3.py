@@ -2,4 +2,5 @@
 from slideformer.engine.models.families.base import Family
 from slideformer.engine.models.families.qwen2 import configure
 
-FAMILY = Family("qwen3", "Qwen3ForCausalLM", "Qwen3", qk_norm="head", configure=configure)
+FAMILY = Family("qwen3", "Qwen3ForCausalLM", "Qwen3", qk_norm="head", configure=configure,
+                gguf="qwen3")

@@ -452,7 +452,7 @@ class PlanPage(QWidget):
         device = "on the GPU" if plan.device == "cuda" else "in host RAM"
         self.shape.setText(
             f"{batches}<br><span style='color:gray'>{html.escape(name)} ({plan.model_type}, "
-            f"{human_count(plan.total_params)} parameters) on {plan.device}: {s.slots} layer slots "
+            f"{human_count(plan.total_params)} parameters{_active(plan)}) on {plan.device}: {s.slots} layer slots "
             f"{device}, checkpoints {device if s.checkpoints == 'gpu' else 'in host RAM'}, "
             f"{_device_items(s)}"
             f"{plan.compute_dtype} compute, {plan.moments_dtype} moments.</span>")
@@ -478,3 +478,7 @@ def _device_items(shape) -> str:
     layers = f" and {shape.device_layers} layers" if shape.device_layers else ""
     return f"embedding, head{layers} updated on the GPU, "
 
+
+def _active(plan) -> str:
+    """", 3.3B active" for a mixture of experts, else nothing."""
+    return "" if plan.active_params == plan.total_params else f", {human_count(plan.active_params)} active"
