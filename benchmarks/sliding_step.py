@@ -1,9 +1,10 @@
-"""Throughput and memory of the sliding engine on a random-init Llama-shaped model.
+"""Throughput and memory of the sliding engine on a random-init model of a SHAPES entry.
 
 Runs on the reference GPU machine: builds the host state with random weights (no checkpoint on
 disk), caps VRAM in-process to emulate a consumer card, runs warm-up and timed steps on random
 tokens, and prints one JSON line per configuration: tokens/s (median), the process's CPU time
-per step (for shared machines), model TFLOP/s (6 * N * tokens/s), peak VRAM allocated and
+per step (for shared machines), model TFLOP/s (6 * N * tokens/s, N the active parameters of
+a mixture of experts), peak VRAM allocated and
 reserved, peak host RSS, CPU update params/s (from the optimizer spans of the timeline) and the
 per-lane busy time of the last step. ``--device cpu --shape small`` runs on the CPU backend.
 
@@ -48,6 +49,22 @@ SHAPES = {  # published config.json values of the public models
     "mistral-large-2": dict(hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
                             num_attention_heads=96, num_key_value_heads=8, vocab_size=32768,
                             tie_word_embeddings=False, head_dim=128),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          tie_word_embeddings=False),
+    # the same layers, 8 of them (5.6 B parameters): an MoE whose full fine-tune the host holds
+    "qwen3-30b-a3b-8l": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                             norm_topk_prob=True, num_hidden_layers=8, num_attention_heads=32,
+                             num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                             tie_word_embeddings=False),
+    "small-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=688,  # CPU
+                      moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
+                      norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=2048,
+                      tie_word_embeddings=False),
     "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,  # CPU timings
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
                   tie_word_embeddings=False, head_dim=64),
@@ -58,9 +75,9 @@ SHAPES = {  # published config.json values of the public models
 
 
 def shape_config(name: str) -> dict:
-    """A config.json of the Llama-shaped model ``name`` (a key of SHAPES)."""
-    return dict(SHAPES[name], model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
-                max_position_embeddings=131072, torch_dtype="bfloat16")
+    """A config.json of the model ``name`` (a key of SHAPES; Llama unless it names a family)."""
+    return dict(dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
+                     max_position_embeddings=131072, torch_dtype="bfloat16"), **SHAPES[name])
 
 
 def shape_spec(name: str):
@@ -187,7 +204,7 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
                step_times_s=[round(t, 4) for t in times], drain_s=round(drain, 4),
                step_cpu_s=round(statistics.median(cpu[args.warmup:]), 4),
                tokens_per_s=round(tokens / med, 1),
-               model_tflops=round(6 * spec.num_params * tokens / med / 1e12, 1),
+               model_tflops=round(6 * spec.active_params * tokens / med / 1e12, 1),
                peak_vram_alloc_gib=_gib(torch.cuda.max_memory_allocated()) if cuda else None,
                peak_vram_reserved_gib=_gib(torch.cuda.max_memory_reserved()) if cuda else None,
                peak_rss_gib=round(peak_rss() / 2**30, 2),

@@ -10,7 +10,8 @@ from slideformer.engine.gguf.kinds import EXPORT_KINDS
 
 def register(sub) -> None:
     p = sub.add_parser("import-gguf", help="turn a GGUF file into a Hugging Face model folder")
-    p.add_argument("file", help="the .gguf file (llama, mistral, qwen2 or qwen3)")
+    p.add_argument("file", help="the .gguf file (llama, mistral, qwen2, qwen3, gemma3), or "
+                                "gemma3-270m: Gemma 3 270M from its pip packages")
     p.add_argument("--out", required=True, help="folder to create (bf16 safetensors)")
     p.set_defaults(func=_import)
 
@@ -22,10 +23,16 @@ def register(sub) -> None:
 
 
 def _import(a) -> int:
+    from platformdirs import user_cache_dir
+
+    from slideformer.engine.gguf.installed import GEMMA3, gemma3_gguf
     from slideformer.engine.gguf.importer import import_gguf
     from slideformer.engine.models.spec import load_spec
     t0 = time.perf_counter()
-    out = import_gguf(a.file, a.out)
+    src = a.file
+    if src == GEMMA3 and not Path(src).exists():
+        src = gemma3_gguf(Path(user_cache_dir("slideformer")) / "gguf")
+    out = import_gguf(src, a.out)
     spec = load_spec(out)
     print(f"created {out} ({spec.model_type}, {spec.num_layers} layers, "
           f"{spec.num_params:,} parameters) in {time.perf_counter() - t0:.1f} s")

@@ -21,10 +21,14 @@ import torch.nn.functional as F
 from slideformer.engine.kernels.dispatch import count_launch
 
 
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+"""torch's grouped matmul: ``F.grouped_mm`` in recent releases, ``torch._grouped_mm`` before
+(the same operator), None where this torch has neither."""
+
+
 def _grouped_kernel(x: torch.Tensor) -> bool:
     """Whether x's expert blocks go through one grouped-matmul kernel (CUDA, 16-bit)."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and hasattr(F, "grouped_mm"))
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _GROUPED_MM is not None
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
@@ -35,7 +39,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
     kernel's offsets), or None on the reference path."""
     if ends is not None:
         count_launch("grouped_mm")
-        return F.grouped_mm(x, w.transpose(-2, -1), offs=ends)
+        return _GROUPED_MM(x, w.transpose(-2, -1), offs=ends)
     blocks = torch.split(x, counts.tolist())
     return torch.cat([F.linear(xb, w[e]) for e, xb in enumerate(blocks)])
 

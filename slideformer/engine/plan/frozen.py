@@ -175,7 +175,7 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     L, P, k = spec.num_layers, spec.params_per_layer, max(1, min(shape.slots, spec.num_layers))
     B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
     tokens = B * T * n
-    lin = 2.0 * P * B * T * n
+    lin = 2.0 * spec.active_params_per_layer * B * T * n  # a token's experts only
     att = 2.0 * B * T * T * spec.num_heads * spec.head_dim * n
     head_f = 4.0 * tokens * spec.vocab_size * spec.hidden_size
     flops = L * (lin + att + 2 * lin + 3 * att) + head_f

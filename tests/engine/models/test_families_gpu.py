@@ -1,0 +1,81 @@
+"""The new families' GPU paths against their CPU references: the experts' grouped matmuls
+(``F.grouped_mm``, one kernel per projection) against the loop over expert blocks, and the
+sliding window as a FlexAttention BlockMask against the boolean mask; then every family's
+layer in bf16 on the GPU against the same layer in fp32."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from slideformer.engine.kernels.attention import (attend, document_block_mask,  # noqa: E402
+                                                  flex_available, packed_causal_mask)
+from slideformer.engine.kernels.dispatch import LAUNCHES  # noqa: E402
+from slideformer.engine.models import moe  # noqa: E402
+from slideformer.engine.models.spec import SUPPORTED, spec_from_config  # noqa: E402
+from slideformer.engine.models.layers import decoder_layer, rope_tables  # noqa: E402
+from slideformer.engine.models.tiny import TinyShape, random_tensors, tiny_config  # noqa: E402
+from slideformer.engine.models.weights import item_layout  # noqa: E402
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("tokens,experts", [(1000, 8), (4096, 128), (7, 16)])
+def test_grouped_experts_match_the_loop(tokens, experts):
+    """Forward and gradients of the three grouped projections, with empty experts included."""
+    g = torch.Generator("cuda").manual_seed(0)
+    H, I = 256, 128
+    ids = torch.randint(0, experts, (tokens,), generator=g, device="cuda")
+    order = torch.argsort(ids, stable=True)
+    counts = torch.bincount(ids, minlength=experts)
+    x = torch.randn(tokens, H, generator=g, device="cuda").to(torch.bfloat16)[order]
+    w = (torch.randn(experts, I, H, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    gy = torch.randn(tokens, I, generator=g, device="cuda").to(torch.bfloat16)
+    out = {}
+    for path in ("grouped", "loop"):
+        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        ends = counts.cumsum(0).to(torch.int32) if path == "grouped" else None
+        before = LAUNCHES["grouped_mm"]
+        y = moe.grouped_linear(xs, ws, counts, ends)
+        assert (LAUNCHES["grouped_mm"] > before) == (path == "grouped")
+        y.backward(gy)
+        out[path] = (y, xs.grad, ws.grad)
+    for a, b in zip(out["grouped"], out["loop"]):
+        assert rel(a, b) < 1e-2
+
+
+@pytest.mark.skipif(not flex_available("cuda", 64), reason="no FlexAttention")
+@pytest.mark.parametrize("T,window", [(256, 64), (300, 128), (1024, 512)])
+def test_windowed_block_mask_matches_the_boolean_mask(T, window):
+    g = torch.Generator("cuda").manual_seed(1)
+    q, k, v = (torch.randn(2, 4, T, 64, generator=g, device="cuda").to(torch.bfloat16)
+               for _ in range(3))
+    doc = (torch.arange(T, device="cuda") >= T // 3).long().expand(2, T).contiguous()
+    ref = attend(q, k, v, packed_causal_mask(doc, window), False, False)
+    got = attend(q, k, v, document_block_mask(doc, window), False, False)
+    assert rel(got, ref) < 1e-2
+
+
+@pytest.mark.parametrize("arch", SUPPORTED)
+def test_layer_in_bf16_on_the_gpu_matches_fp32(arch):
+    """One decoder layer per family on the GPU's kernels (fused norms, RoPE, grouped experts,
+    the window) in bf16, against the same layer in fp32 on the CPU reference path."""
+    spec = spec_from_config(tiny_config(arch, TinyShape(hidden=256, heads=4, kv_heads=2,
+                                                        intermediate=512)))
+    layout = item_layout(spec, "layer0")
+    flat = torch.cat([t.reshape(-1) for name, t in random_tensors(spec, 0)
+                      if ".layers.0." in name])  # the layer's tensors, one expert at a time
+    assert flat.numel() == layout.numel
+    x = torch.randn(2, 40, spec.hidden_size, generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(40).expand(2, 40)
+    outs = []
+    for dev, dt in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+        p = layout.views(flat.to(dev, dt))
+        rope = rope_tables(spec, pos.to(dev), dt) if spec.has_rope(0) else None
+        outs.append(decoder_layer(spec, p, x.to(dev, dt), rope).cpu())
+    assert rel(outs[1], outs[0]) < 3e-2
