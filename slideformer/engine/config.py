@@ -199,7 +199,8 @@ class LoraConfig:
     dropout: float = 0.0
     """lora_dropout: dropout probability on each adapter's input."""
     target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-    """Comma-separated projections of every decoder layer that get an adapter."""
+    """Comma-separated projections of every decoder layer that get an adapter (on Phi-3, any of
+    q/k/v_proj means its fused qkv_proj, gate/up_proj its gate_up_proj)."""
     use_rslora: bool = False
     """Rank-stabilised scaling alpha / sqrt(rank) (Kalajdzievski 2023)."""
     export_merged: bool = False

@@ -159,9 +159,13 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     """
     B, T, _ = h.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
-    q = linear(p, "self_attn.q_proj", h, lora)
-    k = linear(p, "self_attn.k_proj", h, lora)
-    v = linear(p, "self_attn.v_proj", h, lora)
+    if spec.family.fused:  # one projection, split after the matmul (Phi-3)
+        q, k, v = linear(p, "self_attn.qkv_proj", h, lora).split(
+            [nh * hd, nkv * hd, nkv * hd], dim=-1)
+    else:
+        q = linear(p, "self_attn.q_proj", h, lora)
+        k = linear(p, "self_attn.k_proj", h, lora)
+        v = linear(p, "self_attn.v_proj", h, lora)
     tables = v.dtype if rope is None else rope[0].dtype
     if spec.qk_norm == "full":  # over all heads at once, before they split (OLMo 2)
         q, k = norm(spec, p, "self_attn.q_norm", q), norm(spec, p, "self_attn.k_norm", k)
@@ -204,6 +208,8 @@ ACTIVATIONS = {"silu": swiglu, "gelu_tanh": geglu}
 def gated(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
     """The MLP up to its down projection's input: act(gate(h)) * up(h)."""
     act = ACTIVATIONS[spec.family.act]
+    if spec.family.fused:  # gate, then up, in one projection (Phi-3)
+        return act(*linear(p, "mlp.gate_up_proj", h, lora).chunk(2, dim=-1))
     return act(linear(p, "mlp.gate_proj", h, lora), linear(p, "mlp.up_proj", h, lora))
 
 
@@ -232,7 +238,7 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
     if _plain(spec, p):
         x, z = layer_to_down(spec, p, x, rope, mask, cache, lora)
         return x + linear(p, "mlp.down_proj", z, lora)
-    style, c = spec.family.norm, p["self_attn.q_proj.weight"].dtype
+    style, c = spec.family.norm, p["self_attn.o_proj.weight"].dtype
     h = x.to(c) if style == "post" else norm(spec, p, "input_layernorm", x, c)
     a = attention(spec, p, h, rope, mask, cache, lora)
     if style != "pre":
@@ -257,7 +263,7 @@ def layer_to_down(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None, ca
                   lora=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decoder_layer` of a pre-norm dense layer short of its last projection: (the mid
     residual x + attention, the gated MLP activation z that the down projection reads)."""
-    c = p["self_attn.q_proj.weight"].dtype
+    c = p["self_attn.o_proj.weight"].dtype
     x = x + attention(spec, p, norm(spec, p, "input_layernorm", x, c), rope, mask, cache, lora)
     return x, gated(spec, p, norm(spec, p, "post_attention_layernorm", x, c), lora)
 

@@ -25,8 +25,11 @@ from slideformer.engine.models.spec import Layout, ModelSpec
 PROJECTIONS = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
                "v_proj": "self_attn.v_proj", "o_proj": "self_attn.o_proj",
                "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-               "down_proj": "mlp.down_proj"}
-"""PEFT's target-module names -> the projection's name inside a decoder layer (layer order)."""
+               "down_proj": "mlp.down_proj",
+               "qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
+"""PEFT's target-module names -> the projection's name inside a decoder layer (the adapters'
+order; Phi-3's fused qkv_proj and gate_up_proj come last, so the others keep their places and
+their dropout seeds)."""
 
 
 @dataclass(frozen=True)
@@ -62,13 +65,19 @@ def lora_spec(cfg) -> LoraSpec:
                     tuple(t for t in PROJECTIONS if t in names), cfg.use_rslora)
 
 
+FUSED = {"qkv_proj": {"q_proj", "k_proj", "v_proj"}, "gate_up_proj": {"gate_proj", "up_proj"}}
+"""A fused projection gets an adapter when any of the projections it holds is a target."""
+
+
 def for_model(lora: LoraSpec, spec: ModelSpec) -> LoraSpec:
     """``lora`` with only the targets this model's layers have: in a mixture of experts the
     MLP names (gate_proj, up_proj, down_proj) match no tensor, so adapters train on attention
     and the experts and router stay frozen (PEFT's ``target_modules`` reaches no stacked
     experts either)."""
     present = set(spec.layer_layout.names())
-    kept = tuple(t for t in lora.targets if PROJECTIONS[t] + ".weight" in present)
+    wanted = set(lora.targets)
+    wanted |= {f for f, parts in FUSED.items() if wanted & parts}  # Phi-3's fused projections
+    kept = tuple(t for t in PROJECTIONS if t in wanted and PROJECTIONS[t] + ".weight" in present)
     if not kept:
         raise UserError("lora.target_modules", f"{','.join(lora.targets)} names no projection "
                         f"a {spec.model_type} layer has", "add q_proj,k_proj,v_proj,o_proj")

@@ -148,7 +148,9 @@ class ModelSpec:
         s: list[tuple[str, tuple[int, ...]]] = []
         if fam.norm != "post":
             s.append(("input_layernorm.weight", (h,)))
-        for proj, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+        qkv = ((("qkv_proj", q + 2 * kv),) if fam.fused else
+               (("q_proj", q), ("k_proj", kv), ("v_proj", kv)))
+        for proj, out in qkv:
             s.append((f"self_attn.{proj}.weight", (out, h)))
             if self.qkv_bias:
                 s.append((f"self_attn.{proj}.bias", (out,)))
@@ -173,7 +175,9 @@ class ModelSpec:
             return [(m.router, (e, h)), (m.stacked(m.gate), (e, i, h)),
                     (m.stacked(m.up), (e, i, h)), (m.stacked(m.down), (e, h, i))]
         i, s = self.intermediate_size, []
-        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+        mlp = ((("gate_up_proj", (2 * i, h)),) if self.family.fused else
+               (("gate_proj", (i, h)), ("up_proj", (i, h))))
+        for proj, shape in (*mlp, ("down_proj", (h, i))):
             s.append((f"mlp.{proj}.weight", shape))
             if self.mlp_bias:
                 s.append((f"mlp.{proj}.bias", (shape[0],)))

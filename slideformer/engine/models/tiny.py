@@ -69,7 +69,7 @@ FAMILY_TOKENS["gemma3_text"] = FamilyTokens(
     ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"), "<bos>",
     "<end_of_turn>", "<pad>", GEMMA_TEMPLATE)
 for _a, _b in (("qwen3", "qwen2"), ("qwen3_moe", "qwen2"), ("mixtral", "mistral"),
-               ("olmo2", "llama"), ("smollm3", "llama")):
+               ("olmo2", "llama"), ("olmo3", "llama"), ("smollm3", "llama"), ("phi3", "llama")):
     FAMILY_TOKENS[_a] = FAMILY_TOKENS[_b]
 
 _WORDS = ("the a model layer train token data learn small large fast slow reverse number sum "
@@ -143,9 +143,9 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
     if shape.head_dim:
         cfg["head_dim"] = shape.head_dim
     hd = shape.head_dim or shape.hidden // shape.heads
-    if arch in ("llama", "olmo2", "smollm3"):
+    if arch in ("llama", "olmo2", "olmo3", "smollm3"):
         cfg.update(attention_bias=False, mlp_bias=False)
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "phi3"):
         cfg["sliding_window"] = None
     if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=shape.layers)
@@ -158,6 +158,9 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
         cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate // 2,
                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                    output_router_logits=False)
+    if arch == "olmo3":  # three sliding layers of four, as Olmo3Config's default pattern
+        cfg.update(sliding_window=8, layer_types=["sliding_attention" if (i + 1) % 4 else
+                                                  "full_attention" for i in range(shape.layers)])
     if arch == "smollm3":
         cfg["no_rope_layer_interval"] = 4  # layer 3 of 4 has no RoPE
     if arch == "gemma3_text":

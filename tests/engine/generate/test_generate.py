@@ -81,9 +81,12 @@ def test_streamed_window_gives_the_resident_tokens(tiny_model_factory):
         streamed.close()
 
 
-def test_cached_chunks_give_the_dense_models_logits(tiny_model_factory, load_dense):
-    """Prompt in three chunks (the mask path for several new tokens over cached ones)."""
-    folder = tiny_model_factory("mistral")
+@pytest.mark.parametrize("arch,extra", [("mistral", None), ("mistral", {"sliding_window": 4}),
+                                        ("gemma3_text", None)], ids=["full", "window4", "gemma3"])
+def test_cached_chunks_give_the_dense_models_logits(tiny_model_factory, load_dense, arch, extra):
+    """Prompt in three chunks (the mask path for several new tokens over cached ones; with a
+    window shorter than the chunks, the windowed cache mask too)."""
+    folder = tiny_model_factory(arch, TinyShape(), extra)
     model = ChatModel(folder, mode="resident", device="cpu")
     prompt = model.prompt_ids(QUESTION)
     with torch.no_grad():

@@ -19,7 +19,7 @@ WINDOW = {"mistral": {"sliding_window": 8},
           "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
           "qwen3": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
           "smollm3": {"use_sliding_window": True, "sliding_window": 8},
-          "gemma3_text": {}}
+          "gemma3_text": {}, "olmo3": {}}
 
 
 @pytest.mark.parametrize("arch,extra,window", [

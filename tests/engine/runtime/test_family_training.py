@@ -35,7 +35,7 @@ from slideformer.engine.train.state import build_host_state, load_weights
 from tests.engine.models.test_models import hf_as_ours
 from tests.engine.runtime.test_sliding_equivalence import make_batches
 
-FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "smollm3", "gemma3_text"]
+FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "olmo3", "phi3", "smollm3", "gemma3_text"]
 STEPS = 3
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=1,
                     max_grad_norm=0.5)

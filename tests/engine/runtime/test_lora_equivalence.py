@@ -13,7 +13,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from slideformer.engine.config import LoraConfig, OptimConfig  # noqa: E402
-from slideformer.engine.models.lora import LoraForward, adapter_layout, lora_spec  # noqa: E402
+from slideformer.engine.models.lora import LoraForward, adapter_layout, for_model, lora_spec  # noqa: E402
 from slideformer.engine.models.layers import decoder_layer, rope_tables  # noqa: E402
 from slideformer.engine.models.model import positions_for  # noqa: E402
 from slideformer.engine.models.spec import load_spec  # noqa: E402
@@ -116,7 +116,8 @@ def assert_same(spec, lora, host, model, losses, ref_losses):
         assert rel < 1e-5, f"layer {i} adapters: relative difference {rel:.2e}"
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3",
+                                        "gemma3_text"])
 def family_model(request, tmp_path_factory):
     arch = request.param
     d = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", arch,
@@ -140,9 +141,10 @@ OPTIM = OptimConfig(lr=5e-3, weight_decay=0.1, schedule="cosine", warmup_steps=1
 
 
 def test_family_matches_peft(family_model):
-    """Every family (qwen2 tied), all seven projections, K=2 of 3 layers, clipping on."""
+    """Every family (qwen2 tied), all seven projections (an MoE's attention ones, Phi-3's two
+    fused ones), K=2 of 3 layers, clipping on."""
     spec, d = family_model
-    lora = lora_spec(LoraConfig(rank=4, alpha=8.0, target_modules=ALL))
+    lora = for_model(lora_spec(LoraConfig(rank=4, alpha=8.0, target_modules=ALL)), spec)
     steps = make_batches(spec, n_micro=2, B=1, T=16, seed=12)
     host = lora_host(spec, d, lora)
     model = peft_model(d, lora, host, spec)

@@ -82,6 +82,9 @@ class Family:
     """The gated MLP's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
     moe: Moe | None = None
     """The feed-forward is a mixture of experts (every layer), or None: a gated MLP."""
+    fused: bool = False
+    """q, k, v are one projection ``self_attn.qkv_proj`` and gate, up one ``mlp.gate_up_proj``
+    (Phi-3), split after the matmul."""
     configure: Callable[[dict, Path, int], dict] | None = field(default=None, compare=False)
     """``configure(cfg, path, num_layers)`` -> ModelSpec field overrides for what this family's
     config.json spells its own way (layer types, NoPE layers, RoPE per layer type)."""
@@ -194,3 +197,20 @@ def rope_of(cfg: dict, path: Path, default_theta: float = 10000.0
         raise UserError(path, f"{key} of type {kind!r} lacks a positive "
                         f"{', '.join(missing)}", FIX)
     return theta, tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))
+
+
+def rope_per_type(cfg: dict, path: Path, full_theta: float, local_theta: float) -> dict:
+    """ModelSpec fields of a family whose sliding layers have a RoPE of their own: transformers
+    >= 5 writes ``rope_parameters`` per layer type; older configs ``rope_theta`` (+
+    ``rope_scaling``) for the full layers and ``rope_local_base_freq`` for the sliding ones."""
+    rp = cfg.get("rope_parameters")
+    if isinstance(rp, dict) and (FULL in rp or SLIDING in rp):
+        for key in (FULL, SLIDING):
+            if not isinstance(rp.get(key) or {}, dict):
+                raise UserError(path, f"rope_parameters.{key} is {rp[key]!r}, not an object", FIX)
+        full = rope_of({"rope_parameters": rp.get(FULL) or {}}, path, full_theta)
+        local = rope_of({"rope_parameters": rp.get(SLIDING) or {}}, path, local_theta)
+    else:
+        full = rope_of(cfg, path, full_theta)
+        local = (positive_real(cfg, "rope_local_base_freq", path, local_theta), None)
+    return {"rope_theta": full[0], "rope_scaling": full[1], "local_rope": local}

@@ -8,9 +8,8 @@ Logit soft-capping (Gemma 2's) and bidirectional attention are refused.
 """
 from pathlib import Path
 
-from slideformer.engine.errors import UserError
-from slideformer.engine.models.families.base import (FIX, FULL, SLIDING, Family, layer_types,
-                                                     positive_int, positive_real, rope_of,
+from slideformer.engine.models.families.base import (FULL, SLIDING, Family, layer_types,
+                                                     positive_int, positive_real, rope_per_type,
                                                      window)
 
 
@@ -20,19 +19,8 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
         every = positive_int(cfg, "sliding_window_pattern", path) \
             if cfg.get("sliding_window_pattern") is not None else 6
         types = tuple(SLIDING if (i + 1) % every else FULL for i in range(num_layers))
-    rp = cfg.get("rope_parameters")
-    if isinstance(rp, dict) and (FULL in rp or SLIDING in rp):  # transformers >= 5
-        for key in (FULL, SLIDING):
-            if not isinstance(rp.get(key) or {}, dict):
-                raise UserError(path, f"rope_parameters.{key} is {rp[key]!r}, not an object", FIX)
-        full = rope_of({"rope_parameters": rp.get(FULL) or {}}, path, 1e6)
-        local = rope_of({"rope_parameters": rp.get(SLIDING) or {}}, path, 1e4)
-    else:  # rope_theta + rope_scaling for the full layers, rope_local_base_freq for the local
-        full = rope_of(cfg, path, 1e6)
-        local = (positive_real(cfg, "rope_local_base_freq", path, 1e4), None)
     scalar = positive_real(cfg, "query_pre_attn_scalar", path, 256.0)
-    return {"layer_types": types, "rope_theta": full[0], "rope_scaling": full[1],
-            "local_rope": local, "attn_scale": scalar ** -0.5,
+    return {"layer_types": types, **rope_per_type(cfg, path, 1e6, 1e4), "attn_scale": scalar ** -0.5,
             "sliding_window": window(cfg, path) or 4096}  # Gemma3TextConfig's default
 
 
