@@ -13,6 +13,16 @@ from slideformer.gui.capture import (WINDOW_SIZE, out_parser, print_paths, save,
 from slideformer.gui.pages.model import ensure_demo_model
 
 
+QWEN3_30B_A3B = {  # the published config.json's architecture values
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "output_router_logits": False}
+
+
 def render(out: Path) -> list[Path]:
     """Write one PNG per page and state into ``out``; returns their paths."""
     with studio_window(out) as (window, tmp):
@@ -45,6 +55,15 @@ def _shoot(window, tmp: Path, out: Path) -> list[Path]:
     window.set_theme("dark")
     written.append(save(window, out / "model-dark.png"))
     window.set_theme("light")
+
+    # A mixture of experts known by its config.json alone (planning before the download).
+    moe = tmp / "Downloads" / "Qwen3-30B-A3B"
+    moe.mkdir(parents=True)
+    (moe / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    page.load(str(moe))
+    wait_until(lambda: page.status.property("state") == "info")
+    wait_until(lambda: bool(page.fit.fits) and page.fit._asked is None, 180000)
+    written.append(save(window, out / "model-moe.png"))
 
     about = window.show_about()
     wait_until(lambda: about.values["CUDA"].text() != "…")

@@ -73,8 +73,10 @@ def _info(a) -> int:
     if a.json:
         print(json.dumps(report, indent=2))
     else:
-        for k, v in report.items():
-            if v is None or k == "config_only" and not v:
-                continue
-            print(f"{k:>16}: {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k:>16}: {v}")
+        shown = {k: v for k, v in report.items()
+                 if v is not None and not (k == "config_only" and not v)}
+        width = max(map(len, shown))
+        for k, v in shown.items():
+            v = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else v
+            print(f"{k:>{width}}: {v}")
     return 0

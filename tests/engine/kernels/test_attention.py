@@ -99,9 +99,17 @@ def test_flex_matches_boolean_mask_sdpa(B, nh, nkv, T, hd, monkeypatch):
     exact = grads(lambda a, b, c: F.scaled_dot_product_attention(
         a, b, c, attn_mask=bool_mask, enable_gqa=nh != nkv), [q.float(), k.float(), v.float()],
         gy.float())
+    # One key per query (T = 1): the exact dq and dk vanish (softmax over one key is constant);
+    # what a bf16 kernel leaves is the rounding of D = rowsum(dO * O) times k or q, about
+    # sqrt(hd) * 2^-8 * |dO| |v| |k| with random signs, taken twice as the scale of such a zero.
+    vanished = 2 ** -7 * hd ** 0.5 * (gy.abs().max() * v.abs().max()
+                                      * torch.stack([q.abs().max(), k.abs().max()]).max()).item()
     for g, r, e, name in zip(got, ref, exact, ("out", "dq", "dk", "dv")):
         top = e.abs().max().item()
         err, err_ref = (g.float() - e).abs().max().item(), (r.float() - e).abs().max().item()
+        if T == 1 and name in ("dq", "dk"):
+            assert err <= vanished, f"{name}: flex {err:.3g} where the exact value is 0"
+            continue
         assert err <= 2e-2 * top, f"{name}: flex vs fp32 SDPA {err:.3g} (max |ref| {top:.3g})"
         assert err <= 2 * err_ref + 2 ** -8 * top, (
             f"{name}: flex error {err:.3g} vs bf16 SDPA's {err_ref:.3g}")
