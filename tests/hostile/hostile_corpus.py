@@ -249,7 +249,7 @@ TRACEBACKS = [
          ("model.path", "UTF-8")),
     Case("run folder's parent is a file", train("--run-dir", "afile/run"), ("afile",),
          write("afile", "x")),
-    Case("token cache is a file", train(), (".token-cache",), write(".token-cache", "x")),
+    Case("token cache is a file", train(), (".token-cache", "is a file"), write(".token-cache", "x")),
     Case("checkpoints is a file", train(), ("checkpoints",), write("run/checkpoints", "x")),
     Case("hardware cache folder is a file", ("bench", "--hardware"), ("slideformer",),
          write("cache/slideformer", "x"), env={"XDG_CACHE_HOME": "{w}/cache"}),
@@ -401,6 +401,7 @@ def prepare_case(case: Case, pristine: Path, w: Path) -> dict:
 def check_outcome(case: Case, code: int, out: str, err: str) -> None:
     """The case's exit code; a refused input: one error line on stderr with its words."""
     assert "Traceback" not in err, err[-3000:]
+    assert "[Errno" not in out + err, (out + err)[-2000:]  # an OSError's text, not a message
     assert code == case.code, f"exit {code}, expected {case.code}: {err[-2000:]}"
     text = err if case.code else out + err
     if case.code:

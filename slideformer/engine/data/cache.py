@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from slideformer.engine.data.records import content_hash
+from slideformer.engine.errors import UserError
 from slideformer.engine.models.tokenizer import TokenizerInfo
 
 CACHE_VERSION = 2
@@ -66,11 +67,25 @@ def source_hash(cache_dir: Path, files: list[Path]) -> str:
         memo[key] = value
         while len(memo) > _MEMO_SIZE:  # oldest first (dicts keep insertion order)
             memo.pop(next(iter(memo)))
-        cache_dir.mkdir(parents=True, exist_ok=True)
+        make_folder(cache_dir)
         tmp = memo_path.with_name(f"hashes.json.tmp-{os.getpid()}")
         _write_json(tmp, memo)
         os.replace(tmp, memo_path)
     return value
+
+
+def make_folder(cache_dir: Path) -> None:
+    """``cache_dir`` as a folder, or one clear error (a file in its place, no permission)."""
+    if cache_dir.exists() and not cache_dir.is_dir():
+        raise UserError(cache_dir, "is a file where the token cache folder goes",
+                        "move or delete that file (the runs of this folder keep their "
+                        "tokenised data there)")
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(cache_dir, f"cannot be created as the token cache folder "
+                        f"({e.strerror or e})", "make its parent folder writable, or run "
+                        "from a folder you can write to") from None
 
 
 def read_meta(entry: Path) -> dict:
@@ -83,7 +98,7 @@ def cached(cache_dir: Path, name: str, build: Callable[[Path], dict]) -> tuple[P
     Returns:
         (folder, hit): hit is True when the entry already existed.
     """
-    cache_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(cache_dir)
     final = cache_dir / name
     if (final / META).is_file():
         return final, True

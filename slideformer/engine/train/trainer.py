@@ -13,6 +13,7 @@ checkpoint, saves its state when that state is sound, exports nothing, and conti
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import resource
@@ -473,12 +474,34 @@ class Trainer:
         """Everything but the tensors that a resume needs to continue exactly."""
         return {"step": self.step, "total_steps": self.total_steps,
                 "next_lr": self.hyper(1.0).lr, "data": self.stream.state_dict(),
-                "rng": rng_state(), "config": config_mod.to_dict(self.cfg)}
+                "rng": rng_state(), "config": config_mod.to_dict(self.cfg),
+                "model": self._model_figures()}
+
+    def _model_figures(self) -> dict:
+        """The model a checkpoint belongs to: config.json's figures (as ``info`` shows them)
+        and its tokenizer.json's digest (another tokenizer makes other token sequences)."""
+        tok = Path(self.cfg.model.path) / "tokenizer.json"
+        digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:16] if tok.is_file() else None
+        return {**{k: v for k, v in self.spec.summary().items() if k != "dtype"},
+                "tokenizer.json sha256": digest}
+
+    def _accept(self, meta: dict) -> None:
+        """Refuse a checkpoint of another model (named as such) or another data position."""
+        old, new = meta.get("model"), self._model_figures()
+        if old is not None and old != new:
+            diffs = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v]
+            was = meta.get("config", {}).get("model", {}).get("path", "?")
+            raise UserError(Path(self.cfg.model.path) / "config.json",
+                            "describes another model than the one this run's checkpoints were "
+                            f"trained from ({', '.join(diffs)})",
+                            f"resume with the model of the checkpointed run ({was}), or start "
+                            "a new run folder without --resume")
+        self.stream.load_state_dict(meta["data"])
 
     def _restore(self) -> None:
         """Load the newest checkpoint that verifies (a damaged one falls back to the previous)."""
         folder, meta = load_newest(self.run_dir / "checkpoints", state_tensors(self.host),
-                                   lambda m: self.stream.load_state_dict(m["data"]),
+                                   self._accept,
                                    lambda text: self.emit(Log("warning", text)))
         self.step = self._saved_step = int(meta["step"])
         self.executor.host_changed()

@@ -78,6 +78,13 @@ def only_unfinished_checkpoint(w: Path) -> None:
         d.rename(root / f".{d.name}.tmp")
 
 
+def other_tokenizer(w: Path) -> None:
+    """The run's model with another tokenizer (trained from another seed)."""
+    shutil.copytree(w / "model", w / "model3")
+    make_tiny_model(w / "tok", "llama", TinyShape(layers=1), seed=9)
+    shutil.copy2(w / "tok" / "tokenizer.json", w / "model3" / "tokenizer.json")
+
+
 def other_model(w: Path) -> None:
     make_tiny_model(w / "model2", "llama", TinyShape(layers=2, hidden=48, heads=2, kv_heads=1,
                                                      intermediate=48), seed=6)
@@ -170,6 +177,10 @@ CASES = {
                                  ["holds no intact checkpoint", "sha256"]),
     "checkpoint of another model": (other_model, resume("--model", "model2"),
                                     ["another model", "checkpointed run"]),
+    # the same architecture with another tokenizer: more rows of tokens, yet the model is named
+    "checkpoint of another tokenizer": (other_tokenizer, resume("--model", "model3"),
+                                        ["model3", "config.json", "another model",
+                                         "tokenizer.json sha256", "checkpointed run"]),
     "checkpoint of another precision": (None, resume("--set", 'train.compute_dtype="bfloat16"'),
                                         ["another model or precision"]),
     "resume with other batch settings": (None, resume("--micro-batch", "1"),
