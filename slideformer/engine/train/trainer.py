@@ -17,6 +17,7 @@ import hashlib
 import math
 import os
 import resource
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from slideformer.engine import config as config_mod
-from slideformer.engine.config import RunConfig, parse_bytes
+from slideformer.engine.config import RunConfig, format_bytes, parse_bytes
 from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shape, start_ranks
 from slideformer.engine.devices import (compute_dtype_name, moments_dtype_name, residual_dtype_name,
                                         torch_dtype)
@@ -152,6 +153,7 @@ class Trainer:
         self.total_steps = run_steps(cfg.train, self.stream.steps_per_epoch)
         self.tier = self._open_tier()
         self._build_state(shape, moments, resume)
+        self._check_disk(resume)
         self.ranks = start_ranks(cfg, self.host, shape, self.dtype, self.world,
                                  self.backend.is_cuda)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
@@ -428,6 +430,40 @@ class Trainer:
                            self.step))
         return "finished" if done else "stopped"
 
+    def _check_disk(self, resume: bool) -> None:
+        """Refuse a run whose folder's disk cannot hold one checkpoint and the final model (the
+        trained steps would have nowhere to go); warn when it cannot hold the checkpoints
+        ``train.keep_checkpoints`` keeps (one more is written before the oldest goes)."""
+        ckpt = checkpoint_bytes(state_tensors(self.host))
+        final = self._export_bytes()
+        root = self.run_dir if self.run_dir.exists() else self.run_dir.parent
+        free = shutil.disk_usage(root).free
+        if resume:  # what the run folder holds already stays; the new ones replace it in turn
+            free += sum(f.stat().st_size for f in (self.run_dir / "checkpoints").rglob("*")
+                        if f.is_file()) if (self.run_dir / "checkpoints").is_dir() else 0
+        need = ckpt + final
+        if free < need:
+            raise UserError(self.run_dir, f"is on a disk with {format_bytes(free)} free, but the "
+                            f"run needs {format_bytes(need)} there: a checkpoint of "
+                            f"{format_bytes(ckpt)} and the final model of {format_bytes(final)}",
+                            "free disk space, or set output.run_dir to a folder on a larger disk")
+        keep = max(1, self.cfg.train.keep_checkpoints)
+        if free < (keep + 1) * ckpt + final:
+            self.emit(Log("warning", f"{self.run_dir} has {format_bytes(free)} free: room for "
+                          f"fewer than the {keep} checkpoints train.keep_checkpoints keeps "
+                          f"({format_bytes(ckpt)} each, one more while a new one is written) "
+                          f"and the final model ({format_bytes(final)}); lower "
+                          "train.keep_checkpoints or free disk space"))
+
+    def _export_bytes(self) -> int:
+        """What ``final/`` takes: the model in its checkpoint dtype, or the adapters in fp32
+        (and, with lora.export_merged, the merged model beside them)."""
+        size = (torch_dtype(self.spec.torch_dtype) or torch.bfloat16).itemsize
+        if self.lora is None:
+            return self.spec.num_params * size
+        adapters = sum(item.numel for name, item in self.host.items() if is_adapter(name)) * 4
+        return adapters + (self.spec.num_params * size if self.cfg.lora.export_merged else 0)
+
     def export(self, out_dir: Path) -> Path:
         """The trained model (full), or the PEFT adapter folder (lora, qlora) and, with
         lora.export_merged, the merged model in ``<out_dir>-merged``."""
@@ -461,10 +497,12 @@ class Trainer:
             newest = checkpoints(root)
             kept = f"the newest complete checkpoint is {newest[0].name}" if newest else \
                 "there is no complete checkpoint yet"
+            then = RESUME if newest else ("then run the same command again without --resume "
+                                          "(no checkpoint holds this run's steps)")
             self._fail(f"could not write checkpoint step-{self.step} in {root}: "
                        f"{write_error(e, root, checkpoint_bytes(items))}; {kept}",
                        "free disk space (or lower train.keep_checkpoints, or move "
-                       f"output.run_dir to a larger disk), {RESUME}", save=False)
+                       f"output.run_dir to a larger disk), {then}", save=False)
             return None
         self._saved_step = self.step
         self.emit(CheckpointSaved(self.step, str(path)))

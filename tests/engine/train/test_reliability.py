@@ -23,8 +23,11 @@ import pytest
 import torch
 
 from slideformer.engine import config as config_mod
+from slideformer.engine.errors import UserError
 from slideformer.engine.events import CheckpointSaved, Log, RunState, StepMetrics, read_events
 from slideformer.engine.train.commands import run_training
+from slideformer.engine.train.checkpoint import checkpoint_bytes
+from slideformer.engine.train.state import state_tensors
 from slideformer.engine.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[3]
@@ -189,7 +192,9 @@ def test_run_that_saved_nothing_can_start_again_in_its_folder(run_cfg, reference
     cfg = run_cfg("again")
     _enospc_in(monkeypatch, ".step-1.tmp")  # its first checkpoint fails: nothing to resume
     assert run_training(cfg) == "failed"
-    assert "there is no complete checkpoint yet" in last_state(Path(cfg.output.run_dir)).message
+    message = last_state(Path(cfg.output.run_dir)).message
+    assert "there is no complete checkpoint yet" in message
+    assert "--resume" not in message.replace("without --resume", "")  # the advice is true
     monkeypatch.undo()
     assert run_training(cfg) == "finished"
     assert_same_run(Path(cfg.output.run_dir), reference())
@@ -235,6 +240,38 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_and_fails_cleanly(run_
     monkeypatch.undo()
     assert run_training(cfg, resume=True) == "finished"
     assert_same_run(run, reference())
+
+
+def _free_space(monkeypatch, free: int) -> None:
+    """The run folder's disk reports ``free`` bytes."""
+    real = shutil.disk_usage
+    monkeypatch.setattr("slideformer.engine.train.trainer.shutil.disk_usage",
+                        lambda p: real(p)._replace(free=free))
+
+
+def test_a_disk_too_small_for_a_checkpoint_is_refused_before_training(run_cfg, monkeypatch):
+    """The trained steps would have nowhere to go: refused at set-up, with the sizes."""
+    cfg = run_cfg("too-small")
+    _free_space(monkeypatch, 1000)
+    with pytest.raises(UserError) as e:
+        run_training(cfg)
+    assert "free, but the run needs" in e.value.problem and "a checkpoint of" in e.value.problem
+    assert "output.run_dir" in e.value.fix
+    events = Path(cfg.output.run_dir) / "events.jsonl"
+    assert not events.exists() or not [x for x in read_events(events) if isinstance(x, StepMetrics)]
+
+
+def test_room_for_fewer_checkpoints_than_kept_is_a_warning(run_cfg, monkeypatch):
+    probe = Trainer(run_cfg("probe"))
+    probe.setup()
+    one = checkpoint_bytes(state_tensors(probe.host)) + probe._export_bytes()
+    probe.cleanup()
+    cfg = run_cfg("tight-disk")
+    _free_space(monkeypatch, one + 1000)
+    assert run_training(cfg) == "finished"
+    warnings = [e.message for e in read_events(Path(cfg.output.run_dir) / "events.jsonl")
+                if isinstance(e, Log) and e.level == "warning" and "keep_checkpoints" in e.message]
+    assert len(warnings) == 1
 
 
 def test_disk_full_on_a_real_small_filesystem(base, run_cfg, reference, tmp_path):
