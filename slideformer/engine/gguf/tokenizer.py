@@ -85,20 +85,25 @@ def build_tokenizer(meta: dict, where: Path) -> Tokenizer:
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
-    # control tokens stay whole and are special; user-defined ones stay whole (llama.cpp
-    # matches both before BPE)
+    if not _added_and_bos(tok, meta, tokens, types):
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def _added_and_bos(tok: Tokenizer, meta: dict, tokens: list, types: list) -> bool:
+    """Control tokens stay whole and are special, user-defined ones stay whole (llama.cpp
+    matches both before BPE); bos is prepended when the file says so (returns whether)."""
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, k in zip(tokens, types) if k == CONTROL])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, k in zip(tokens, types) if k == USER_DEFINED])
     bos = meta.get("bos_token_id")
-    if meta.get("add_bos_token") and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], bos)])
-    else:
-        tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    return tok
+    if not (meta.get("add_bos_token") and bos is not None):
+        return False
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
+        special_tokens=[(tokens[bos], bos)])
+    return True
 
 
 def _sentencepiece(meta: dict) -> Tokenizer:
@@ -131,15 +136,7 @@ def _sentencepiece(meta: dict) -> Tokenizer:
     tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence(dec + ([decoders.Strip(" ", 1, 0)] if prefix else []))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, k in zip(tokens, types) if k == CONTROL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False)
-                    for t, k in zip(tokens, types) if k == USER_DEFINED])
-    bos = meta.get("bos_token_id")
-    if meta.get("add_bos_token") and bos is not None:
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-            special_tokens=[(tokens[bos], bos)])
+    _added_and_bos(tok, meta, tokens, types)
     return tok
 
 
