@@ -17,7 +17,6 @@ import hashlib
 import math
 import os
 import resource
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from slideformer.engine import config as config_mod
-from slideformer.engine.config import RunConfig, format_bytes, parse_bytes
+from slideformer.engine.config import RunConfig, parse_bytes
 from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shape, start_ranks
 from slideformer.engine.devices import (compute_dtype_name, moments_dtype_name, residual_dtype_name,
                                         torch_dtype)
@@ -53,6 +52,7 @@ from slideformer.engine.train.state import (build_frozen_state, build_host_state
 from slideformer.engine.validate import validate
 from slideformer.engine.models.lora import lora_spec
 from slideformer.engine.runtime.lora import init_adapters, is_adapter
+from slideformer.engine.train.space import check_space, export_bytes
 from slideformer.engine.train.lora_export import write_adapter, write_merged
 
 GiB = 1 << 30
@@ -431,38 +431,11 @@ class Trainer:
         return "finished" if done else "stopped"
 
     def _check_disk(self, resume: bool) -> None:
-        """Refuse a run whose folder's disk cannot hold one checkpoint and the final model (the
-        trained steps would have nowhere to go); warn when it cannot hold the checkpoints
-        ``train.keep_checkpoints`` keeps (one more is written before the oldest goes)."""
-        ckpt = checkpoint_bytes(state_tensors(self.host))
-        final = self._export_bytes()
-        root = self.run_dir if self.run_dir.exists() else self.run_dir.parent
-        free = shutil.disk_usage(root).free
-        if resume:  # what the run folder holds already stays; the new ones replace it in turn
-            free += sum(f.stat().st_size for f in (self.run_dir / "checkpoints").rglob("*")
-                        if f.is_file()) if (self.run_dir / "checkpoints").is_dir() else 0
-        need = ckpt + final
-        if free < need:
-            raise UserError(self.run_dir, f"is on a disk with {format_bytes(free)} free, but the "
-                            f"run needs {format_bytes(need)} there: a checkpoint of "
-                            f"{format_bytes(ckpt)} and the final model of {format_bytes(final)}",
-                            "free disk space, or set output.run_dir to a folder on a larger disk")
-        keep = max(1, self.cfg.train.keep_checkpoints)
-        if free < (keep + 1) * ckpt + final:
-            self.emit(Log("warning", f"{self.run_dir} has {format_bytes(free)} free: room for "
-                          f"fewer than the {keep} checkpoints train.keep_checkpoints keeps "
-                          f"({format_bytes(ckpt)} each, one more while a new one is written) "
-                          f"and the final model ({format_bytes(final)}); lower "
-                          "train.keep_checkpoints or free disk space"))
-
-    def _export_bytes(self) -> int:
-        """What ``final/`` takes: the model in its checkpoint dtype, or the adapters in fp32
-        (and, with lora.export_merged, the merged model beside them)."""
-        size = (torch_dtype(self.spec.torch_dtype) or torch.bfloat16).itemsize
-        if self.lora is None:
-            return self.spec.num_params * size
-        adapters = sum(item.numel for name, item in self.host.items() if is_adapter(name)) * 4
-        return adapters + (self.spec.num_params * size if self.cfg.lora.export_merged else 0)
+        """The run folder's disk holds a checkpoint and the final model (train.space)."""
+        lora = None if self.lora is None else self.cfg.lora.export_merged
+        check_space(self.run_dir, checkpoint_bytes(state_tensors(self.host)),
+                    export_bytes(self.spec, self.host, lora), self.cfg.train.keep_checkpoints,
+                    resume, lambda text: self.emit(Log("warning", text)))
 
     def export(self, out_dir: Path) -> Path:
         """The trained model (full), or the PEFT adapter folder (lora, qlora) and, with

@@ -27,6 +27,7 @@ from slideformer.engine.errors import UserError
 from slideformer.engine.events import CheckpointSaved, Log, RunState, StepMetrics, read_events
 from slideformer.engine.train.commands import run_training
 from slideformer.engine.train.checkpoint import checkpoint_bytes
+from slideformer.engine.train.space import export_bytes
 from slideformer.engine.train.state import state_tensors
 from slideformer.engine.train.trainer import Trainer
 
@@ -245,7 +246,7 @@ def test_disk_full_during_a_checkpoint_keeps_the_previous_and_fails_cleanly(run_
 def _free_space(monkeypatch, free: int) -> None:
     """The run folder's disk reports ``free`` bytes."""
     real = shutil.disk_usage
-    monkeypatch.setattr("slideformer.engine.train.trainer.shutil.disk_usage",
+    monkeypatch.setattr("slideformer.engine.train.space.shutil.disk_usage",
                         lambda p: real(p)._replace(free=free))
 
 
@@ -264,7 +265,8 @@ def test_a_disk_too_small_for_a_checkpoint_is_refused_before_training(run_cfg, m
 def test_room_for_fewer_checkpoints_than_kept_is_a_warning(run_cfg, monkeypatch):
     probe = Trainer(run_cfg("probe"))
     probe.setup()
-    one = checkpoint_bytes(state_tensors(probe.host)) + probe._export_bytes()
+    one = (checkpoint_bytes(state_tensors(probe.host))
+           + export_bytes(probe.spec, probe.host, None))
     probe.cleanup()
     cfg = run_cfg("tight-disk")
     _free_space(monkeypatch, one + 1000)
