@@ -20,7 +20,7 @@ from slideformer.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
 from slideformer.engine.models.spec import SUPPORTED, spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config
 from slideformer.engine.models.weights import (hf_name, item_layout, item_names, publish_dir, staging_dir,
-                                   write_streamed_shards)
+                                   stored_as, write_streamed_shards)
 
 
 def _family(g: GGUFFile) -> tuple[str, str]:
@@ -80,6 +80,9 @@ def gguf_config(g: GGUFFile) -> dict:
         cfg["rope_scaling"] = rs
     if family == "gemma3_text":
         cfg.update(_gemma3(g, arch, shape))
+    if family == "qwen3_moe":  # llama.cpp renormalises the top-k routing weights
+        cfg.update(num_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
+                   moe_intermediate_size=need("expert_feed_forward_length"), norm_topk_prob=True)
     for key, gkey in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         if g.get(f"tokenizer.ggml.{gkey}") is not None:
@@ -135,7 +138,9 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
     g.check_types()
     tok_meta = _tokenizer_meta(g)
     tok = build_tokenizer(tok_meta, g.path)  # before the weights: a bad tokenizer fails fast
-    shapes = [(hf, g.shape(gg)) for hf, gg in names.items()]
+    stored = _stored_names(spec)  # stacked experts: one checkpoint tensor per expert
+    shapes = [(name, g.shape(gg)[1:] if len(stored[hf]) > 1 else g.shape(gg))
+              for hf, gg in names.items() for name in stored[hf]]
 
     def tensors():
         for i, (hf, gg) in enumerate(names.items()):
@@ -144,7 +149,8 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
                 w = from_gguf_order(w, heads)
             if shift := norm_shift(spec, hf):
                 w = w - shift
-            yield torch.from_numpy(w)
+            t = torch.from_numpy(w)
+            yield from (t if len(stored[hf]) > 1 else [t])
             if progress is not None:
                 progress(i + 1, len(names))
 
@@ -156,6 +162,12 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
     tc = tokenizer_config(tok_meta, template, spec.max_position_embeddings)
     (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False))
     return publish_dir(tmp, out)
+
+
+def _stored_names(spec) -> dict[str, list[str]]:
+    """Engine tensor name (as :func:`tensor_names` keys them) -> its checkpoint names."""
+    return {hf_name(item, local): stored_as(spec, item, local) for item in item_names(spec)
+            for local in item_layout(spec, item).names()}
 
 
 def _check_tensors(g: GGUFFile, spec, names: dict[str, str]) -> None:

@@ -37,11 +37,13 @@ hf_logging.set_verbosity_error()
 # head_dim (128): a Qwen3 that transformers can read from GGUF has head_dim 128.
 SHAPES = {"llama": TinyShape(layers=2), "qwen2": TinyShape(layers=2),
           "qwen3": TinyShape(layers=2, head_dim=128), "mistral": TinyShape(layers=2),
-          "gemma3_text": TinyShape(layers=2, head_dim=256)}
+          "gemma3_text": TinyShape(layers=2, head_dim=256), "qwen3_moe": TinyShape(layers=2)}
 # What a Gemma 3 GGUF can say: llama.cpp takes every 6th layer as full and 1/sqrt(head_dim) as
 # the score scale, transformers' GGUF reader a query_pre_attn_scalar of 256; the tiny model
 # keeps to both (head_dim 256, two sliding layers).
-EXTRA = {"gemma3_text": {"layer_types": ["sliding_attention"] * 2, "query_pre_attn_scalar": 256}}
+EXTRA = {"gemma3_text": {"layer_types": ["sliding_attention"] * 2, "query_pre_attn_scalar": 256},
+         # transformers' GGUF reader keeps Qwen3MoeConfig's expert width (768)
+         "qwen3_moe": {"moe_intermediate_size": 768}}
 # Max |logit difference| of the exported file (loaded by transformers, fp32) from the source
 # folder (fp32); measured on these models: f16 4e-4, bf16 2.7e-3, q8_0 9.6e-3, q4_0 9.8e-2.
 TOLERANCE = {"f32": 1e-5, "f16": 2e-3, "bf16": 1e-2, "q8_0": 4e-2, "q4_0": 0.3}
@@ -60,7 +62,7 @@ def logits(model):
     return model(IDS).logits.float()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3_text"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3_text", "qwen3_moe"])
 def family(request, tiny_model_factory, tmp_path_factory):
     src = tiny_model_factory(request.param, SHAPES[request.param], EXTRA.get(request.param), seed=3)
     return request.param, src, tmp_path_factory.mktemp(f"gguf-{request.param}")
@@ -72,8 +74,13 @@ def test_export_loads_in_transformers_and_import_matches_it(family, kind):
     f = export_gguf(src, root / f"{kind}.gguf", kind)
     ref = logits(hf_model(src, torch.float32))
     theirs = hf_model(None, torch.float32, f)
-    assert type(theirs).__name__.lower().startswith(arch.removesuffix("_text"))
-    assert (logits(theirs) - ref).abs().max() <= TOLERANCE[kind]
+    assert type(theirs).__name__.lower().startswith(arch.removesuffix("_text").replace("_", ""))
+    bound = TOLERANCE[kind]
+    if arch == "qwen3_moe" and kind in ("q8_0", "q4_0"):
+        # quantisation noise can flip a token's top-k expert choice, which moves its output by
+        # a whole expert's share: measured 0.104 at q8_0 on this model
+        bound = max(bound, 0.3)
+    assert (logits(theirs) - ref).abs().max() <= bound
 
     ours = import_gguf(f, root / f"{kind}-imported")
     theirs, mine = hf_model(None, torch.bfloat16, f), hf_model(ours, torch.bfloat16)
