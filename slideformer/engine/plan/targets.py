@@ -6,8 +6,8 @@ name) or, for what nothing here tells, the assumed figures of :data:`ASSUMED` (m
 in the profile's name and notes). With no NVIDIA GPU here the plan is for the CPU backend,
 which is what ``train.device = "auto"`` runs here.
 
-A preset is a consumer or workstation GPU with its vendor-published memory, dense bf16 tensor
-throughput and PCIe link; its host figures (CPU AdamW, disk) are this machine's, measured or
+A preset is a consumer, workstation or data-centre GPU with its vendor-published memory, dense
+bf16 tensor throughput and PCIe link; its host figures (CPU AdamW, disk) are this machine's, measured or
 assumed, and the RAM and disk budgets are what the user types.
 """
 from __future__ import annotations
@@ -54,6 +54,9 @@ class GpuPreset:
 # - RTX 5080 / 5090: NVIDIA RTX Blackwell GPU Architecture whitepaper, Appendix A (112.6 /
 #   209.5); PCIe 5.0 x16.
 # - RTX A6000 (48 GB): NVIDIA RTX A6000 datasheet, 309.7 sparse -> 154.8 dense TFLOP/s.
+# - Data-centre GPUs, by the names NVML gives them: H200 (SXM, 141 GB) and H100 SXM (80 GB
+#   HBM3): NVIDIA H200 / H100 datasheets, 1,979 sparse -> 989 dense bf16 TFLOP/s, PCIe 5.0 x16;
+#   A100 SXM4 80 GB: NVIDIA A100 datasheet, 312 dense, PCIe 4.0 x16.
 # Memory sizes and PCIe links: the vendor's spec page of each card.
 GiB = 1 << 30
 PRESETS: dict[str, GpuPreset] = {p.key: p for p in (
@@ -66,6 +69,9 @@ PRESETS: dict[str, GpuPreset] = {p.key: p for p in (
     GpuPreset("rtx5080", "NVIDIA GeForce RTX 5080 16 GB", 16 * GiB, 112.6, 5, 16),
     GpuPreset("rtx5090", "NVIDIA GeForce RTX 5090 32 GB", 32 * GiB, 209.5, 5, 16),
     GpuPreset("rtxa6000", "NVIDIA RTX A6000 48 GB", 48 * GiB, 154.8, 4, 16),
+    GpuPreset("h200", "NVIDIA H200 141 GB", 141 * 10**9 // GiB * GiB, 989.0, 5, 16),
+    GpuPreset("h100", "NVIDIA H100 80GB HBM3 80 GB", 80 * GiB, 989.0, 5, 16),
+    GpuPreset("a100", "NVIDIA A100-SXM4-80GB 80 GB", 80 * GiB, 312.0, 4, 16),
 )}
 
 # What a measured machine reaches of its published figures, applied to the presets (one
