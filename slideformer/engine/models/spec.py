@@ -350,12 +350,14 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     theta, rs = rope_of(cfg, path)
     attn_bias = flag(cfg, "attention_bias", path)
     moe = _moe_shape(fam, cfg, path)
+    if moe is None:
+        mlp = _need(cfg, "intermediate_size", path)
+    else:  # a dense width an MoE config may carry (unused), else the experts'
+        mlp = _positive_int(cfg, "intermediate_size", path) if cfg.get("intermediate_size") \
+            else moe.width
     values = dict(
         model_type=mt, vocab_size=_need(cfg, "vocab_size", path), hidden_size=h,
-        intermediate_size=(_positive_int(cfg, "intermediate_size", path)
-                           if moe is not None and cfg.get("intermediate_size")
-                           else moe.width if moe is not None
-                           else _need(cfg, "intermediate_size", path)),
+        intermediate_size=mlp,
         num_layers=L, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
         rms_norm_eps=positive_real(cfg, "rms_norm_eps", path, 1e-6, below=1.0),
         rope_theta=theta, rope_scaling=rs,

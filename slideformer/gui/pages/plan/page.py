@@ -452,7 +452,8 @@ class PlanPage(QWidget):
         device = "on the GPU" if plan.device == "cuda" else "in host RAM"
         self.shape.setText(
             f"{batches}<br><span style='color:gray'>{html.escape(name)} ({plan.model_type}, "
-            f"{human_count(plan.total_params)} parameters{_active(plan)}) on {plan.device}: {s.slots} layer slots "
+            f"{human_count(plan.total_params)} parameters{_active(plan)}) on {plan.device}: "
+            f"{s.slots} layer slots "
             f"{device}, checkpoints {device if s.checkpoints == 'gpu' else 'in host RAM'}, "
             f"{_device_items(s)}"
             f"{plan.compute_dtype} compute, {plan.moments_dtype} moments.</span>")
@@ -481,4 +482,6 @@ def _device_items(shape) -> str:
 
 def _active(plan) -> str:
     """", 3.3B active" for a mixture of experts, else nothing."""
-    return "" if plan.active_params == plan.total_params else f", {human_count(plan.active_params)} active"
+    if plan.active_params == plan.total_params:
+        return ""
+    return f", {human_count(plan.active_params)} active"
