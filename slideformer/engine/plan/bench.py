@@ -37,6 +37,7 @@ from slideformer.engine.models.layers import decoder_layer, layer_backward, rope
 from slideformer.engine.models.model import positions_for
 from slideformer.engine.models.spec import Layout, ModelSpec, spec_from_config
 from slideformer.engine.plan.hardware import HardwareProfile
+from slideformer.engine.plan.machine import host_memory
 from slideformer.engine.plan.speed import layer_flops
 from slideformer.engine.plan.targets import detected
 from slideformer.engine.runtime.host_state import AdamHyper, AdamWorkspace, HostItem, adam_update
@@ -207,7 +208,7 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
     """Measure what this machine allows; the rest keeps what slideformer.engine.plan.targets.detected
     assumes (and says so)."""
     vals: dict[str, object] = {"name": platform.node() or "this machine",
-                               "ram_total": psutil.virtual_memory().total,
+                               "ram_total": host_memory().total,
                                "cpu_cores": psutil.cpu_count(logical=False) or os.cpu_count() or 1}
     notes: list[str] = []
     if torch.cuda.is_available():

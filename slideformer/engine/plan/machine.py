@@ -1,4 +1,6 @@
-"""What this machine has right now: GPU memory through NVML, host memory through psutil.
+"""What this machine has right now: GPU memory through NVML, host memory through psutil and,
+inside a container, its cgroup's memory limit (a process past ``memory.max`` is killed, however
+much RAM the machine has).
 
 NVML comes from the ``pynvml`` module (package nvidia-ml-py). Without it, or without an NVIDIA
 driver, the machine is reported as having no GPU; nothing here raises.
@@ -22,11 +24,17 @@ class GpuMemory:
     """Bytes this process holds already (its CUDA context, once created)."""
 
 
+CGROUP = "/sys/fs/cgroup"
+"""Where the cgroup files are mounted (v2: memory.max; v1: memory/memory.limit_in_bytes)."""
+
+
 @dataclass(frozen=True)
 class HostMemory:
     total: int
+    """The machine's RAM, or the cgroup's limit where that is lower."""
     available: int
-    """Bytes the OS can give without swapping (psutil's ``available``)."""
+    """Bytes the OS can give without swapping (psutil's ``available``), within the cgroup's
+    limit less what the cgroup uses."""
     own: int
     """Resident bytes of this process."""
 
@@ -68,4 +76,28 @@ def _own_gpu_bytes(pynvml, handle) -> int:
 
 def host_memory() -> HostMemory:
     vm = psutil.virtual_memory()
-    return HostMemory(int(vm.total), int(vm.available), int(psutil.Process().memory_info().rss))
+    total, available = int(vm.total), int(vm.available)
+    limit = cgroup_limit()
+    if limit is not None and limit < total:
+        total, available = limit, min(available, max(0, limit - (cgroup_usage() or 0)))
+    return HostMemory(total, available, int(psutil.Process().memory_info().rss))
+
+
+def _read_int(*parts: str) -> int | None:
+    """An integer cgroup file, or None (absent, unreadable, or "max": no limit)."""
+    try:
+        text = open(os.path.join(CGROUP, *parts), encoding="ascii").read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def cgroup_limit() -> int | None:
+    """This process's cgroup memory limit in bytes, or None where none is set."""
+    v2 = _read_int("memory.max")
+    return v2 if v2 is not None else _read_int("memory", "memory.limit_in_bytes")
+
+
+def cgroup_usage() -> int | None:
+    v2 = _read_int("memory.current")
+    return v2 if v2 is not None else _read_int("memory", "memory.usage_in_bytes")

@@ -21,7 +21,7 @@ import psutil
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.plan.hardware import HardwareProfile, cache_file, read_profile
-from slideformer.engine.plan.machine import gpu_memory
+from slideformer.engine.plan.machine import gpu_memory, host_memory
 
 THIS = "this"
 """The target name of this machine."""
@@ -129,7 +129,7 @@ def detected() -> HardwareProfile:
     what = gpu.name if gpu else "no NVIDIA GPU"
     cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
     return HardwareProfile(name=f"this machine ({what}, not measured)",
-                           ram_total=psutil.virtual_memory().total, cpu_cores=cores,
+                           ram_total=host_memory().total, cpu_cores=cores,
                            cpu_tflops=CORE_TFLOPS * cores, notes=tuple(notes), **fields)
 
 

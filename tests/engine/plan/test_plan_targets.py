@@ -93,3 +93,28 @@ def test_cli_plans_for_a_named_gpu(tmp_path, nothing_here, capsys):
 def test_load_profile_names(nothing_here):
     assert load_profile("RTX-4090").preset == "rtx4090"
     assert load_profile("this").preset == ""
+
+
+# ---- a container's memory limit ------------------------------------------------------------------
+@pytest.mark.parametrize("files,limit", [
+    ({"memory.max": "4294967296\n", "memory.current": "1073741824\n"}, 4 << 30),  # cgroup v2
+    ({"memory.max": "max\n"}, None),  # v2 without a limit
+    ({"memory/memory.limit_in_bytes": "2147483648\n",
+      "memory/memory.usage_in_bytes": "0\n"}, 2 << 30),  # cgroup v1
+    ({}, None)])  # no cgroup files at all
+def test_host_memory_is_the_cgroup_limit_where_one_is_lower(tmp_path, monkeypatch, files, limit):
+    """A process past its container's memory.max is killed whatever the machine's RAM: the
+    planner's host total and available memory stay within the limit (less what it uses)."""
+    import psutil
+
+    from slideformer.engine.plan import machine
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(machine, "CGROUP", str(tmp_path))
+    mem, vm = machine.host_memory(), psutil.virtual_memory()
+    if limit is None or limit >= vm.total:
+        assert mem.total == vm.total
+    else:
+        used = int(next(v for k, v in files.items() if "current" in k or "usage" in k))
+        assert mem.total == limit and mem.available <= limit - used
