@@ -1,4 +1,5 @@
-"""Gemma 3 text (``gemma3_text``: Gemma 3 270M, 1B, and the text part of the larger ones).
+"""Gemma 3 text (``gemma3_text``: the text-only checkpoints, Gemma 3 270M and 1B; the
+multimodal ``gemma3`` configs of 4B and up nest this one under ``text_config`` and are not read).
 
 Sandwich norms (before and after attention and MLP), norms that scale by (1 + weight), per-head
 q/k norms, GeGLU (tanh-approximated GELU), the embedding scaled by sqrt(hidden_size), scores
