@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from sliding_step import SHAPES, random_batches, shape_config  # noqa: E402
+from sliding_step import SHAPES, as_pairs, random_batches, shape_config  # noqa: E402
 
 TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 1024)
     "8b": ("llama-3.1-8b", ("ours-lora", "ours-qlora", "hf-lora", "hf-qlora"), ((4, 4), (4, 16))),
@@ -104,7 +104,10 @@ def run_ours(a: dict) -> dict:
     method = a["contender"].removeprefix("ours-")
     spec = spec_from_config(shape_config(a["shape"]))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = override(RunConfig(), {"train.method": method, "train.micro_batch": a["micro_batch"],
+    pairs = a.get("objective", "sft") != "sft"  # micro_batch rows: half as many pairs
+    cfg = override(RunConfig(), {"train.method": method,
+                                 "train.micro_batch": a["micro_batch"] // (1 + pairs),
+                                 "train.objective": a.get("objective", "sft"),
                                  "train.grad_accum": a["accum"], "data.max_seq_len": a["seq"],
                                  "data.packing": False, "budget.vram": f"{a['vram_cap']}GiB",
                                  "train.device": dev})
@@ -118,6 +121,9 @@ def run_ours(a: dict) -> dict:
     cap(a["vram_cap"])
     ex = SlidingExecutor(spec, backend, host, plan.exec_shape, dtype, lora=lora)
     mbs = random_batches(spec.vocab_size, a["micro_batch"], a["seq"], a["accum"])
+    if pairs:
+        ex.objective = (a["objective"], cfg.preference)
+        mbs = as_pairs(mbs)
     times, busy = [], []
     for k in range(a["warmup"] + a["steps"]):
         hyper = lambda coef, k=k: AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, k + 1, coef)  # noqa: E731
@@ -273,6 +279,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, help="only the size with this many tokens per step "
                     "(e.g. 16384), to split a table over calls of limited length")
     ap.add_argument("--only", help="comma-separated contenders of the table to run (default: all)")
+    ap.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo"), default="sft",
+                    help="ours only: a preference objective (a micro-batch's rows are half as "
+                         "many pairs, half of each row the prompt)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -290,8 +299,11 @@ def main() -> None:
     rows = []
     for mb, acc in sizes:
         for c in contenders:
+            if args.objective != "sft" and not c.startswith("ours"):
+                continue  # Hugging Face's side of a preference objective is TRL: not here
             a = dict(contender=c, shape=shape, seq=seq, micro_batch=mb, accum=acc, tmp=SCRATCH,
-                     vram_cap=args.vram_cap, warmup=args.warmup, steps=args.steps)
+                     vram_cap=args.vram_cap, warmup=args.warmup, steps=args.steps,
+                     objective=args.objective)
             for rec in attempts(a):
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from slideformer.engine.config import PreferenceConfig  # noqa: E402
 from slideformer.engine.models.spec import spec_from_config  # noqa: E402
 from slideformer.engine.runtime.backend import make_backend  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
@@ -89,6 +90,22 @@ class MB:
     input_ids: torch.Tensor
     labels: torch.Tensor
     doc_ids: None = None
+    reference: torch.Tensor | None = None
+    """A preference objective's reference log-probabilities of the rows."""
+
+
+def as_pairs(mbs: list[MB]) -> list[MB]:
+    """The micro-batches as preference pairs (rows 0..B/2-1 chosen, the rest rejected): the
+    first half of each row is the prompt (no target), the reference log-probability that of a
+    uniform model (-log V a token): the shapes and the work of a DPO step."""
+    out = []
+    for mb in mbs:
+        labels = mb.labels.clone()
+        half = labels.shape[1] // 2
+        labels[:, :half] = -100
+        n = (labels != -100).sum(1).float()
+        out.append(MB(mb.input_ids, labels, None, -n * 11.76))
+    return out
 
 
 def random_batches(vocab: int, micro_batch: int, seq: int, accum: int, seed: int = 1) -> list[MB]:
@@ -176,6 +193,9 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
     ex = SlidingExecutor(spec, backend, host, shape, torch.bfloat16,
                          residual_dtype=residual(args.precision))
     mbs = random_batches(spec.vocab_size, args.micro_batch, args.seq, accum)
+    if args.objective != "sft":
+        ex.objective = (args.objective, PreferenceConfig())
+        mbs = as_pairs(mbs)
     hyper = lambda coef: AdamHyper(1e-5, 0.9, 0.999, 1e-8, 0.0, 1, coef)  # noqa: E731
     times, cpu, outs = [], [], []
     backend.reset_peak()
@@ -196,7 +216,8 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
     busy = {lane: round(sum(s.end - s.start for s in spans if s.lane == lane), 4)
             for lane in ("compute", "h2d", "d2h", "optimizer")}
     opt_params = sum(host[s.item].numel for s in opt)
-    res = dict(config=args.shape, micro_batch=args.micro_batch, grad_accum=accum, seq=args.seq,
+    res = dict(config=args.shape, objective=args.objective, micro_batch=args.micro_batch,
+               grad_accum=accum, seq=args.seq,
                tokens_per_step=tokens, slots=ex.k, checkpoints=shape.checkpoints, clip=args.clip,
                precision=args.precision,
                device_update=shape.device_update, device_layers=shape.device_layers,
@@ -284,6 +305,10 @@ def main() -> None:
     ap.add_argument("--ram", type=float, default=0.0,
                     help="with --plan: the RAM budget in GiB the planner fits the run into "
                          "(0: the machine's available RAM)")
+    ap.add_argument("--objective", choices=["sft", "dpo", "simpo", "orpo"], nargs="+",
+                    default=["sft"], help="one run per value: sft, or a preference objective "
+                    "(--micro-batch rows are micro-batch / 2 pairs, half of each row the prompt; "
+                    "tokens/s counts every row's tokens)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--cpu-update", type=int, default=0, help="also bench the CPU update on N params")
@@ -310,9 +335,10 @@ def main() -> None:
                         borrowed=borrowed, on_device=on_device)
     print(json.dumps(dict(event="state_ready", params=spec.num_params,
                           rss_gib=round(peak_rss() / 2**30, 2))), flush=True)
-    for mb in args.micro_batch:
+    for mb, objective in [(mb, o) for mb in args.micro_batch for o in args.objective]:
         try:
-            run_micro_batch(spec, host, backend, argparse.Namespace(**dict(vars(args), micro_batch=mb)))
+            run_micro_batch(spec, host, backend, argparse.Namespace(
+                **dict(vars(args), micro_batch=mb, objective=objective)))
         except torch.cuda.OutOfMemoryError as e:
             print(json.dumps(dict(event="out_of_memory", micro_batch=mb, error=str(e)[:300])), flush=True)
             break

@@ -6,7 +6,9 @@ treat them as read-only, and copy one (``shutil.copytree``) before breaking it o
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,28 @@ def load_dense():
 def load_hf():
     """``load(model_dir) -> transformers model`` (fp32, eager attention, eval mode)."""
     return _load_hf
+
+
+# ---- a stand-in for Ollama's command line -----------------------------------------------------
+@pytest.fixture
+def fake_ollama(tmp_path, monkeypatch):
+    """``install(body='echo success') -> record``: puts an ``ollama`` shell script first on PATH
+    that writes its arguments, one a line, to ``record`` and then runs ``body``; ``install(None)``
+    leaves no ``ollama`` on PATH at all."""
+    if os.name != "posix":
+        pytest.skip("the fake ollama is a shell script")
+
+    def install(body: str | None = 'echo "success"') -> Path:
+        bin_dir, record = tmp_path / "fake-bin", tmp_path / "ollama-args.txt"
+        if body is None:
+            (tmp_path / "empty-bin").mkdir(exist_ok=True)
+            monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))
+            return record
+        bin_dir.mkdir(exist_ok=True)
+        exe = bin_dir / "ollama"
+        exe.write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > '{record}'\n{body}\n")
+        exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+        monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+        return record
+
+    return install

@@ -9,7 +9,11 @@ are the engine's promise:
   presets (:data:`PRESETS`), the machine as the planner sees it (:func:`gpu_memory`,
   :func:`host_memory`, :func:`load_profile`, :func:`run_device`, :func:`resolve_budgets`) and the
   plan's parts.
-- **Models**: :func:`inspect_model` (``slideformer info``, the Model page), :func:`make_tiny_model`.
+- **Models**: :func:`inspect_model` (``slideformer info``, the Model page), :func:`make_tiny_model`,
+  :func:`discover_models` (``slideformer models``, the Model page's "On this machine") in the
+  stores :func:`model_roots` names.
+- **GGUF and Ollama**: :func:`gguf_export_path` (where ``slideformer export-gguf`` writes),
+  :func:`send_to_ollama` (``ollama create`` from an exported GGUF, or how to do it by hand).
 - **Data**: :func:`analyse_data` (``slideformer data inspect``, the Data page).
 - **Runs**: :class:`RunClient` starts, follows, pauses, resumes and stops a run through its
   folder, whoever started it; the event dataclasses are what its ``events.jsonl`` holds.
@@ -25,6 +29,7 @@ from slideformer.engine import config as _config
 from slideformer.engine.config import (BudgetConfig, DataConfig, ModelConfig, OptimConfig, OutputConfig,
                            RunConfig, TrainConfig, dumps, format_bytes, override,
                            parse_bytes)
+from slideformer.engine.config import to_dict as config_to_dict
 from slideformer.engine.data import DataStats, Sample
 from slideformer.engine.data.preview import Preview
 from slideformer.engine.data.commands import sample_counts
@@ -34,10 +39,15 @@ from slideformer.engine.errors import UserError
 from slideformer.engine.gguf.commands import default_out as gguf_export_path
 from slideformer.engine.gguf.installed import SMOLLM2_INSTALL, smollm2_gguf
 from slideformer.engine.gguf.kinds import EXPORT_KINDS as GGUF_EXPORT_TYPES
+from slideformer.engine.gguf.ollama import OllamaResult, send_to_ollama
+from slideformer.engine.gguf.ollama import default_name as ollama_model_name
 from slideformer.engine.validate import validate
-from slideformer.engine.events import (CheckpointSaved, EvalMetrics, Log, Progress, RunState, Span,
+from slideformer.engine.events import (CheckpointSaved, EvalMetrics, Log, PairMetrics, Progress, RunState, Span,
                            StepMetrics, Timeline, from_json, read_events)
-from slideformer.engine.models.commands import model_report as inspect_model
+from slideformer.engine.models.commands import format_count, model_report as inspect_model
+from slideformer.engine.models.discover import Fit, FoundModel, discover_models
+from slideformer.engine.models.stores import Roots as ModelRoots
+from slideformer.engine.models.stores import default_roots as model_roots
 from slideformer.engine.models.spec import SUPPORTED, ModelSpec, load_spec
 from slideformer.engine.models.tiny import TinyShape, make_tiny_model
 from slideformer.engine.models.tokenizer import load_tokenizer
@@ -55,24 +65,26 @@ __all__ = [
     "__version__",
     # run configs
     "BudgetConfig", "DataConfig", "ModelConfig", "OptimConfig", "OutputConfig", "RunConfig",
-    "TrainConfig", "config_from_dict", "dumps", "format_bytes", "load_config", "override",
+    "TrainConfig", "config_from_dict", "config_to_dict", "dumps", "format_bytes", "load_config", "override",
     "parse_bytes",
     "parse_toml", "validate_config",
     # errors
     "UserError",
     # events
-    "CheckpointSaved", "EvalMetrics", "Log", "Progress", "RunState", "Span", "StepMetrics",
+    "CheckpointSaved", "EvalMetrics", "Log", "PairMetrics", "Progress", "RunState", "Span", "StepMetrics",
     "Timeline", "from_json", "read_events",
     # plans and the machine
     "PRESETS", "REFERENCE", "Allocation", "Budgets", "Fix", "GpuMemory", "HardwareProfile",
     "HostMemory", "Plan", "TierUse", "gpu_memory", "host_memory", "load_profile", "plan_for_config",
-    "resolve_budgets",
+    "resolve_budgets", "suggest_settings",
     "run_device",
     # models
     "SUPPORTED", "ModelSpec", "TinyShape", "inspect_model", "load_spec", "load_tokenizer",
-    "make_tiny_model",
-    # GGUF files and the SmolLM2 demo model
+    "make_tiny_model", "Fit", "FoundModel", "ModelRoots", "discover_models", "format_count",
+    "model_roots",
+    # GGUF files, Ollama and the SmolLM2 demo model
     "GGUF_EXPORT_TYPES", "SMOLLM2_INSTALL", "gguf_export_path", "smollm2_gguf",
+    "OllamaResult", "ollama_model_name", "send_to_ollama",
     # data
     "FORMATS", "DataAnalysis", "DataStats", "Preview", "Sample", "analyse_data", "sample_counts",
     "write_task",
@@ -125,6 +137,16 @@ def parse_toml(text: str, source: str) -> dict[str, Any]:
 
 
 # ---- plans ---------------------------------------------------------------------------------------
+def suggest_settings(model_path: str, hardware: HardwareProfile | str = "this",
+                     settings: dict | None = None):
+    """Known-good first settings for a model on a machine (slideformer.engine.plan.suggest): a
+    :class:`~slideformer.engine.plan.suggest.Suggestion` of run-config keys and their reasons.
+    ``settings`` (run-config keys) are kept where the suggestion has no say (budgets, device)."""
+    from slideformer.engine.plan.suggest import suggest
+    cfg = override(RunConfig(), {"model.path": model_path, **(settings or {})})
+    return suggest(cfg, load_spec(model_path), hardware)
+
+
 def plan_for_config(cfg: RunConfig, hardware: HardwareProfile | str = "this") -> Plan:
     """Where every byte of ``cfg``'s run goes, whether it fits and how fast it runs.
 

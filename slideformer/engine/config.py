@@ -32,6 +32,8 @@ else:  # pragma: no cover
 
 METHODS = ("full", "lora", "qlora")
 """train.method values."""
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+"""train.objective values (slideformer.engine.train.objectives)."""
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,11 @@ class TrainConfig:
     fp32 training; twice the checkpoint memory). No effect with float32 compute."""
     device: str = "auto"
     """auto, cuda or cpu."""
+    objective: str = "sft"
+    """sft (next-token loss on the trained tokens), or a preference objective on pairs of
+    replies ({"prompt", "chosen", "rejected"} records; see [preference]): dpo (Rafailov et al.
+    2023), orpo (Hong et al. 2024), simpo (Meng et al. 2024). train.micro_batch then counts
+    pairs."""
     method: str = "full"
     """full (every weight trained), lora (frozen base, trained low-rank adapters; see [lora]) or
     qlora (lora over a base quantised to 4-bit NF4 with double-quantised scales)."""
@@ -175,6 +182,13 @@ class TrainConfig:
     keep_checkpoints: int = 2
     eval_every: int = 0
     """Validation loss every N steps; 0: never (only at the end if a split exists)."""
+    early_stopping_patience: int = 0
+    """Stop when this many evaluations in a row did not improve on the best validation loss
+    (by more than train.early_stopping_threshold), as the HF Trainer's EarlyStoppingCallback
+    counts them; 0: never. Needs train.eval_every and a validation split."""
+    early_stopping_threshold: float = 0.0
+    """How much lower than the best validation loss a new one must be to count as an
+    improvement for train.early_stopping_patience."""
     gpus: int | str = 1
     """GPUs of this machine the run uses, one process each ("all": every one); the
     micro-batches of a step are shared among them (train.grad_accum must be a multiple)."""
@@ -209,6 +223,22 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class PreferenceConfig:
+    """Settings of a preference objective (train.objective = dpo, orpo or simpo)."""
+    beta: float = 0.1
+    """DPO's and SimPO's beta (the inverse temperature of the implicit reward; SimPO's paper
+    uses 2.0 to 2.5), ORPO's lambda (the weight of its odds-ratio term; the paper's 0.1)."""
+    loss: str = "sigmoid"
+    """DPO's loss of the reward margin: sigmoid (the paper's), hinge (SLiC's), or ipo (Azar et
+    al. 2023: the squared distance of the log-ratio margin to 1 / (2 beta))."""
+    reference: str = "initial"
+    """DPO's reference model: initial, the run's starting weights (for lora / qlora the base
+    with adapters off, which is the same model), evaluated once before the first step."""
+    gamma: float = 0.5
+    """SimPO's target reward margin (TRL's default)."""
+
+
+@dataclass(frozen=True)
 class BudgetConfig:
     vram: str = "auto"
     """GPU memory budget, e.g. "24GiB"; auto = the GPU's free memory less a margin."""
@@ -235,6 +265,13 @@ class OutputConfig:
     """Run folder: config.toml, events.jsonl, checkpoints/, final/."""
     shard_size: str = "5GiB"
     """Largest safetensors shard of the exported model."""
+    keep_best: bool = False
+    """Keep the checkpoint of the lowest validation loss besides the train.keep_checkpoints
+    newest, and export it as final/ instead of the last step. Needs train.eval_every and a
+    validation split."""
+    report_to: tuple[str, ...] = ()
+    """Experiment trackers that also get the per-step metrics of events.jsonl: tensorboard,
+    trackio, wandb, mlflow (each through its own library, installed separately)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +281,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
@@ -345,8 +383,13 @@ def override(cfg: RunConfig, dotted: dict[str, Any]) -> RunConfig:
 
 def dumps(cfg: RunConfig) -> str:
     """TOML text of a RunConfig (the exact format :func:`load` reads)."""
+    return dumps_tables(to_dict(cfg))
+
+
+def dumps_tables(tables: dict) -> str:
+    """TOML text of ``{section: {key: value}}``: a whole config, or some of its keys."""
     out = []
-    for section, values in to_dict(cfg).items():
+    for section, values in tables.items():
         _table(out, f"[{section}]", section, values)
     return "\n".join(out)
 

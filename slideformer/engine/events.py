@@ -57,6 +57,19 @@ class EvalMetrics:
 
 
 @dataclass(frozen=True)
+class PairMetrics:
+    """A preference objective's step (train.objective dpo, orpo, simpo): its pairs' implicit
+    rewards (slideformer.engine.train.objectives)."""
+    step: int
+    accuracy: float
+    """Share of pairs whose chosen reward is above the rejected one."""
+    chosen_reward: float
+    rejected_reward: float
+    margin: float
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class Span:
     """One unit of work on one resource: compute, h2d, d2h, optimizer or disk."""
     lane: str
@@ -94,11 +107,14 @@ class Progress:
 class CheckpointSaved:
     step: int
     path: str
+    best: bool = False
+    """This checkpoint has the lowest validation loss so far (kept by output.keep_best)."""
     time: float = field(default_factory=_now)
 
 
 EVENT_TYPES = {c.__name__: c for c in
-               (RunState, StepMetrics, EvalMetrics, Timeline, Log, Progress, CheckpointSaved)}
+               (RunState, StepMetrics, EvalMetrics, PairMetrics, Timeline, Log, Progress,
+                CheckpointSaved)}
 
 
 def to_json(ev) -> str:

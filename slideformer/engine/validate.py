@@ -18,7 +18,7 @@ import types
 from dataclasses import fields
 from typing import get_origin, get_type_hints
 
-from slideformer.engine.config import METHODS, RunConfig, parse_bytes
+from slideformer.engine.config import METHODS, OBJECTIVES, RunConfig, parse_bytes
 from slideformer.engine.devices import PRECISIONS
 from slideformer.engine.errors import UserError
 
@@ -169,12 +169,67 @@ def _check_train(cfg: RunConfig) -> None:
     _int("train.save_every", t.save_every, 0, MAX_STEPS, " steps (0: only at the end)")
     _int("train.keep_checkpoints", t.keep_checkpoints, 1, MAX_COUNT)
     _int("train.eval_every", t.eval_every, 0, MAX_STEPS, " steps (0: never)")
+    _check_validation_uses(cfg)
+    _check_objective(cfg)
     if t.clip_regen != "auto":
         if isinstance(t.clip_regen, str):
             raise UserError("train.clip_regen", f"is {t.clip_regen!r}",
                             "give a number of decoder layers (0: off) or \"auto\"")
         _int("train.clip_regen", t.clip_regen, 0, MAX_COUNT, " layers (or \"auto\")")
     _check_gpus(cfg)
+
+
+def _check_validation_uses(cfg: RunConfig) -> None:
+    """Early stopping and keep_best need evaluations to judge by; trackers must be known."""
+    t, d, o = cfg.train, cfg.data, cfg.output
+    _int("train.early_stopping_patience", t.early_stopping_patience, 0, MAX_COUNT,
+         " evaluations (0: never stop early)")
+    _real("train.early_stopping_threshold", t.early_stopping_threshold, lambda x: x >= 0, ">= 0")
+    for key, on in (("train.early_stopping_patience", t.early_stopping_patience > 0),
+                    ("output.keep_best", o.keep_best)):
+        if on and not t.eval_every:
+            raise UserError(key, "needs evaluations during the run, but train.eval_every is 0",
+                            "set train.eval_every (e.g. 50 steps)")
+        if on and not (d.validation or d.val_fraction > 0):
+            raise UserError(key, "needs a validation split, but the run has none",
+                            "set data.validation to a file, or data.val_fraction (e.g. 0.05)")
+    from slideformer.engine.tracking import TRACKERS
+    for i, name in enumerate(o.report_to):
+        _choice(f"output.report_to[{i}]", name, TRACKERS)
+    if len(set(o.report_to)) != len(o.report_to):
+        raise UserError("output.report_to", f"names a tracker twice ({list(o.report_to)})",
+                        "list each tracker once")
+
+
+PREFERENCE_LOSSES = ("sigmoid", "hinge", "ipo")
+NOT_YET = {"kto": "KTO", "grpo": "GRPO"}
+
+
+def _check_objective(cfg: RunConfig) -> None:
+    """train.objective and the [preference] section; what a preference run cannot do yet."""
+    t, p = cfg.train, cfg.preference
+    if t.objective in NOT_YET:
+        raise UserError("train.objective", f"is {t.objective!r}: {NOT_YET[t.objective]} is not "
+                        "supported yet", f"use one of: {', '.join(OBJECTIVES)}")
+    _choice("train.objective", t.objective, OBJECTIVES)
+    _real("preference.beta", p.beta, lambda x: 0 < x <= 1e3, "above 0 (and at most 1000)")
+    _real("preference.gamma", p.gamma, lambda x: abs(x) <= 1e3, "from -1000 to 1000")
+    _choice("preference.loss", p.loss, PREFERENCE_LOSSES)
+    _choice("preference.reference", p.reference, ("initial",))
+    if t.objective == "sft":
+        return
+    d = cfg.data
+    for key, bad, fix in (
+            ("data.validation", bool(d.validation), "remove data.validation"),
+            ("data.val_fraction", d.val_fraction > 0, "set data.val_fraction = 0"),
+            ("train.eval_every", t.eval_every > 0, "set train.eval_every = 0"),
+            ("data.mix", bool(d.mix), "put the pairs in one file (data.train)")):
+        if bad:
+            raise UserError(key, f"is not supported with train.objective = {t.objective!r} yet",
+                            fix)
+    if t.gpus not in (1,):
+        raise UserError("train.gpus", f"is {t.gpus!r}: preference objectives run on one GPU",
+                        "set train.gpus = 1")
 
 
 def _check_gpus(cfg: RunConfig) -> None:

@@ -68,21 +68,29 @@ def use_x_server() -> None:
     os.environ["QT_QPA_PLATFORM"] = "xcb"
 
 
+STORE_VARS = ("HF_HUB_CACHE", "OLLAMA_MODELS")
+"""The model stores' variables (slideformer.engine.models.stores), set to the scratch home's
+default places: the Model page lists what a script puts there, not this machine's models."""
+
+
 @contextmanager
 def studio_window(out: Path) -> Iterator[tuple[MainWindow, Path]]:
     """A main window on throw-away settings and data folders, and the folder standing as HOME.
 
     Creates ``out``, starts the application (offscreen unless QT_QPA_PLATFORM says otherwise,
-    see :func:`use_x_server`), and closes the window and puts HOME back afterwards.
+    see :func:`use_x_server`), and closes the window and puts HOME (and :data:`STORE_VARS`)
+    back afterwards.
     """
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # read when the QApplication starts
     out.mkdir(parents=True, exist_ok=True)
     make_application()
-    home = os.environ.get("HOME")
+    saved = {k: os.environ.get(k) for k in ("HOME", *STORE_VARS)}
     try:
         with tempfile.TemporaryDirectory(prefix="studio-") as tmp:
             tmp = Path(tmp)
             os.environ["HOME"] = str(tmp)  # paths on screen read "~/...", not this machine's
+            os.environ["HF_HUB_CACHE"] = str(tmp / ".cache" / "huggingface" / "hub")
+            os.environ["OLLAMA_MODELS"] = str(tmp / ".ollama" / "models")
             settings = Settings(QSettings(str(tmp / "settings.ini"), QSettings.Format.IniFormat))
             ctx = AppContext(settings, data_dir=tmp / ".local" / "share" / "slideformer",
                              gpu_source="none")
@@ -92,8 +100,11 @@ def studio_window(out: Path) -> Iterator[tuple[MainWindow, Path]]:
             finally:
                 window.close()
     finally:
-        if home is not None:
-            os.environ["HOME"] = home
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def out_parser(doc: str) -> argparse.ArgumentParser:

@@ -62,6 +62,7 @@ class MainWindow(QMainWindow):
         ctx.model_changed.connect(self._show_model)
         ctx.run_requested.connect(lambda *_: self.show_page("Train"))
         ctx.plan_used.connect(lambda *_: self.show_page("Train"))
+        self.model_page.plan_requested.connect(lambda: self.show_page("Plan"))
         self._build_menus()
         self.set_theme(ctx.settings.theme())
         self._restore_layout()

@@ -1,5 +1,5 @@
-"""What the app remembers between sessions: window layout, theme, recent model folders, run
-folders added to the Runs page.
+"""What the app remembers between sessions: window layout, theme, recent model folders, the
+folders searched for models, run folders added to the Runs page.
 
 A thin typed layer over ``QSettings`` (organisation "SlideFormer", application "SlideFormer
 Studio"). Tests pass a ``QSettings`` on a file of their own.
@@ -39,6 +39,23 @@ class Settings:
         recent = [p for p in self.recent_models() if p != path]
         self.q.setValue("models/recent", recent)
         return recent
+
+    def model_folders(self) -> list[str]:
+        """Folders the user added to the Model page's search for models on this machine."""
+        value = self.q.value("models/folders", [])
+        if isinstance(value, str):
+            value = [value]
+        return [str(v) for v in value or []]
+
+    def add_model_folder(self, path: str) -> list[str]:
+        folders = self.model_folders() + ([path] if path not in self.model_folders() else [])
+        self.q.setValue("models/folders", folders)
+        return folders
+
+    def remove_model_folder(self, path: str) -> list[str]:
+        folders = [p for p in self.model_folders() if p != path]
+        self.q.setValue("models/folders", folders)
+        return folders
 
     # ---- runs ----------------------------------------------------------------------------
     def extra_runs(self) -> list[str]:

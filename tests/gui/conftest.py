@@ -36,6 +36,15 @@ def _no_user_files(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg-config"))
 
 
+@pytest.fixture(autouse=True)
+def _no_user_models(monkeypatch):
+    """No test lists the real user's models: the Model page scans this machine's model stores
+    when it is first shown, and here that scan finds none (tests/gui/pages/
+    test_gui_model_discovery.py puts the real one back, on stores of its own)."""
+    from slideformer.gui.pages import model_found
+    monkeypatch.setattr(model_found, "scan", lambda folders, roots: ([], 0.0))
+
+
 @pytest.fixture
 def settings(tmp_path):
     from slideformer.gui.settings import Settings

@@ -73,6 +73,8 @@ MODEL_FOLDERS = [
     Case("sliding layers without a window", plan(), ("config.json", "sliding_window"),
          cfg(model_type="qwen2", use_sliding_window=True, sliding_window=None,
              layer_types=["sliding_attention", "full_attention"])),
+    Case("a sliding window of 0 tokens", plan(), ("config.json", "sliding_window"),
+         cfg(model_type="gemma3_text", sliding_window=0, hidden_act=DELETE)),
     Case("no_rope_layers of the wrong length", plan(), ("config.json", "no_rope_layers"),
          cfg(model_type="smollm3", no_rope_layers=[1])),
     Case("logit soft-capping", plan(), ("config.json", "final_logit_softcapping"),

@@ -42,6 +42,9 @@ def register(sub) -> None:
     q.add_argument("--no-packing", action="store_true", help="one record per sequence, padded")
     q.add_argument("--samples", type=int, default=3, help="records to show")
     q.add_argument("--cache-dir", default=None, help="token cache (default: the user cache)")
+    q.add_argument("--pairs", action="store_true",
+                   help="read preference pairs (prompt, chosen, rejected) as train.objective = "
+                        "dpo, orpo or simpo does, and show their responses")
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q.set_defaults(func=_inspect)
 
@@ -63,6 +66,8 @@ def _config(a) -> DataConfig:
 
 def _inspect(a) -> int:
     from slideformer.engine.data.analysis import analyse_data
+    if a.pairs:
+        return _inspect_pairs(a)
 
     def warn(shown) -> None:  # the preview comes first: a bad record stops here, in a second
         for w in shown.warnings:
@@ -77,6 +82,29 @@ def _inspect(a) -> int:
                           "warnings": found.preview.warnings}, indent=2, ensure_ascii=False))
     else:
         print(report(a.file, found.stats, found.preview, color=sys.stdout.isatty()))
+    return 0
+
+
+def _inspect_pairs(a) -> int:
+    from slideformer.engine.data.preference import describe_pairs
+    from slideformer.engine.models.tokenizer import load_tokenizer
+    found = describe_pairs(_config(a), load_tokenizer(a.model), a.samples)
+    if a.json:
+        print(json.dumps({"file": a.file, **dataclasses.asdict(found)}, indent=2,
+                         ensure_ascii=False))
+        return 0
+    color = sys.stdout.isatty()
+    template = f" (chat template: {found.template})" if found.template else " (plain strings)"
+    lines = [f"file        {a.file}", f"pairs       {found.pairs:,}{template}",
+             f"tokens      prompt {found.prompt_tokens:.1f}, chosen reply {found.chosen_tokens:.1f}, "
+             f"rejected reply {found.rejected_tokens:.1f} (means; the replies' tokens count)",
+             f"truncated   {found.truncated:,} pairs cut at {a.max_seq_len} tokens"]
+    legend = "green" if color else "[[...]]"
+    for where, side, pieces in found.samples:
+        lines.append(f"--- {where}, {side} (the response, whose log-probability counts, in "
+                     f"{legend}) ---")
+        lines.append("".join(_mark(piece, resp, color) for piece, resp in pieces))
+    print("\n".join(lines))
     return 0
 
 

@@ -136,9 +136,10 @@ def _refuse_kind(rec: Record) -> None:
     v = rec.value
     if any(_present(rec, k) for k in PREFERENCE_KEYS):
         raise UserError(rec.where, "the record holds preference data ('chosen'/'rejected', as "
-                        "for DPO or ORPO); preference training is not supported yet",
-                        "train on the 'chosen' replies as a messages or Alpaca file, or use a "
-                        "preference-training tool")
+                        "for DPO or ORPO), which supervised fine-tuning does not read",
+                        "train on pairs with train.objective = \"dpo\" (or orpo, simpo; CLI "
+                        "--objective dpo; `slideformer data inspect FILE --pairs` shows them), "
+                        "or train on the 'chosen' replies as a messages or Alpaca file")
     if _present(rec, "kto_tag") or (_present(rec, "label") and ("completion" in v
                                                                   or "prompt" in v)):
         raise UserError(rec.where, "the record holds KTO preference data (a 'label' marking "

@@ -163,14 +163,19 @@ def _adds_bos(model_dir: Path) -> bool:
     return bool(cfg.is_file() and json.loads(cfg.read_text(encoding="utf-8")).get("add_bos_token"))
 
 
+def folder_name(model_dir: Path) -> str:
+    """A model folder's name; a run's ``final/`` is named after the run."""
+    d = model_dir.resolve()
+    return d.parent.name if d.name == "final" else d.name
+
+
 def model_name(model_dir: Path, spec: ModelSpec) -> str:
-    """``general.name``: the folder's name (a run's ``final/`` is named after the run).
+    """``general.name``: :func:`folder_name`.
 
     llama.cpp stores Mistral as the llama architecture, and transformers and our importer
     tell it apart by "mistral" in the name.
     """
-    d = model_dir.resolve()
-    name = d.parent.name if d.name == "final" else d.name
+    name = folder_name(model_dir)
     if spec.model_type == "mistral" and "mistral" not in name.lower():
         name = f"mistral-{name}"
     return name

@@ -17,7 +17,7 @@ from slideformer.engine.gguf.names import (GGUF_ARCHS, from_gguf_order, model_ty
                                           tensor_names)
 from slideformer.engine.gguf.reader import GGUFFile
 from slideformer.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
-from slideformer.engine.models.spec import SUPPORTED, spec_from_config
+from slideformer.engine.models.spec import SUPPORTED, ModelSpec, spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config
 from slideformer.engine.models.weights import (hf_name, item_layout, item_names, publish_dir, staging_dir,
                                    stored_as, write_streamed_shards)
@@ -119,6 +119,21 @@ def _tokenizer_meta(g: GGUFFile) -> dict:
     return meta
 
 
+def importable(g) -> ModelSpec:
+    """The spec of the model in ``g`` (a :class:`GGUFFile`, or a header read without the
+    tensors, :class:`slideformer.engine.gguf.header.GGUFHeader`), once every check that import
+    makes before it reads a tensor has passed.
+
+    Raises:
+        UserError: why import would refuse the file, in its words.
+    """
+    spec = spec_from_config(gguf_config(g), g.path)
+    _check_tensors(g, spec, tensor_names(spec))
+    g.check_types()
+    _tokenizer_meta(g)
+    return spec
+
+
 def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 30,
                 progress: Callable[[int, int], None] | None = None) -> Path:
     """Turn the GGUF file ``path`` into the Hugging Face folder ``out`` (which must not exist).
@@ -131,12 +146,8 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(out, "exists and is not empty", "choose a new folder for --out")
     g = GGUFFile(path)
-    cfg = gguf_config(g)
-    spec = spec_from_config(cfg, g.path)
-    names = tensor_names(spec)
-    _check_tensors(g, spec, names)
-    g.check_types()
-    tok_meta = _tokenizer_meta(g)
+    spec = importable(g)
+    cfg, names, tok_meta = spec.raw_config, tensor_names(spec), _tokenizer_meta(g)
     tok = build_tokenizer(tok_meta, g.path)  # before the weights: a bad tokenizer fails fast
     stored = _stored_names(spec)  # stacked experts: one checkpoint tensor per expert
     shapes = [(name, g.shape(gg)[1:] if len(stored[hf]) > 1 else g.shape(gg))

@@ -24,6 +24,17 @@ def _probe(qtype: gguf.GGMLQuantizationType) -> bool:
     return True
 
 
+def check_types(path: Path, types) -> None:
+    """Every tensor type in ``types`` can be dequantised, or one message naming those that
+    cannot (each type is probed once)."""
+    bad = sorted(q.name for q in set(types) if not _probe(q))
+    if bad:
+        raise UserError(path, f"holds tensors of type {', '.join(bad)}, which the "
+                              f"gguf package cannot dequantise",
+                        "use a GGUF of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
+                        "Q2_K..Q6_K or an IQ type")
+
+
 class GGUFFile:
     """A GGUF file's metadata (``meta``: key -> value) and tensors (``tensors``: name -> info)."""
 
@@ -43,14 +54,7 @@ class GGUFFile:
         return self.meta.get(key, default)
 
     def check_types(self) -> None:
-        """Every tensor's type can be dequantised, or one message naming those that cannot."""
-        bad = sorted({t.tensor_type.name for t in self.tensors.values()
-                      if not _probe(t.tensor_type)})
-        if bad:
-            raise UserError(self.path, f"holds tensors of type {', '.join(bad)}, which the "
-                                       f"gguf package cannot dequantise",
-                            "use a GGUF of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                            "Q2_K..Q6_K or an IQ type")
+        check_types(self.path, (t.tensor_type for t in self.tensors.values()))
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape in PyTorch order (GGUF lists dimensions innermost first)."""

@@ -46,11 +46,15 @@ def _use_triton(x: torch.Tensor, use_triton: bool | None) -> bool:
     return use_triton
 
 
-def _chunk_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale: float,
-                 use_triton: bool | None = None):
-    """Loss sum and dL/dz (fp32 maths, returned in h's dtype) for one chunk (n, H)."""
+def _chunk_grads(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor,
+                 scale: float | torch.Tensor, use_triton: bool | None = None):
+    """Loss sum and dL/dz (fp32 maths, returned in h's dtype) for one chunk (n, H); ``scale``
+    is one factor, or one per token (n,) fp32 (a preference objective's sequence weights)."""
     if _use_triton(h, use_triton):
         z = h @ w.t()  # (n, V) in h's dtype; the kernel overwrites it with dL/dz
+        if isinstance(scale, torch.Tensor):
+            loss = _triton_ce().ce_grad_rows_(z, y, 1.0).sum()
+            return loss, z.mul_(scale[:, None].to(z.dtype))
         return _triton_ce().ce_grad_rows_(z, y, scale).sum(), z
     return _chunk_grads_torch(h, w, y, scale)
 
@@ -68,13 +72,15 @@ def _chunk_grads_torch(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, scale:
     return loss, dz.to(h.dtype)
 
 
-def linear_ce_fwd_bwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, scale: float,
-                      chunk: int, gw_out: torch.Tensor | None, use_triton: bool | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_ce_fwd_bwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor,
+                      scale: float | torch.Tensor, chunk: int, gw_out: torch.Tensor | None,
+                      use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and gradients in one pass over token chunks.
 
     Args:
         h: hidden states (..., H); w: head (V, H); labels: (...) with -100 = not trained.
+        scale: the loss is ``scale`` times the summed cross-entropy; a tensor shaped like
+            ``labels`` weighs each token (the returned loss is then the unweighted sum).
         gw_out: fp32 (V, H) buffer that dL/dW is ADDED to (gradient accumulation); None: W
             is frozen, dL/dW is not computed.
         use_triton: force the Triton (True) or PyTorch (False) softmax; None picks (see
@@ -86,14 +92,16 @@ def linear_ce_fwd_bwd(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, sc
     h2, y = h.reshape(-1, H), labels.reshape(-1)  # (N, H), (N,)
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     gh = torch.zeros_like(h2)
+    weights = scale.reshape(-1) if isinstance(scale, torch.Tensor) else None
     for s in range(0, h2.shape[0], chunk):
         hc = h2[s:s + chunk]
-        lc, dz = _chunk_grads(hc, w, y[s:s + chunk], scale, use_triton)
+        sc = scale if weights is None else weights[s:s + chunk]
+        lc, dz = _chunk_grads(hc, w, y[s:s + chunk], sc, use_triton)
         loss += lc
         gh[s:s + chunk] = dz @ w
         if gw_out is not None:
             _add_outer(gw_out, dz, hc)
-    return loss * scale, gh.view(h.shape)
+    return (loss if weights is not None else loss * scale), gh.view(h.shape)
 
 
 # Rows of dL/dW accumulated per block: one (V, H) product in the compute dtype and its fp32
@@ -113,6 +121,24 @@ def _add_outer(gw_out: torch.Tensor, dz: torch.Tensor, hc: torch.Tensor) -> None
         return
     for r in range(0, gw_out.shape[0], GW_ROWS):
         gw_out[r:r + GW_ROWS] += (dz[:, r:r + GW_ROWS].t() @ hc).float()
+
+
+@torch.no_grad()
+def linear_ce_rows(h: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, chunk: int,
+                   use_triton: bool | None = None) -> torch.Tensor:
+    """Cross-entropy per token (R, T) fp32, 0 where not labelled, chunked, no gradients (a
+    preference objective sums it per sequence)."""
+    H = h.shape[-1]
+    h2, y = h.reshape(-1, H), labels.reshape(-1)
+    out = torch.zeros(y.shape, dtype=torch.float32, device=h.device)
+    for s in range(0, h2.shape[0], chunk):
+        z = h2[s:s + chunk] @ w.t()
+        if _use_triton(h, use_triton):
+            out[s:s + chunk] = _triton_ce().ce_loss_rows(z, y[s:s + chunk])
+        else:
+            out[s:s + chunk] = torch.nn.functional.cross_entropy(
+                z.float(), y[s:s + chunk], ignore_index=IGNORE, reduction="none")
+    return out.view(labels.shape)
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""CLI: ``make-tiny-model`` and ``info`` (model summary and validation)."""
+"""CLI: ``make-tiny-model``, ``info`` (model summary and validation) and ``models`` (the
+models already on this machine, :mod:`slideformer.engine.models.discover`)."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,13 @@ def register(sub) -> None:
     p.add_argument("model", help="Hugging Face model folder")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_info)
+
+    p = sub.add_parser("models", help="list the models already on this machine (Hugging Face "
+                                      "cache, Ollama, LM Studio) and what training each fits")
+    p.add_argument("--folder", action="append", default=[], metavar="DIR",
+                   help="also search DIR (a model folder, or searched 2 levels deep); repeatable")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_models)
 
 
 def _make_tiny(a) -> int:
@@ -79,4 +87,54 @@ def _info(a) -> int:
         for k, v in shown.items():
             v = f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else v
             print(f"{k:>{width}}: {v}")
+    return 0
+
+
+def format_count(n: int) -> str:
+    """A count for people: 357216 -> "357.2 K", 8030261248 -> "8.03 B"."""
+    for div, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
+        if abs(n) >= div:
+            return f"{n / div:.{digits}f} {suffix}"
+    return str(n)
+
+
+_COLUMNS = ("NAME", "SOURCE", "FAMILY", "PARAMS", "ACTIVE", "TYPE", "SIZE", "FULL", "LORA",
+            "QLORA", "NOTE")
+
+
+def _cells(row) -> tuple[str, ...]:
+    from slideformer.engine.config import format_bytes
+    count = lambda n: "—" if n is None else format_count(n)  # noqa: E731
+    fits = [f.verdict or "no plan" for f in row.fits] or ["—"] * 3
+    note = ("not supported, see below" if not row.supported else
+            "config.json only: plan, not train" if row.config_only else "")
+    return (row.name, row.source, row.family or "—", count(row.total_params),
+            count(row.active_params), row.dtype or "—", format_bytes(row.size), *fits, note)
+
+
+def models_table(rows) -> str:
+    """The rows of ``slideformer models`` for people: a table, then why the refused ones are."""
+    table = [_COLUMNS] + [_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in table]
+    refused = [r for r in rows if not r.supported]
+    if refused:
+        lines.append("\nNot supported:")
+        lines += [f"{r.name}: " + r.reason.replace("\n", "\n    ") for r in refused]
+    return "\n".join(lines)
+
+
+def _models(a) -> int:
+    from slideformer.engine.models.discover import discover_models
+    from slideformer.engine.models.stores import default_roots
+
+    rows = discover_models(a.folder)
+    if a.json:
+        print(json.dumps([r.to_dict() for r in rows], indent=2))
+        return 0
+    roots = default_roots()
+    searched = [roots.hf_cache, *roots.ollama, *roots.lm_studio, *map(Path, a.folder)]
+    where = ", ".join(str(p) for p in searched if p.is_dir()) or "nowhere: none of them exists"
+    print(models_table(rows) if rows else "No models found.")
+    print(f"\nSearched: {where}")
     return 0

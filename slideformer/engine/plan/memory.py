@@ -26,6 +26,7 @@ CUDA, each checked against max_memory_allocated by tests/engine/plan/test_plan_m
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 
@@ -293,20 +294,27 @@ def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
     return tuple(out)
 
 
+def _by_phase(allocs, tiers: tuple[str, ...], with_reclaimable: bool) -> defaultdict[str, int]:
+    """Bytes held in ``tiers`` per phase, in one pass (the planner sums thousands of times a
+    plan: one pass per phase took a fifth of a plan's time, measured)."""
+    sums: defaultdict[str, int] = defaultdict(int)
+    for a in allocs:
+        if a.tier in tiers and (with_reclaimable or not a.reclaimable):
+            sums[a.phase] += a.bytes
+    return sums
+
+
 def peak(allocs, tiers: tuple[str, ...], with_reclaimable: bool = False) -> int:
     """Peak bytes held in ``tiers`` together (phases as in the module docstring)."""
-    def s(phase: str) -> int:
-        return sum(a.bytes for a in allocs if a.tier in tiers and a.phase == phase
-                   and (with_reclaimable or not a.reclaimable))
-    loading_ = s("state") + s("setup")
-    training = s("state") + s("run") + s("step") + max(s(p) for p in STEP_PARTS)
+    s = _by_phase(allocs, tiers, with_reclaimable)
+    loading_ = s["state"] + s["setup"]
+    training = s["state"] + s["run"] + s["step"] + max(s[p] for p in STEP_PARTS)
     return max(loading_, training)
 
 
 def peak_phase(allocs, tiers: tuple[str, ...]) -> str:
     """The phase at which ``tiers`` peak: setup, forward, head or backward."""
-    def s(phase: str) -> int:
-        return sum(a.bytes for a in allocs if a.tier in tiers and a.phase == phase and not a.reclaimable)
-    if s("setup") > s("run") + s("step") + max(s(p) for p in STEP_PARTS):
+    s = _by_phase(allocs, tiers, False)
+    if s["setup"] > s["run"] + s["step"] + max(s[p] for p in STEP_PARTS):
         return "setup"
-    return max(STEP_PARTS, key=s)
+    return max(STEP_PARTS, key=lambda p: s[p])

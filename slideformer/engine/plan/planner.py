@@ -83,19 +83,22 @@ class Plan:
         return d
 
 
-def _verdict(tiers: tuple[TierUse, ...]) -> tuple[str, str]:
+def _verdict(tiers: tuple[TierUse, ...], hardware: HardwareProfile) -> tuple[str, str]:
+    """(verdict, reason): the plan's words, ending with the machine they are for."""
+    on = f" on {hardware.name}"
     over = [t for t in tiers if t.budget is not None and t.peak > t.budget]
     if over:
         return "does not fit", "; ".join(
             f"{_TIER_NAMES[t.tier]} needs {format_bytes(t.peak)} of the {format_bytes(t.budget)} "
-            f"budget (peak in the {t.phase})" for t in over)
+            f"budget (peak in the {t.phase})" for t in over) + on
     tight = [t for t in tiers if t.budget and t.peak > TIGHT * t.budget]
     if tight:
         return "tight", "; ".join(f"{_TIER_NAMES[t.tier]} at {t.share:.0%} of its budget "
-                                  f"({format_bytes(t.peak)} of {format_bytes(t.budget)})" for t in tight)
+                                  f"({format_bytes(t.peak)} of {format_bytes(t.budget)})"
+                                  for t in tight) + on
     room = ", ".join(f"{format_bytes(t.budget - t.peak)} of {_TIER_NAMES[t.tier]}"
                      for t in tiers if t.budget and t.tier != "disk")
-    return "fits", f"fits with {room} to spare"
+    return "fits", f"fits with {room} to spare" + on
 
 
 def _max_batches(ev: Evaluator, k: Knobs) -> tuple[int, int]:
@@ -117,8 +120,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
     """
     ev = Evaluator(spec, device, budgets, hardware)
     base: Evaluation = ev.choose(knobs)
-    verdict, reason = _verdict(base.tiers)
-    reason = f"{reason} on {hardware.name}"
+    verdict, reason = _verdict(base.tiers, hardware)
     share = 1.0 if verdict == "does not fit" else TIGHT
     short = tuple(t.tier for t in base.tiers if t.budget is not None and t.peak > share * t.budget)
     fixes = find_fixes(ev, base, knobs, short, share) if short else ()
@@ -171,11 +173,38 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     moments = torch_dtype(moments_dtype_name(o.moments_dtype))
     residual = torch_dtype(residual_dtype_name(t.precision, compute_name))
     prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2), residual)
-    return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
-                 precision=prec, slots=b.slots, checkpoints=b.checkpoints, gpu_layers=b.gpu_layers,
-                 clip=o.max_grad_norm > 0, packed=cfg.data.packing, method=t.method,
+    pairs = t.objective != "sft"  # a preference micro-batch: 2 rows (chosen, rejected) a pair
+    return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch * (1 + pairs),
+                 grad_accum=t.grad_accum, precision=prec, slots=b.slots,
+                 checkpoints=b.checkpoints, gpu_layers=b.gpu_layers, clip=o.max_grad_norm > 0,
+                 packed=cfg.data.packing and not pairs, method=t.method,
                  regen=None if t.clip_regen == "auto" else t.clip_regen,
                  lora=None if t.method == "full" else for_model(lora_spec(cfg.lora), spec))
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What every plan of one run config on one machine shares, resolved once (the budgets
+    ``auto`` read NVML and psutil when it is made)."""
+    hardware: HardwareProfile
+    device: str
+    """cuda or cpu: the backend the run uses."""
+    budgets: Budgets
+
+
+def resolve_machine(cfg: RunConfig, hardware: HardwareProfile | str = "auto",
+                    device: str | None = None) -> Machine:
+    """The machine :func:`plan_run` plans ``cfg`` on (its arguments say how)."""
+    hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
+    if hardware == "auto" and cpu_adam.unavailable_reason():  # a plan of this machine
+        hw = hw.without_native_adam(cpu_adam.unavailable_reason())
+    device = device or run_device(cfg, hw)
+    if device == "cuda" and hw.matmul_tflops <= 0:
+        raise UserError("train.device", f"is cuda but {hw.name} has no GPU to plan for",
+                        "plan for a GPU (slideformer plan --gpu rtx4090, or the Plan page's "
+                        "target), or use the CPU backend")
+    gpu = None if hw.preset else gpu_memory()  # a preset's VRAM is the preset's, not this GPU's
+    return Machine(hw, device, resolve_budgets(cfg.budget, device, hw, gpu, host_memory()))
 
 
 def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
@@ -189,15 +218,15 @@ def plan_run(cfg: RunConfig, spec: ModelSpec, device: str | None = None,
         speculate: False for one rank of a data-parallel run (no speculative layers).
     """
     validate(cfg, "values")
-    hw = hardware if isinstance(hardware, HardwareProfile) else load_profile(hardware)
-    if hardware == "auto" and cpu_adam.unavailable_reason():  # a plan of this machine
-        hw = hw.without_native_adam(cpu_adam.unavailable_reason())
-    device = device or run_device(cfg, hw)
-    if device == "cuda" and hw.matmul_tflops <= 0:
-        raise UserError("train.device", f"is cuda but {hw.name} has no GPU to plan for",
-                        "plan for a GPU (slideformer plan --gpu rtx4090, or the Plan page's "
-                        "target), or use the CPU backend")
-    gpu = None if hw.preset else gpu_memory()  # a preset's VRAM is the preset's, not this GPU's
-    budgets = resolve_budgets(cfg.budget, device, hw, gpu, host_memory())
-    knobs = replace(knobs_from_config(cfg, spec, device), speculate=speculate)
-    return make_plan(spec, knobs, device, budgets, hw)
+    m = resolve_machine(cfg, hardware, device)
+    knobs = replace(knobs_from_config(cfg, spec, m.device), speculate=speculate)
+    return make_plan(spec, knobs, m.device, m.budgets, m.hardware)
+
+
+def fit_verdict(cfg: RunConfig, spec: ModelSpec, machine: Machine) -> tuple[str, str]:
+    """The verdict and reason :func:`plan_run` gives ``cfg`` on ``machine``, without the rest of
+    the plan (fixes, largest batches, speed): 3-10% of its time (a tiny Llama to an 8B, each
+    method, measured)."""
+    knobs = knobs_from_config(cfg, spec, machine.device)
+    base = Evaluator(spec, machine.device, machine.budgets, machine.hardware).choose(knobs)
+    return _verdict(base.tiers, machine.hardware)

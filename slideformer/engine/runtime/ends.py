@@ -10,9 +10,11 @@ from __future__ import annotations
 import torch
 
 from slideformer.engine.kernels import IGNORE
-from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss
+from slideformer.engine.kernels.linear_ce import linear_ce_fwd_bwd, linear_ce_loss, linear_ce_rows
 from slideformer.engine.models.model import embed_scale, final_norm, head_weight
 from slideformer.engine.runtime.timeline import StepTimeline
+from slideformer.engine.config import PreferenceConfig
+from slideformer.engine.train.objectives import NEEDS_REFERENCE, sequence_weights
 
 
 class ResidentEnds:
@@ -20,33 +22,82 @@ class ResidentEnds:
     attributes: spec, backend, shape, dtype, lora, group, embed/head items, their weights and
     grads, norm_sq)."""
 
-    def head_step(self, xs, inp, scale: float, tl: StepTimeline):
-        """Loss of every micro-batch and the gradients w.r.t. the last hidden states."""
+    objective: tuple[str, PreferenceConfig] | None = None
+    """A preference objective (train.objective, its [preference] settings) instead of the
+    next-token loss: :meth:`preference_step` is then the head's step."""
+
+    def _head_weights(self):
+        """(head weight, its dL/dW buffer or None, final-norm weight, its gradient view or
+        None): the head is frozen under LoRA (dL/dx only)."""
         spec = self.spec
-        t0 = self.backend.mark()
         head = self._norm_views("head", spec.head_layout.views(self.head_w))
         w = head_weight(spec, head, spec.embed_layout.views(self.embed_w))
-        trained = self.lora is None  # else the head is frozen: dL/dx only
-        if trained:
+        gw = gnorm = None
+        if self.lora is None:
             ghead = spec.head_layout.views(self.head_g)
             gw = head_weight(spec, ghead, spec.embed_layout.views(self.embed_g))
+            gnorm = ghead["norm.weight"]
         self._zero_resident_grads()
-        nw = head["norm.weight"].detach().requires_grad_(trained)
+        return w, gw, head["norm.weight"].detach().requires_grad_(gw is not None), gnorm
+
+    def _head_backward(self, x, labels, w, gw, nw, gnorm, scale) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, dL/dx) of one micro-batch; dL/dW and the norm's gradient added."""
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            h = final_norm(self.spec, nw, x, self.dtype)
+        lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk, gw)
+        grads = torch.autograd.grad(h, [x, nw] if gnorm is not None else [x], gh)
+        if gnorm is not None:
+            gnorm.add_(grads[1])
+        return lmb, grads[0]
+
+    def head_step(self, xs, inp, scale: float, tl: StepTimeline):
+        """Loss of every micro-batch and the gradients w.r.t. the last hidden states."""
+        t0 = self.backend.mark()
+        w, gw, nw, gnorm = self._head_weights()
         loss = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         gys = []
         for x, (_, labels, _) in zip(xs, inp):
-            x = x.detach().requires_grad_()
-            with torch.enable_grad():
-                h = final_norm(spec, nw, x, self.dtype)
-            lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk,
-                                        gw if trained else None)
+            lmb, gy = self._head_backward(x, labels, w, gw, nw, gnorm, scale)
             loss += lmb
-            grads = torch.autograd.grad(h, [x, nw] if trained else [x], gh)
-            if trained:
-                ghead["norm.weight"].add_(grads[1])
-            gys.append(grads[0])
+            gys.append(gy)
         tl.device_span("compute", "head", t0, self.backend.mark())
         return loss, gys
+
+    def preference_step(self, xs, inp, references, tl: StepTimeline):
+        """(loss, dL/dx of every micro-batch, PairStats) of a preference objective.
+
+        Two passes over the head: the response log-probability of every row (each micro-batch
+        holds P pairs as P chosen then P rejected rows), then, with the weights -dL/dS of each
+        row (train.objectives), one weighted cross-entropy backward: the exact gradient."""
+        kind, cfg = self.objective
+        t0 = self.backend.mark()
+        w, gw, nw, gnorm = self._head_weights()
+        logps, counts = [], []
+        for x, (_, labels, _) in zip(xs, inp):
+            with torch.no_grad():
+                h = final_norm(self.spec, nw, x, self.dtype)
+            logps.append(-linear_ce_rows(h, w, labels, self.shape.head_chunk).sum(1))
+            counts.append((labels != IGNORE).sum(1))
+        halves = [len(lp) // 2 for lp in logps]
+
+        def pair_order(rows):  # the step's chosen rows, then its rejected ones
+            return torch.cat([r[:p] for r, p in zip(rows, halves)] +
+                             [r[p:] for r, p in zip(rows, halves)])
+        ref = None
+        if NEEDS_REFERENCE[kind]:
+            ref = pair_order([r.to(logps[0].device) for r in references])
+        P = sum(halves)
+        loss, weights, stats = sequence_weights(kind, cfg, pair_order(logps), pair_order(counts),
+                                                ref, P)
+        gys, at = [], 0
+        for x, (_, labels, _), p in zip(xs, inp, halves):
+            row_w = torch.cat([weights[at:at + p], weights[P + at:P + at + p]])  # (2p,)
+            at += p
+            scale = row_w[:, None].expand(labels.shape).contiguous()  # (2p, T)
+            gys.append(self._head_backward(x, labels, w, gw, nw, gnorm, scale)[1])
+        tl.device_span("compute", "head", t0, self.backend.mark())
+        return torch.tensor(loss, dtype=torch.float32, device=self.backend.device), gys, stats
 
     def _zero_resident_grads(self) -> None:
         for item in (self.embed, self.head):
@@ -83,6 +134,19 @@ class ResidentEnds:
 
     def eval_loss(self, mb) -> tuple[float, int]:
         """(summed loss, labelled tokens) of one micro-batch, forward only."""
+        h, w, labels = self._eval_hidden(mb)
+        with torch.no_grad():
+            loss = linear_ce_loss(h, w, labels, self.shape.head_chunk)
+        return float(loss), int((mb.labels != IGNORE).sum())
+
+    def row_logps(self, mb) -> torch.Tensor:
+        """(B,) fp32 on the host: each row's summed log-probability of its labelled tokens
+        (the reference pass of a preference objective), forward only."""
+        h, w, labels = self._eval_hidden(mb)
+        return -linear_ce_rows(h, w, labels, self.shape.head_chunk).sum(1).cpu()
+
+    def _eval_hidden(self, mb):
+        """(final hidden states, head weight, labels) of one micro-batch, forward only."""
         self._ensure_device_state()
         tl = StepTimeline(self.backend, enabled=False)
         inp = [self._inputs(mb)]
@@ -94,8 +158,7 @@ class ResidentEnds:
              if self.spec.tie_word_embeddings else head["lm_head.weight"])
         with torch.no_grad():
             h = final_norm(self.spec, head["norm.weight"], xs[0], self.dtype)
-            loss = linear_ce_loss(h, w, inp[0][1], self.shape.head_chunk)
         for i in range(self.spec.num_layers):  # drop the resident layers' slots cleanly
             if self.pool.has(i):
                 self.pool.release(i, evict=True)
-        return float(loss), int((mb.labels != IGNORE).sum())
+        return h, w, inp[0][1]

@@ -82,6 +82,8 @@ class StepOutput:
     applied: int = 0
     """Layer updates of a skipped step applied before its non-finite gradients were seen
     (without clipping only, where updates overlap the backward; 0: the skip was whole)."""
+    pairs: object = None
+    """A preference objective's PairStats of the step (train.objectives); None for SFT."""
 
 
 def grads_into(spec: ModelSpec, g: torch.Tensor, dtype: torch.dtype) -> dict:
@@ -278,7 +280,12 @@ class SlidingExecutor(ResidentEnds):
         self._refresh(self.embed, tl)
         xs = self.forward_window(inp, tl)
         self._refresh(self.head, tl)
-        loss, gys = self.head_step(xs, inp, scale, tl)
+        pairs = None
+        if self.objective is None:
+            loss, gys = self.head_step(xs, inp, scale, tl)
+        else:
+            loss, gys, pairs = self.preference_step(
+                xs, inp, [mb.reference for mb in self.group.mine(micro_batches)], tl)
         self.group.reduce(loss)
         del xs  # the last hidden states are not needed in the backward
         guard = None
@@ -300,7 +307,7 @@ class SlidingExecutor(ResidentEnds):
             self.pool.invalidate_all()
         self.group.step_done(self.wait_updates)
         applied = guard.applied if skipped and guard is not None else 0
-        return StepOutput(float(loss), norm, tokens, skipped, tl, applied)
+        return StepOutput(float(loss), norm, tokens, skipped, tl, applied, pairs)
 
     def _barrier_updates(self, hp: AdamHyper, coef: float, clip: bool, tl: StepTimeline) -> None:
         """Once the norm is known: the host updates that waited for it, in update order (their

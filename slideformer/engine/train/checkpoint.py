@@ -69,8 +69,9 @@ class CorruptCheckpoint(Exception):
 
 # ---- writing ------------------------------------------------------------------------------------
 def write_checkpoint(root: Path, step: int, items: dict[str, dict[str, torch.Tensor]],
-                     meta: dict, keep: int) -> Path:
-    """Write ``root/step-<step>`` atomically and keep the newest ``keep`` checkpoints.
+                     meta: dict, keep: int, protect: int | None = None) -> Path:
+    """Write ``root/step-<step>`` atomically and keep the newest ``keep`` checkpoints (and the
+    one of step ``protect``, when given: the best one of output.keep_best).
 
     Args:
         items: per window item, the tensors to store (``HostItem.state_tensors()``).
@@ -102,7 +103,8 @@ def write_checkpoint(root: Path, step: int, items: dict[str, dict[str, torch.Ten
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in checkpoints(root)[keep:]:
-        _set_aside(old, root / f".{old.name}.old")
+        if old.name != f"step-{protect}":
+            _set_aside(old, root / f".{old.name}.old")
     _remove_leftovers(root)
     return final
 

@@ -16,7 +16,8 @@ FLAGS = {"model": "model.path", "data": "data.train", "validation": "data.valida
          "run_dir": "output.run_dir", "max_steps": "train.max_steps", "epochs": "train.epochs",
          "micro_batch": "train.micro_batch", "grad_accum": "train.grad_accum",
          "seq_len": "data.max_seq_len", "lr": "optim.lr", "device": "train.device",
-         "slots": "budget.slots", "save_every": "train.save_every"}
+         "slots": "budget.slots", "save_every": "train.save_every",
+         "objective": "train.objective"}
 TYPES = {"max_steps": int, "epochs": float, "micro_batch": int, "grad_accum": int,
          "seq_len": int, "lr": float, "slots": int, "save_every": int}
 

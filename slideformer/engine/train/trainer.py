@@ -21,6 +21,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from slideformer.engine import config as config_mod
@@ -29,8 +30,8 @@ from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shap
 from slideformer.engine.devices import (compute_dtype_name, moments_dtype_name, residual_dtype_name,
                                         torch_dtype)
 from slideformer.engine.errors import UserError
-from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, RunState, StepMetrics,
-                           Timeline, read_events)
+from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, PairMetrics, RunState,
+                                      StepMetrics, Timeline, read_events)
 from slideformer.engine.kernels import cpu_adam
 from slideformer.engine.kernels.attention import take_flex_fallback
 from slideformer.engine.models.lora import for_model
@@ -43,8 +44,11 @@ from slideformer.engine.runtime.executor import SlidingExecutor
 from slideformer.engine.runtime.host_state import AdamHyper
 from slideformer.engine.runtime.nvme import NvmeTier
 from slideformer.engine.runtime.shapes import ExecShape, borrowed_layers, device_items, disk_layers
-from slideformer.engine.train.checkpoint import (checkpoint_bytes, checkpoints, load_newest, rng_state,
-                                     set_rng_state, write_checkpoint, write_error)
+from slideformer.engine.train.checkpoint import (CorruptCheckpoint, checkpoint_bytes, checkpoints,
+                                                 load_newest, read_state, rng_state, set_rng_state,
+                                                 write_checkpoint, write_error)
+from slideformer.engine.tracking import Trackers, check_installed
+from slideformer.engine.train.objectives import NEEDS_REFERENCE
 from slideformer.engine.train.lock import LOCK_FILE, RunLock, run_owner
 from slideformer.engine.train.schedule import lr_at, run_steps
 from slideformer.engine.train.state import (build_frozen_state, build_host_state, export_model,
@@ -56,7 +60,11 @@ from slideformer.engine.train.space import check_space, export_bytes
 from slideformer.engine.train.lora_export import write_adapter, write_merged
 
 GiB = 1 << 30
-RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints", LOCK_FILE}
+REFERENCE_FILE = "reference-logps.npy"
+"""A preference run's reference log-probabilities (N pairs x chosen, rejected), written once
+before its first step: every checkpoint of the run needs it to resume."""
+RUN_FILES = {"events.jsonl", "engine.log", "control", "config.toml", "checkpoints", LOCK_FILE,
+             REFERENCE_FILE}
 """What a run leaves in its folder before its first complete checkpoint: with nothing else
 there (and no complete checkpoint), the folder may start a new run."""
 NONFINITE_LIMIT = 3
@@ -102,7 +110,14 @@ class Trainer:
         """The other ranks of a run on several GPUs (slideformer.engine.dist.ranks)."""
         self.tier = None
         self.sink = None
+        self.trackers = None
         self.lock = RunLock(self.run_dir)
+        self.best: tuple[int, float] | None = None
+        """(step, validation loss) of the lowest validation loss so far."""
+        self.evals_without_gain = 0
+        """Evaluations in a row that did not improve on ``best`` (early stopping counts them)."""
+        self._stopped_early = ""
+        self._evaluated_at = -1
 
     # ---- control from other threads ---------------------------------------------------------
     def pause(self) -> None:
@@ -129,6 +144,7 @@ class Trainer:
         """
         cfg = self.cfg
         validate(cfg, "train" if data is None else "plan")
+        check_installed(cfg.output.report_to)
         self.lora = None if cfg.train.method == "full" else lora_spec(cfg.lora)
         self._check_run_dir(resume)
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
@@ -158,6 +174,8 @@ class Trainer:
                                  self.backend.is_cuda)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
                                         self.lora, cfg.train.seed, self.ranks.group, residual)
+        if cfg.train.objective != "sft":
+            self.executor.objective = (cfg.train.objective, cfg.preference)
         if cpu_adam.unavailable_reason() and self.lora is None:
             self.emit(Log("warning", f"compiled CPU AdamW unavailable "
                                      f"({cpu_adam.unavailable_reason()}): the PyTorch fallback "
@@ -169,7 +187,13 @@ class Trainer:
                                 f"{self.step} of {self.total_steps}",
                                 f"to train on, resume with more steps, e.g. --max-steps "
                                 f"{2 * self.step}; the fine-tuned model is in {self.run_dir / 'final'}")
+        if NEEDS_REFERENCE.get(cfg.train.objective):
+            self._reference(resume)
         _write_atomic(self.run_dir / "config.toml", config_mod.dumps(cfg))
+        if cfg.output.report_to:
+            self.trackers = Trackers(cfg.output.report_to, self.run_dir, config_mod.to_dict(cfg),
+                                     lambda text: self.emit(Log("warning", text)))
+            self.sink.callbacks.append(self.trackers)
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.executor.k} slots, "
                               f"{self.dtype}, {self.total_steps} steps"
@@ -259,8 +283,44 @@ class Trainer:
                             (fixes[0] if fixes else "use optim.moments_dtype = \"bfloat16\" or a "
                              "smaller model") + ", free host memory, or raise budget.ram")
 
+    def _reference(self, resume: bool) -> None:
+        """DPO's reference: the response log-probabilities of every pair under the initial
+        weights (for lora / qlora the base, since the adapters start at zero: the same model),
+        one forward pass before the first step, kept in the run folder for resumes."""
+        path = self.run_dir / REFERENCE_FILE
+        n = len(self.stream.pairs)
+        if resume:
+            try:
+                ref = np.load(path)
+            except (OSError, ValueError) as e:
+                raise UserError(path, f"cannot be read ({e}): the run's reference "
+                                "log-probabilities are lost", "start a new run folder (the "
+                                "reference must come from the starting weights)") from None
+            if ref.shape != (n, 2):
+                raise UserError(path, f"holds {ref.shape[0]} pairs, the data {n}",
+                                "resume with the data of the checkpointed run")
+        else:
+            self.emit(RunState("setup", f"reference log-probabilities of {n:,} pairs"))
+            t0, ref = time.perf_counter(), np.zeros((n, 2), np.float32)
+            size = max(1, self.cfg.train.micro_batch)
+            for mb in self.stream.batches(size):
+                lp = self.executor.row_logps(mb).numpy()
+                ref[mb.pairs, 0], ref[mb.pairs, 1] = lp[:len(mb.pairs)], lp[len(mb.pairs):]
+            tmp = path.with_name(path.name + ".tmp.npy")
+            np.save(tmp, ref)
+            os.replace(tmp, path)
+            self.emit(Log("info", f"reference log-probabilities of {n:,} pairs in "
+                                  f"{time.perf_counter() - t0:.1f} s"))
+        self.stream.reference = ref
+
     def _prepare_data(self):
         from slideformer.engine.data import BatchStream, prepare_data
+        if self.cfg.train.objective != "sft":
+            from slideformer.engine.data.preference import PairStream, read_pairs
+            pairs = read_pairs(self.cfg.data, self.tok, self.emit)
+            t = self.cfg.train
+            return pairs, PairStream(pairs.pairs, t.micro_batch, t.grad_accum, self.cfg.data.seed,
+                                     self.cfg.data.max_seq_len, self.tok.pad_id or 0)
         cache = self.run_dir.parent / ".token-cache"
         prepared = prepare_data(self.cfg.data, self.tok, cache, self.emit)
         t = self.cfg.train
@@ -296,11 +356,11 @@ class Trainer:
                            "optim.warmup_steps or keep optim.max_grad_norm > 0, and check the "
                            f"data for broken records; {RESUME}", save=True)
                 break
+            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
+                self.evaluate()  # first: the checkpoint below then holds its outcome
             every = cfg.train.save_every
             if every and self.step % every == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
-            if cfg.train.eval_every and self.step % cfg.train.eval_every == 0:
-                self.evaluate()
         return self._finish()
 
     def _one_step(self):
@@ -334,6 +394,9 @@ class Trainer:
         elif out.skipped:
             self.emit(Log("warning", "non-finite loss or gradients: step skipped, weights "
                                      "unchanged"))
+        if out.pairs is not None and not out.skipped:
+            p = out.pairs
+            self.emit(PairMetrics(self.step, p.accuracy, p.chosen, p.rejected, p.margin))
         notice = take_flex_fallback()
         if notice:
             self.emit(Log("warning", notice))
@@ -395,8 +458,31 @@ class Trainer:
         if not count:
             return None
         val = total / count
+        self._evaluated_at = self.step
         self.emit(EvalMetrics(self.step, val))
+        self._judge(val)
         return val
+
+    def _judge(self, val: float) -> None:
+        """Track the best validation loss: keep its checkpoint (output.keep_best) and stop the
+        run when train.early_stopping_patience evaluations in a row did not improve on it."""
+        t, best = self.cfg.train, self.best
+        if best is None or best[1] - val > t.early_stopping_threshold:
+            self.evals_without_gain = 0
+        else:
+            self.evals_without_gain += 1
+        if best is None or val < best[1]:
+            self.best = (self.step, val)
+            if self.cfg.output.keep_best:
+                self.save_checkpoint()
+        patience = t.early_stopping_patience
+        if patience and self.evals_without_gain >= patience and self.step < self.total_steps:
+            step, loss = self.best
+            self._stopped_early = (f"stopped early at step {self.step}: {patience} evaluations "
+                                   f"in a row did not improve the validation loss (best "
+                                   f"{loss:.4f} at step {step})")
+            self._stop_save = True
+            self._stop.set()
 
     def _finish(self) -> str:
         self.executor.drain()
@@ -406,7 +492,7 @@ class Trainer:
         if self._failure is None and self._stop.is_set() and not self._stop_save:
             self.emit(RunState("stopped", "stopped without saving", self.step))
             return "stopped"
-        if self._failure is None:
+        if self._failure is None and self._evaluated_at != self.step:
             self.evaluate()
         if self._failure is None or self._failure[1]:
             self.save_checkpoint()  # first: an export that fails must not lose the trained steps
@@ -414,6 +500,7 @@ class Trainer:
             self.emit(RunState("saving", "exporting the final model", self.step))
             out = self.run_dir / "final"
             try:
+                exported = self._take_best()
                 self.export(out)
             except OSError as e:
                 self._fail(f"could not write the final model to {out}: "
@@ -424,17 +511,41 @@ class Trainer:
         if self._failure is not None:
             self.emit(RunState("failed", self._failure[0], self.step))
             return "failed"
-        done = self.step >= self.total_steps
+        done = self.step >= self.total_steps or bool(self._stopped_early)
         hint = "" if done else f"; {RESUME} to train on"
-        self.emit(RunState("finished" if done else "stopped", f"model saved to {out}{hint}",
-                           self.step))
+        early = f"{self._stopped_early}; " if self._stopped_early else ""
+        self.emit(RunState("finished" if done else "stopped",
+                           f"{early}model saved to {out}{exported}{hint}", self.step))
         return "finished" if done else "stopped"
+
+    def _take_best(self) -> str:
+        """With output.keep_best, load the best checkpoint's state to export it (the last
+        step's state is already in its own checkpoint); says which state is exported ("": the
+        last step's)."""
+        if not (self.cfg.output.keep_best and self.best is not None):
+            return ""
+        step, loss = self.best
+        what = f" (the best checkpoint: step {step}, validation loss {loss:.4f})"
+        if step == self.step:
+            return what
+        folder = self.run_dir / "checkpoints" / f"step-{step}"
+        try:
+            read_state(folder, state_tensors(self.host))
+        except (CorruptCheckpoint, UserError) as e:
+            load_newest(self.run_dir / "checkpoints", state_tensors(self.host), lambda m: None,
+                        lambda text: None)  # back to the last step's state
+            self.emit(Log("warning", f"the best checkpoint {folder} cannot be read ({e}): the "
+                                     f"last step's state is exported instead"))
+            return ""
+        self.executor.host_changed()
+        return what
 
     def _check_disk(self, resume: bool) -> None:
         """The run folder's disk holds a checkpoint and the final model (train.space)."""
         lora = None if self.lora is None else self.cfg.lora.export_merged
         check_space(self.run_dir, checkpoint_bytes(state_tensors(self.host)),
-                    export_bytes(self.spec, self.host, lora), self.cfg.train.keep_checkpoints,
+                    export_bytes(self.spec, self.host, lora),
+                    self.cfg.train.keep_checkpoints + self.cfg.output.keep_best,
                     resume, lambda text: self.emit(Log("warning", text)))
 
     def export(self, out_dir: Path) -> Path:
@@ -464,8 +575,9 @@ class Trainer:
             return root / f"step-{self.step}"
         items = state_tensors(self.host)
         try:
+            best = self.best[0] if self.cfg.output.keep_best and self.best else None
             path = write_checkpoint(root, self.step, items, self._trainer_state(),
-                                    self.cfg.train.keep_checkpoints)
+                                    self.cfg.train.keep_checkpoints, protect=best)
         except OSError as e:
             newest = checkpoints(root)
             kept = f"the newest complete checkpoint is {newest[0].name}" if newest else \
@@ -478,7 +590,8 @@ class Trainer:
                        f"output.run_dir to a larger disk), {then}", save=False)
             return None
         self._saved_step = self.step
-        self.emit(CheckpointSaved(self.step, str(path)))
+        self.emit(CheckpointSaved(self.step, str(path),
+                                  best=self.cfg.output.keep_best and best == self.step))
         return path
 
     def _trainer_state(self) -> dict:
@@ -486,7 +599,8 @@ class Trainer:
         return {"step": self.step, "total_steps": self.total_steps,
                 "next_lr": self.hyper(1.0).lr, "data": self.stream.state_dict(),
                 "rng": rng_state(), "config": config_mod.to_dict(self.cfg),
-                "model": self._model_figures()}
+                "model": self._model_figures(), "best": self.best,
+                "evals_without_gain": self.evals_without_gain}
 
     def _model_figures(self) -> dict:
         """The model a checkpoint belongs to: config.json's figures (as ``info`` shows them)
@@ -515,6 +629,8 @@ class Trainer:
                                    self._accept,
                                    lambda text: self.emit(Log("warning", text)))
         self.step = self._saved_step = int(meta["step"])
+        self.best = tuple(meta["best"]) if meta.get("best") else None
+        self.evals_without_gain = int(meta.get("evals_without_gain", 0))
         self.executor.host_changed()
         set_rng_state(meta["rng"])
         old, new = meta["config"], config_mod.to_dict(self.cfg)
@@ -541,6 +657,9 @@ class Trainer:
         if self.tier is not None:
             self.tier.close()
             self.tier = None
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
         if self.sink is not None:
             self.sink.close()
         self.lock.release()

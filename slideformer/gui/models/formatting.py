@@ -3,19 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# the engine's byte format under the GUI's name: one size format in messages and on every page
+# the engine's formats under the GUI's names: one way sizes and counts read everywhere
 from slideformer.engine.api import format_bytes as human_bytes
+from slideformer.engine.api import format_count as human_count
 
 __all__ = ["RESOURCE_TITLES", "home_relative", "human_bytes", "human_count", "resource_title",
            "short_path"]
-
-
-def human_count(n: int) -> str:
-    """357216 -> "357.2 K", 8030261248 -> "8.03 B"."""
-    for div, suffix, digits in ((1e12, "T", 2), (1e9, "B", 2), (1e6, "M", 1), (1e3, "K", 1)):
-        if abs(n) >= div:
-            return f"{n / div:.{digits}f} {suffix}"
-    return str(n)
 
 
 def home_relative(text: str) -> str:

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from slideformer.engine.api import EvalMetrics, StepMetrics
+from slideformer.engine.api import EvalMetrics, PairMetrics, StepMetrics
 
 COLUMNS = ("step", "loss", "smooth", "lr", "grad_norm", "tokens_per_s", "step_time",
-           "peak_vram", "peak_ram")
+           "peak_vram", "peak_ram", "chosen_reward", "rejected_reward", "margin", "accuracy")
+PAIR_COLUMNS = COLUMNS[-4:]
+"""A preference run's columns (PairMetrics): NaN in a supervised run's rows."""
 SMOOTHING = 0.9
 """Weight of the past in the smoothed loss (an exponential moving average, bias-corrected, as
 TensorBoard draws it)."""
@@ -51,6 +53,8 @@ class StepHistory:
         self.recent_times: list[float] = []
         self.version = 0
         """Bumped on every change: the plots repaint only when it moved."""
+        self.has_pairs = False
+        """The run reports preference rewards (PairMetrics)."""
 
     def __len__(self) -> int:
         return self._n
@@ -59,9 +63,16 @@ class StepHistory:
         return self._rows[:self._n, COLUMNS.index(name)]
 
     def add(self, ev) -> None:
-        """Take a StepMetrics or EvalMetrics event (others are ignored)."""
+        """Take a StepMetrics, EvalMetrics or PairMetrics event (others are ignored)."""
         if isinstance(ev, StepMetrics):
             self._add_step(ev)
+        elif isinstance(ev, PairMetrics):
+            if self._n and self._rows[self._n - 1, 0] == ev.step:  # its step's row (kept)
+                at = COLUMNS.index(PAIR_COLUMNS[0])
+                self._rows[self._n - 1, at:at + 4] = (ev.chosen_reward, ev.rejected_reward,
+                                                      ev.margin, ev.accuracy)
+            self.has_pairs = True
+            self.version += 1
         elif isinstance(ev, EvalMetrics):
             self._rewind_val(ev.step)
             self.val_steps.append(ev.step)
@@ -91,7 +102,7 @@ class StepHistory:
         smooth = ema / (1 - SMOOTHING ** n) if n else math.nan
         self._rows[self._n] = (ev.step, _nan(ev.loss), smooth, ev.lr, _nan(ev.grad_norm),
                                _nan(ev.tokens_per_s), ev.step_time, _nan(ev.peak_vram),
-                               _nan(ev.peak_ram))
+                               _nan(ev.peak_ram), *[math.nan] * len(PAIR_COLUMNS))
         self._n += 1
 
     def _rewind(self, step: int) -> None:

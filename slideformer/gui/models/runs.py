@@ -7,6 +7,7 @@ engine's console output. A run started in a terminal and one started by the app 
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,8 @@ class RunSummary:
     """A process is running this run now."""
     settings: str = ""
     """What tells this run from its neighbours: tokens per step, its shape and learning rate."""
+    best: tuple[int, float] | None = None
+    """(step, validation loss) of the best checkpoint output.keep_best kept (None: none)."""
 
     @property
     def name(self) -> str:
@@ -93,7 +96,18 @@ def summarize(run_dir: Path | str) -> RunSummary:
                       model=model, data=data, updated=updated,
                       checkpoint=latest_checkpoint(run_dir),
                       has_final=(run_dir / "final" / "config.json").is_file(), live=live,
-                      settings=settings)
+                      settings=settings, best=kept_best(run_dir))
+
+
+def kept_best(run_dir: Path) -> tuple[int, float] | None:
+    """The best checkpoint the newest checkpoint's trainer state names, when it is on disk."""
+    found = checkpoints(run_dir / "checkpoints")
+    try:
+        best = json.loads((found[0] / "trainer.json").read_text(encoding="utf-8"))["best"]
+        step, loss = int(best[0]), float(best[1])
+    except (IndexError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return (step, loss) if (run_dir / "checkpoints" / f"step-{step}").is_dir() else None
 
 
 def _tail_events(path: Path) -> list:

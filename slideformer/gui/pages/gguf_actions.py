@@ -1,8 +1,9 @@
-"""GGUF work the pages start: import a file, make the SmolLM2 demo model, export a run.
+"""GGUF work the pages start: import a file, make the SmolLM2 demo model, export a run, hand an
+export to Ollama.
 
 Each function runs the matching ``slideformer`` command in a child process
-(:func:`run_engine_command`): call them from a worker thread (:func:`run_task`), never from
-the GUI thread. Nothing the user has is overwritten: an import goes to a new folder, an export
+(:func:`run_engine_command`; the hand-off to Ollama runs ``ollama`` itself): call them from a
+worker thread (:func:`run_task`), never from the GUI thread. Nothing the user has is overwritten: an import goes to a new folder, an export
 to a new file.
 """
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from slideformer.engine.api import SMOLLM2_INSTALL, UserError, gguf_export_path, inspect_model, smollm2_gguf
+from slideformer.engine.api import (SMOLLM2_INSTALL, UserError, gguf_export_path, inspect_model,
+                                    send_to_ollama, smollm2_gguf)
 from slideformer.gui.workers.command import run_engine_command
 from slideformer.gui.workers.thread import TaskError
 
@@ -28,9 +30,10 @@ def free_path(path: Path) -> Path:
     return candidate
 
 
-def import_gguf_file(gguf_file: str, models_dir: Path) -> str:
-    """Import ``gguf_file`` into a new folder of ``models_dir``; returns the folder."""
-    out = free_path(Path(models_dir) / Path(gguf_file).stem)
+def import_gguf_file(gguf_file: str, models_dir: Path, name: str | None = None) -> str:
+    """Import ``gguf_file`` into a new folder of ``models_dir`` (named ``name``, else after the
+    file); returns the folder."""
+    out = free_path(Path(models_dir) / (name or Path(gguf_file).stem))
     out.parent.mkdir(parents=True, exist_ok=True)
     run_engine_command("import-gguf", gguf_file, "--out", str(out), timeout=TIMEOUT_S)
     return str(out)
@@ -58,3 +61,14 @@ def export_run_gguf(model_dir: str, kind: str) -> str:
     out = free_path(gguf_export_path(Path(model_dir), kind))
     return run_engine_command("export-gguf", model_dir, "--type", kind, "--out", str(out),
                               timeout=TIMEOUT_S).strip()
+
+
+def newest_export(run_dir: Path) -> Path | None:
+    """The Modelfile of the newest GGUF export in a run folder (None: nothing exported yet)."""
+    found = [p for p in Path(run_dir).glob("*.Modelfile") if p.with_suffix(".gguf").is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime, default=None)
+
+
+def send_export_to_ollama(modelfile: str, name: str) -> str:
+    """``ollama create NAME`` on an export; returns what to show (done, or how to do it)."""
+    return send_to_ollama(modelfile, name).message

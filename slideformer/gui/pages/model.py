@@ -3,24 +3,29 @@
 A folder is checked by the engine (:func:`slideformer.engine.api.inspect_model`) on a worker
 thread; a broken folder shows the engine's message word for word. A valid one goes first in
 the recent list and becomes the app's model (:meth:`AppContext.set_model`, and the page's
-:attr:`ModelPage.model_selected` signal).
+:attr:`ModelPage.model_selected` signal). The models already on this machine are listed above
+(:mod:`slideformer.gui.pages.model_found`); one picked there is opened (a GGUF file imported
+first) and then planned (:attr:`ModelPage.plan_requested`).
 """
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
 from PySide6.QtCore import Qt, Signal, Slot
 from PySide6.QtWidgets import (QFileDialog, QFormLayout, QGroupBox, QHBoxLayout, QLabel,
                                QListWidget, QListWidgetItem, QMenu, QProgressBar, QPushButton,
-                               QVBoxLayout, QWidget)
+                               QSplitter, QVBoxLayout, QWidget)
 
-from slideformer.engine.api import SMOLLM2_INSTALL, UserError, inspect_model, smollm2_gguf
+from slideformer.engine.api import (SMOLLM2_INSTALL, FoundModel, UserError, inspect_model,
+                                    smollm2_gguf)
 from slideformer.gui.context import AppContext
 from slideformer.gui.workers.command import run_engine_command
 from slideformer.gui.models.formatting import (home_relative, human_bytes, human_count,
                                                short_path)
 from slideformer.gui.pages.model_fit import FitBox
+from slideformer.gui.pages.model_found import FoundBox
 from slideformer.gui.pages.gguf_actions import ensure_smollm2_model, import_gguf_file
 from slideformer.gui.workers.thread import run_task
 from slideformer.gui.widgets.common import ColumnScroll, action_row, page_header, set_state, status_label
@@ -50,6 +55,12 @@ ROWS: tuple[tuple[str, object], ...] = (
     ("Chat template", lambda r: "—" if r["chat_template"] is None else
                                 "yes" if r["chat_template"] else "no"),
 )
+
+
+def import_name(m: FoundModel) -> str:
+    """The folder a found GGUF is imported into: its name in its store, as a file name
+    (``llama3.2:3b`` -> ``llama3.2-3b``)."""
+    return re.sub(r"[^\w.-]+", "-", m.name.rsplit("/", 1)[-1]).strip("-.") or "model"
 
 
 def ensure_demo_model(path: Path) -> str:
@@ -82,6 +93,8 @@ class ModelPage(QWidget):
 
     model_selected = Signal(str)
     """A valid model folder was chosen (its path)."""
+    plan_requested = Signal()
+    """A model picked from the models on this machine is open: plan it (the Plan page)."""
 
     def __init__(self, ctx: AppContext, parent=None):
         super().__init__(parent)
@@ -89,7 +102,11 @@ class ModelPage(QWidget):
         self.setAcceptDrops(True)
         self._pending: str | None = None
         """The folder being checked; results for any other folder are stale and dropped."""
+        self._then_plan: str | None = None
+        """The folder whose report asks for the Plan page (a model picked on this machine)."""
         self._demo_task = None
+        self._task_then_plan = False
+        """The folder the running task makes (an import) is planned once it is open."""
 
         actions = self._build_actions()
         self.fit = FitBox(ctx)
@@ -98,15 +115,25 @@ class ModelPage(QWidget):
         right.setContentsMargins(0, 0, 0, 0)
         right.addWidget(self._build_summary(), 1)
         right.addWidget(self.fit)
-        body = QHBoxLayout()
-        body.addWidget(self._build_recent(), 1)
-        body.addWidget(ColumnScroll(column), 2)  # a short window scrolls it, never clips it
+        self.found = FoundBox(ctx)
+        self.found.picked.connect(self.use_found)
+        body = QWidget()
+        body_lay = QHBoxLayout(body)
+        body_lay.setContentsMargins(0, 0, 0, 0)
+        body_lay.addWidget(self._build_recent(), 1)
+        body_lay.addWidget(ColumnScroll(column), 2)  # a short window scrolls it, never clips it
+        split = QSplitter(Qt.Orientation.Vertical)
+        split.setChildrenCollapsible(False)
+        split.addWidget(self.found)
+        split.addWidget(body)
+        split.setStretchFactor(0, 3)  # the models here first; the chosen one's summary scrolls
+        split.setStretchFactor(1, 2)
         lay = QVBoxLayout(self)
         lay.addWidget(page_header("Model", "The model to fine-tune: a local Hugging Face folder. "
                                            "Nothing is loaded into memory here; only its "
                                            "config, weight headers and tokenizer are checked."))
         lay.addLayout(actions)
-        lay.addLayout(body, 1)
+        lay.addWidget(split, 1)
         self._fill_recent(ctx.settings.recent_models())
 
     def _build_actions(self) -> QHBoxLayout:
@@ -189,10 +216,12 @@ class ModelPage(QWidget):
         if path:
             self.load(path)
 
-    def load(self, path: str) -> None:
-        """Check ``path`` on a worker thread; the page updates when the engine answers."""
+    def load(self, path: str, then_plan: bool = False) -> None:
+        """Check ``path`` on a worker thread; the page updates when the engine answers (and
+        with ``then_plan``, asks for the Plan page)."""
         path = str(Path(path).expanduser().absolute())
         self._pending = path
+        self._then_plan = path if then_plan else None
         self.folder.setText(short_path(path))
         self._show_status("busy", "Checking the folder…")
         self._clear_fields()
@@ -212,6 +241,17 @@ class ModelPage(QWidget):
         self._fill_recent(self.ctx.settings.add_recent_model(path))
         self.ctx.set_model(path, report)
         self.model_selected.emit(path)
+        if self._then_plan == path:
+            self._then_plan = None
+            self.plan_requested.emit()
+
+    @Slot(object)
+    def use_found(self, m: FoundModel) -> None:
+        """Open a model found on this machine (a GGUF file: imported first), then plan it."""
+        if m.format == "gguf":
+            self.import_gguf(m.path, import_name(m), then_plan=True)
+        else:
+            self.load(m.path, then_plan=True)
 
     def _on_error(self, path: str, message: str) -> None:
         if path != self._pending:
@@ -238,16 +278,21 @@ class ModelPage(QWidget):
         if path:
             self.import_gguf(path)
 
-    def import_gguf(self, path: str) -> None:
-        """Import the GGUF file ``path`` into the app's models folder, then show it."""
+    def import_gguf(self, path: str, name: str | None = None, then_plan: bool = False) -> None:
+        """Import the GGUF file ``path`` into the app's models folder (a folder named ``name``,
+        else after the file), then show it."""
+        shown = name or Path(path).name
         self._start_model_task(import_gguf_file, path,
-                               f"Importing {Path(path).name} (dequantising to bf16)…",
-                               f"{Path(path).name} could not be imported.", self.ctx.models_dir)
+                               f"Importing {shown} (dequantising to bf16)…",
+                               f"{shown} could not be imported.", self.ctx.models_dir, name,
+                               then_plan=then_plan)
 
-    def _start_model_task(self, fn, target, busy: str, failure: str, *extra) -> None:
+    def _start_model_task(self, fn, target, busy: str, failure: str, *extra,
+                          then_plan: bool = False) -> None:
         """Run ``fn(target, *extra) -> folder`` off the GUI thread, then load the folder."""
         if self._demo_task is not None:
             return
+        self._task_then_plan = then_plan
         for w in (self.demo_button, self.gguf_button):
             w.setEnabled(False)
         self.folder.setText(short_path(target))
@@ -260,7 +305,7 @@ class ModelPage(QWidget):
         self._demo_task = None
         for w in (self.demo_button, self.gguf_button):
             w.setEnabled(True)
-        self.load(path)
+        self.load(path, self._task_then_plan)
 
     def _demo_failed(self, message: str, failure: str) -> None:
         self._demo_task = None

@@ -13,18 +13,23 @@ from pathlib import Path
 
 from PySide6.QtCore import Qt, QTimer, QUrl, Slot
 from PySide6.QtGui import QBrush, QColor, QDesktopServices, QFont
-from PySide6.QtWidgets import (QFileDialog, QGridLayout, QGroupBox, QHBoxLayout, QHeaderView,
-                               QInputDialog, QLabel, QPlainTextEdit, QPushButton, QSplitter, QTreeWidget,
-                               QTreeWidgetItem, QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QAbstractItemView, QFileDialog, QGridLayout, QGroupBox, QHBoxLayout,
+                               QHeaderView, QInputDialog, QLabel, QPlainTextEdit, QPushButton,
+                               QSplitter, QStackedWidget, QTreeWidget, QTreeWidgetItem, QVBoxLayout,
+                               QWidget)
 
-from slideformer.engine.api import GGUF_EXPORT_TYPES
+from slideformer.engine.api import GGUF_EXPORT_TYPES, ollama_model_name
 from slideformer.gui.context import AppContext
-from slideformer.gui.pages.gguf_actions import export_run_gguf
+from slideformer.gui.pages.gguf_actions import (export_run_gguf, newest_export,
+                                                 send_export_to_ollama)
+from slideformer.gui.models.compare import compare
 from slideformer.gui.models.formatting import short_path
 from slideformer.gui.models.runs import RunSummary, engine_log, is_run_dir, read_config_text, \
     scan_runs, text_tail
 from slideformer.gui.workers.thread import run_task
 from slideformer.gui.widgets.common import page_header, status_label
+from slideformer.gui.widgets.compare import CompareView
+from slideformer.gui.theme import PLOT_COLORS
 
 REFRESH_MS = 2000
 COLUMNS = ("Run", "Status", "Step", "Loss", "Model", "Data", "Batch and LR", "Last activity")
@@ -79,6 +84,8 @@ class RunsPage(QWidget):
         splitter = QSplitter(Qt.Orientation.Vertical)  # the table gets the page's width
         splitter.addWidget(list_box)
         splitter.addWidget(self._build_details())
+        ctx.theme_changed.connect(lambda name: self.compare_view.set_colors(*PLOT_COLORS[name]))
+        self.compare_view.set_colors(*PLOT_COLORS[ctx.settings.theme()])
         splitter.setSizes([300, 300])
         splitter.setChildrenCollapsible(False)
         lay = QVBoxLayout(self)
@@ -103,6 +110,7 @@ class RunsPage(QWidget):
         self.table.setRootIsDecorated(False)
         self.table.setAlternatingRowColors(True)
         self.table.setUniformRowHeights(True)
+        self.table.setSelectionMode(QAbstractItemView.SelectionMode.ExtendedSelection)
         self.table.setTextElideMode(Qt.TextElideMode.ElideMiddle)  # names end in their time
         self.table.setHorizontalScrollBarPolicy(Qt.ScrollBarPolicy.ScrollBarAlwaysOff)
         header = self.table.header()
@@ -134,12 +142,17 @@ class RunsPage(QWidget):
                                       "LM Studio, Ollama)\nwith an Ollama Modelfile, in the run "
                                       "folder")
         self.export_button.clicked.connect(self.export_selected)
+        self.ollama_button = QPushButton("Send to Ollama…")
+        self.ollama_button.setToolTip("Create an Ollama model from the run's newest GGUF export "
+                                      "(ollama create)")
+        self.ollama_button.clicked.connect(self.send_selected_to_ollama)
         self._exporting = False
-        self.add_button = QPushButton("Add run folder…")
+        self.add_button = QPushButton("Add folder…")
         self.add_button.setToolTip("List a run folder from elsewhere (e.g. a terminal run)")
         self.add_button.clicked.connect(self.choose_run_folder)
         actions = QHBoxLayout()
-        for w in (self.show_button, self.resume_button, self.open_button, self.export_button):
+        for w in (self.show_button, self.resume_button, self.open_button, self.export_button,
+                  self.ollama_button):
             actions.addWidget(w)
         actions.addStretch(1)
         actions.addWidget(self.add_button)
@@ -159,17 +172,23 @@ class RunsPage(QWidget):
         self.log_view.setReadOnly(True)
         for view in (self.config_view, self.log_view):
             view.setFont(QFont("monospace", 8))
-        details = QGroupBox("Selected run")
-        dl = QVBoxLayout(details)
+        self.details = QGroupBox("Selected run")
+        dl = QVBoxLayout(self.details)
         dl.addWidget(self.details_title)
         dl.addWidget(self.export_status)
-        files = QGridLayout()
+        files_box = QWidget()
+        files = QGridLayout(files_box)
+        files.setContentsMargins(0, 0, 0, 0)
         files.addWidget(QLabel("config.toml"), 0, 0)
         files.addWidget(QLabel("engine.log (last lines)"), 0, 1)
         files.addWidget(self.config_view, 1, 0)
         files.addWidget(self.log_view, 1, 1)
-        dl.addLayout(files, 1)
-        return details
+        self.compare_view = CompareView()
+        self.detail_pages = QStackedWidget()
+        self.detail_pages.addWidget(files_box)
+        self.detail_pages.addWidget(self.compare_view)
+        dl.addWidget(self.detail_pages, 1)
+        return self.details
 
     # ---- scanning ----------------------------------------------------------------------------
     def roots(self) -> list[Path]:
@@ -213,9 +232,13 @@ class RunsPage(QWidget):
         self._selection_changed()
 
     # ---- selection and actions ---------------------------------------------------------------
+    def selected_paths(self) -> list[str]:
+        return [item.data(0, Qt.ItemDataRole.UserRole) for item in self.table.selectedItems()]
+
     def selected_path(self) -> str | None:
-        items = self.table.selectedItems()
-        return items[0].data(0, Qt.ItemDataRole.UserRole) if items else None
+        """The one selected run (None when none or several are selected)."""
+        paths = self.selected_paths()
+        return paths[0] if len(paths) == 1 else None
 
     def selected(self) -> RunSummary | None:
         path = self.selected_path()
@@ -235,6 +258,12 @@ class RunsPage(QWidget):
     def _selection_changed(self) -> None:
         s = self.selected()
         self._update_buttons()
+        paths = self.selected_paths()
+        self.detail_pages.setCurrentIndex(1 if len(paths) > 1 else 0)
+        self.details.setTitle(f"{len(paths)} runs compared" if len(paths) > 1 else "Selected run")
+        if len(paths) > 1:
+            self._compare(paths)
+            return
         if s is None:
             self.details_title.setText("Select a run to see its settings and log.")
             self.config_view.clear()
@@ -242,13 +271,27 @@ class RunsPage(QWidget):
             return
         resumable = f"; resumable from step {s.checkpoint}" if s.resumable else ""
         final = f"; model in {short_path(s.path / 'final')}" if s.has_final else ""
+        best = (f"; best checkpoint: step {s.best[0]} (validation loss {s.best[1]:.4f})"
+                if s.best else "")
         self.details_title.setText(f"{short_path(s.path)}\n{status_text(s)} at step {s.step}"
-                                   f"{resumable}{final}")
+                                   f"{resumable}{final}{best}")
         config = read_config_text(s.path).replace(str(Path.home()), "~")  # as paths read here
         if config != self.config_view.toPlainText():
             self.config_view.setPlainText(config)
         self.log_view.setPlainText(text_tail(engine_log(s.path), 30))
         self.log_view.verticalScrollBar().setValue(self.log_view.verticalScrollBar().maximum())
+
+    def _compare(self, paths: list[str]) -> None:
+        """Read the chosen runs' curves and configs off the GUI thread, then show them."""
+        self.details_title.setText("Loss curves of the chosen runs (dashed: validation) and the "
+                                   "settings they differ in.")
+        run_task(compare, paths, name="compare-runs", owner=self,
+                 done=lambda result: self._show_compare(paths, result),
+                 failed=lambda msg: self.details_title.setText(f"Cannot compare: {msg}"))
+
+    def _show_compare(self, paths: list[str], result) -> None:
+        if self.selected_paths() == paths:  # not a selection that changed meanwhile
+            self.compare_view.show_runs(*result)
 
     def _update_buttons(self) -> None:
         s = self.selected()
@@ -258,6 +301,7 @@ class RunsPage(QWidget):
         self.resume_button.setEnabled(s is not None and s.resumable)
         self.open_button.setEnabled(s is not None)
         self.export_button.setEnabled(s is not None and s.has_final and not self._exporting)
+        self.ollama_button.setEnabled(s is not None and s.has_final and not self._exporting)
 
     @Slot()
     def show_selected(self) -> None:
@@ -303,6 +347,31 @@ class RunsPage(QWidget):
         self._exporting = False
         self.export_status.setText(text)
         self._update_buttons()
+
+    @Slot()
+    def send_selected_to_ollama(self) -> None:
+        s = self.selected()
+        modelfile = newest_export(s.path) if s is not None else None
+        if modelfile is None:
+            self.export_status.setText("Export GGUF first: Ollama is given the GGUF file and "
+                                       "the Modelfile written next to it.")
+            self.export_status.show()
+            return
+        name, ok = QInputDialog.getText(self, "Send to Ollama", "Name of the Ollama model:",
+                                        text=ollama_model_name(modelfile))
+        if ok and name.strip():
+            self.send_to_ollama(str(modelfile), name.strip())
+
+    def send_to_ollama(self, modelfile: str, name: str) -> None:
+        """``ollama create`` on an export off the GUI thread; the result or the how-to shows
+        in the details."""
+        self._exporting = True
+        self._update_buttons()
+        self.export_status.setText(f"Sending {short_path(modelfile)} to Ollama as {name}…")
+        self.export_status.show()
+        run_task(send_export_to_ollama, modelfile, name, name="ollama-create", owner=self,
+                 done=self._export_finished,
+                 failed=lambda msg: self._export_finished(f"Send to Ollama failed: {msg}"))
 
     @Slot()
     def choose_run_folder(self) -> None:

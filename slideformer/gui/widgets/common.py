@@ -93,3 +93,33 @@ class ColumnScroll(QScrollArea):
         inner = self.widget().minimumSizeHint().width()
         bar = self.verticalScrollBar().sizeHint().width()
         return QSize(inner + bar + 2 * self.frameWidth(), super().minimumSizeHint().height())
+
+
+class ElidedLabel(QLabel):
+    """One line of text shortened in the middle ("~/.ollama/…/sha256-17c3") to the width its
+    layout gives it; the whole text is its tooltip. It never widens the page around it."""
+
+    def __init__(self, text: str = "", parent=None):
+        super().__init__(parent)
+        self._full = ""
+        self.setSizePolicy(QSizePolicy.Policy.Ignored, QSizePolicy.Policy.Preferred)
+        self.set_full_text(text)
+
+    def set_full_text(self, text: str) -> None:
+        self._full = text
+        self.setToolTip(text)
+        self._elide()
+
+    def full_text(self) -> str:
+        return self._full
+
+    def minimumSizeHint(self) -> QSize:
+        return QSize(0, super().minimumSizeHint().height())
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self._elide()
+
+    def _elide(self) -> None:
+        self.setText(self.fontMetrics().elidedText(self._full, Qt.TextElideMode.ElideMiddle,
+                                                   max(self.width(), 0)))

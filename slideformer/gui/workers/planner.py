@@ -1,11 +1,13 @@
-"""The planner in a process of its own, so the GUI thread never waits for it.
+"""The planner in a process of its own, so the GUI thread never waits for it (nor for a scan
+of the models on this machine, which plans each of them).
 
 The planner is pure Python. Run on a thread of the app's own process it holds the GIL for
 milliseconds at a time, over and over, and the GUI thread waits its turn each time it has
 anything to do: the 10 ms latency probe of tests/gui/pages/test_plan_page.py was late by 40-70 ms
-while an 8B model was planned 100 times on a thread (2-core machine). So one child process,
-started on first use and shared by every page, answers plan requests one at a time over a pipe,
-at a lower CPU priority than the app.
+while an 8B model was planned 100 times on a thread (2-core machine), and by 150-165 ms while
+120 models found on the machine were planned (the scan itself took 9 s instead of 2.4 s). So one
+child process, started on first use and shared by every page, answers requests (a plan, a scan)
+one at a time over a pipe, at a lower CPU priority than the app.
 
 Requests are queued for one long-lived thread that waits for the answers (blocked in a read,
 without the GIL): starting a thread per request made the GUI thread wait until the OS ran the
@@ -38,16 +40,17 @@ def _lower_priority() -> None:
 
 
 def _serve(conn) -> None:
-    """The child process: answer ``(model_path, settings, hardware)`` requests until the pipe
-    closes, each with ``(True, plan)`` or ``(False, message for people)``."""
+    """The child process: answer ``(function, args)`` requests (an engine function, pickled by
+    reference) until the pipe closes, each with ``(True, its value)`` or ``(False, message for
+    people)``."""
     _lower_priority()
     while True:
         try:
-            request = conn.recv()
+            fn, args = conn.recv()
         except EOFError:  # the app went away
             return
         try:
-            answer = (True, plan_for(*request))
+            answer = (True, fn(*args))
         except UserError as e:
             answer = (False, str(e))
         except Exception as e:  # noqa: BLE001 - shown to the user, not swallowed
@@ -122,10 +125,15 @@ class PlannerProcess:
             TaskError: the planner's message for bad settings, or the process stopped (the next
                 request starts a new one).
         """
+        return self.call(plan_for, model_path, settings, hardware)
+
+    def call(self, fn, *args):
+        """``fn(*args)`` computed in the child process (``fn``: a module-level engine function,
+        its arguments and value picklable). Raises as :meth:`plan` does."""
         with self._lock:
             self._ensure()
             try:
-                self._conn.send((model_path, settings, hardware))
+                self._conn.send((fn, args))
                 ok, value = self._conn.recv()
             except (EOFError, OSError):
                 code = self._proc.exitcode

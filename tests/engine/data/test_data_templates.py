@@ -150,6 +150,17 @@ def test_mistral_v03_system_prompt_keeps_the_reply_space_trained(tpl):
     assert_trained(tok, {"messages": chat}, [" 😀 fine</s>", " 😀 good</s>"])
 
 
+def test_mistral_v03_reply_space_is_trained_without_a_system_prompt(tpl):
+    """The template writes "[/INST]" + " " + reply: the lone space is the reply's first token
+    (what the model must predict after [/INST]), trained in every turn."""
+    tok = tpl("mistral-v0.3")
+    chat = [{"role": "user", "content": "Mood?"}, {"role": "assistant", "content": "😀 fine"},
+            {"role": "user", "content": "Now?"}, {"role": "assistant", "content": "😀 good"}]
+    text, offsets, _, _ = encode(tok, {"messages": chat})
+    assert [(s, e) for s, e in offsets if text[s:e] == " " and text[s + 1:s + 2] == "😀"]
+    assert_trained(tok, {"messages": chat}, [" 😀 fine</s>", " 😀 good</s>"])
+
+
 def test_mistral_v03_dropped_system_prompt_is_warned(tpl, tmp_path):
     tok = tpl("mistral-v0.3")
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Mood?"},

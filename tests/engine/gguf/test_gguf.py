@@ -21,10 +21,9 @@ from slideformer.engine.errors import UserError
 from slideformer.engine.gguf.commands import export_with_modelfile
 from slideformer.engine.gguf.exporter import export_gguf
 from slideformer.engine.gguf.importer import import_gguf
-from slideformer.engine.gguf.modelfile import CHATML, LLAMA3, detect_style
 from slideformer.engine.models.spec import load_spec
 from slideformer.engine.models.tiny import TinyShape
-from slideformer.engine.models.tokenizer import TokenizerInfo, load_tokenizer
+from slideformer.engine.models.tokenizer import load_tokenizer
 from slideformer.engine.models.weights import Checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -179,25 +178,6 @@ def test_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
     monkeypatch.setattr(reader, "_probe", lambda q: q != gguf.GGMLQuantizationType.F32)
     with pytest.raises(UserError, match="type F32, which the gguf package cannot dequantise"):
         g.check_types()
-
-
-def _tok_with(template: str, bos="<|begin_of_text|>") -> TokenizerInfo:
-    from tokenizers import Tokenizer, models
-    return TokenizerInfo(Tokenizer(models.BPE()), bos, "<|eot_id|>", None, template, Path("t"))
-
-
-def test_modelfile_template_styles(tiny_model_factory):
-    assert detect_style(load_tokenizer(tiny_model_factory("llama", SHAPES["llama"], seed=3))) == (CHATML, None)
-    llama3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}"
-              "<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>{% endfor %}"
-              "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
-    assert detect_style(_tok_with(llama3)) == (LLAMA3, None)
-    default_system = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nBe brief.<|im_end|>\n"
-                      "{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-                      "{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    assert detect_style(_tok_with(default_system)) == (CHATML, "Be brief.")
-    assert detect_style(_tok_with("[INST] {{ messages[0]['content'] }} [/INST]")) == (None, None)
 
 
 def test_round_trip_through_fine_tuning(tiny_model_factory, tmp_path):

@@ -7,7 +7,8 @@ import json
 
 import pytest
 import torch
-from PySide6.QtCore import Qt
+from PySide6.QtCore import QPoint, Qt
+from PySide6.QtWidgets import QScrollArea
 
 from slideformer.engine.api import write_task
 from test_gui_training import _never_ask, fill_settings  # noqa: F401
@@ -37,7 +38,12 @@ def test_a_lora_run_started_from_the_train_page_exports_an_adapter_peft_loads(
     s.rank.setValue(RANK)
     s.alpha.setValue(ALPHA)
     s.targets.setText("q_proj,v_proj,down_proj")
-    qtbot.mouseClick(s.merged, Qt.MouseButton.LeftButton)
+    scroll = s.parentWidget()
+    while not isinstance(scroll, QScrollArea):  # the settings column scrolls: as a user would
+        scroll = scroll.parentWidget()
+    scroll.ensureWidgetVisible(s.merged)
+    # on its box: a click in the middle of a wide check box can miss its label
+    qtbot.mouseClick(s.merged, Qt.MouseButton.LeftButton, pos=QPoint(8, s.merged.height() // 2))
     assert s.merged.isChecked()
 
     qtbot.mouseClick(page.start_button, Qt.MouseButton.LeftButton)

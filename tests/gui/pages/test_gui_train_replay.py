@@ -92,6 +92,23 @@ def test_a_resumed_run_replaces_the_steps_it_repeats(qtbot, page):
     assert list(page.dashboard.plots["loss"].curves[2].getData()[0]) == [10]
 
 
+def test_a_preference_run_shows_its_rewards_in_place_of_the_learning_rate(qtbot, page):
+    from slideformer.engine.events import PairMetrics
+    pairs = [PairMetrics(n, 0.5 + n / 100, 0.01 * n, -0.02 * n, 0.03 * n, time=1000.0 + n)
+             for n in range(1, 21)]
+    events = recorded_run()
+    page._on_events([e for ev in events for e in
+                     ([ev] + [pairs[ev.step - 1]] if isinstance(ev, StepMetrics) else [ev])])
+    page.dashboard.repaint_all()
+    assert page.dashboard.corner.currentWidget() is page.dashboard.plots["rewards"]
+    x, margin = page.dashboard.plots["rewards"].curves[2].getData()
+    assert list(x) == list(range(1, 21)) and list(margin) == pytest.approx([p.margin for p in pairs])
+    assert "margin 0.600" in page.dashboard.plots["rewards"].value.text()
+    page.dashboard.reset(page.run_dir)  # a supervised run next: the learning rate again
+    page._on_events(recorded_run(steps=3))
+    assert page.dashboard.corner.currentWidget() is page.dashboard.plots["lr"]
+
+
 def test_history_keeps_a_long_run_by_halving_and_restarts_after_a_rewind():
     h = StepHistory(capacity=16)
     for n in range(1, 101):

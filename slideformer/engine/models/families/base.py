@@ -154,7 +154,9 @@ def layer_types(cfg: dict, path: Path, num_layers: int) -> tuple[str, ...] | Non
 
 def window(cfg: dict, path: Path) -> int | None:
     """config.json's ``sliding_window`` (a positive integer), or None when it is unset."""
-    return positive_int(cfg, "sliding_window", path) if cfg.get("sliding_window") else None
+    # 0 is refused, not read as unset: Gemma 3 would silently get its default window instead
+    return positive_int(cfg, "sliding_window", path) if cfg.get("sliding_window") is not None \
+        else None
 
 
 def all_layers(kind: str, num_layers: int) -> tuple[str, ...]:

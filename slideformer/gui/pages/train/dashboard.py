@@ -13,10 +13,10 @@ from pathlib import Path
 
 from PySide6.QtCore import QTimer
 from PySide6.QtGui import QFont
-from PySide6.QtWidgets import (QGridLayout, QLabel, QPlainTextEdit, QProgressBar, QTabWidget,
-                               QVBoxLayout, QWidget)
+from PySide6.QtWidgets import (QGridLayout, QLabel, QPlainTextEdit, QProgressBar, QStackedWidget,
+                               QTabWidget, QVBoxLayout, QWidget)
 
-from slideformer.engine.api import CheckpointSaved, EvalMetrics, Log, Progress, RunState, StepMetrics, \
+from slideformer.engine.api import CheckpointSaved, EvalMetrics, Log, PairMetrics, Progress, RunState, StepMetrics, \
     Timeline
 from slideformer.gui.models.formatting import short_path
 from slideformer.gui.models.runs import LOG_FILE
@@ -82,7 +82,10 @@ class Dashboard(QWidget):
         grid = QGridLayout()
         grid.setSpacing(8)
         grid.addWidget(self.plots["loss"], 0, 0, 1, 2)
-        grid.addWidget(self.plots["lr"], 0, 2)
+        self.corner = QStackedWidget()  # learning rate; a preference run's rewards instead
+        self.corner.addWidget(self.plots["lr"])
+        self.corner.addWidget(self.plots["rewards"])
+        grid.addWidget(self.corner, 0, 2)
         grid.addWidget(self.plots["grad_norm"], 1, 0)
         grid.addWidget(self.plots["tokens_per_s"], 1, 1)
         grid.addWidget(self.plots["memory"], 1, 2)
@@ -114,6 +117,7 @@ class Dashboard(QWidget):
         """Forget the previous run; show ``run_dir`` from now on."""
         self.run_dir = run_dir
         self.history = StepHistory()
+        self.corner.setCurrentIndex(0)
         self._timeline = self._shown_timeline = None
         self._step_times.clear()
         self._painted.clear()
@@ -131,8 +135,9 @@ class Dashboard(QWidget):
         """Take new events of the run (the page handles RunState; here it is only logged)."""
         self._last_event_at = now()
         for ev in events:
-            if isinstance(ev, (StepMetrics, EvalMetrics)):
+            if isinstance(ev, (StepMetrics, EvalMetrics, PairMetrics)):
                 self.history.add(ev)
+                self.corner.setCurrentIndex(int(self.history.has_pairs))
                 if isinstance(ev, StepMetrics):
                     self._step_times[ev.step] = ev.step_time
             elif isinstance(ev, Timeline):
@@ -146,7 +151,8 @@ class Dashboard(QWidget):
                 total = f" / {ev.total:,}" if ev.total else ""
                 self.progress_text.setText(f"{ev.task}: {ev.done:,}{total}")
             elif isinstance(ev, CheckpointSaved):
-                self.log(f"checkpoint saved at step {ev.step}", ev.time)
+                best = " (the lowest validation loss so far: kept)" if ev.best else ""
+                self.log(f"checkpoint saved at step {ev.step}{best}", ev.time)
         if len(self._step_times) > 64:
             for step in sorted(self._step_times)[:-8]:
                 del self._step_times[step]

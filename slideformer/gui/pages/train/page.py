@@ -17,15 +17,18 @@ from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QGroupBox, QHBoxLayout, QLabel, QMessageBox, QPushButton,
                                QSplitter, QVBoxLayout, QWidget)
 
-from slideformer.engine.api import RunClient, RunState, StepMetrics, UserError, load_config, override
+from slideformer.engine.api import (RunClient, RunState, StepMetrics, UserError, load_config, override,
+                                    suggest_settings)
 from slideformer.gui.context import AppContext
 from slideformer.gui.workers.run import EngineBridge, RunEnd, launch_argv
 from slideformer.gui.models.formatting import resource_title, short_path
+from slideformer.gui.models.presets import Preset
 from slideformer.gui.models.runs import CONFIG_FILE, latest_checkpoint
 from slideformer.gui.theme import PLOT_COLORS
 from slideformer.gui.pages.train.dashboard import Dashboard
 from slideformer.gui.pages.train.settings import CommandDialog, RunSettings, write_config
 from slideformer.gui.widgets.common import ColumnScroll, page_header
+from slideformer.gui.workers.thread import run_task
 
 ACTIVE = ("starting", "setup", "running", "pausing", "paused", "resuming", "stopping", "saving")
 STATE_TEXT = {
@@ -61,6 +64,7 @@ class TrainPage(QWidget):
         self.settings = RunSettings()
         self.settings.changed.connect(self._settings_changed)
         self.settings.preset_applied.connect(self._preset_applied)
+        self.settings.suggest_requested.connect(self.suggest)
         self.inputs = QLabel("")
         self.inputs.setObjectName("hint")
         self.inputs.setWordWrap(True)
@@ -87,6 +91,7 @@ class TrainPage(QWidget):
         lay.addWidget(splitter, 1)
 
         ctx.model_changed.connect(self._inputs_changed)
+        ctx.model_changed.connect(self._first_suggestion)
         ctx.data_changed.connect(self._inputs_changed)
         ctx.theme_changed.connect(lambda name: self.dashboard.set_colors(*PLOT_COLORS[name]))
         ctx.run_requested.connect(self.open_run)
@@ -196,6 +201,42 @@ class TrainPage(QWidget):
             text += (f"; measured {self._measured_tps:,.0f} tokens/s "
                      f"({self._measured_tps / predicted:.0%} of the prediction)")
         self.plan_label.setText(text + ".")
+
+    @Slot()
+    def suggest(self, first: bool = False) -> None:
+        """Ask the planner for first settings for the chosen model and target machine (off
+        the GUI thread); they fill the form as a preset (``first``: only if the form is still
+        untouched when they arrive)."""
+        if not self.ctx.model_path:
+            self._show_status("error", "Choose a model first (Model page).")
+            return
+        model, target = self.ctx.model_path, self.ctx.target
+        self.settings.suggest_button.setEnabled(False)
+        self._show_status("busy", f"Choosing settings for {Path(model).name}…")
+        run_task(suggest_settings, model, target, name="suggest", owner=self,
+                 done=lambda s: self._suggested(model, s, first),
+                 failed=lambda msg: self._suggest_failed(msg))
+
+    def _suggested(self, model: str, suggestion, first: bool) -> None:
+        self.settings.suggest_button.setEnabled(True)
+        if first and not (self.settings.is_untouched() and model == self.ctx.model_path):
+            self._show_status("info", "Choose a model and a dataset, pick a preset, then Start.")
+            return
+        note = "Suggested: " + "; ".join(suggestion.reasons) + f". Plan: {suggestion.verdict}."
+        self.settings.show_suggestion(Preset(f"Suggested for {Path(model).name}", note,
+                                             suggestion.tables()))
+        self._show_status("info", "Settings suggested for this model and machine: check them, "
+                                  "then Start.")
+
+    def _suggest_failed(self, message: str) -> None:
+        self.settings.suggest_button.setEnabled(True)
+        self._show_status("error", f"No suggestion: {message}")
+
+    def _first_suggestion(self, *_args) -> None:
+        """The first-run path: a model chosen while the form is untouched gets suggested
+        settings at once."""
+        if self.ctx.model_path and self.settings.is_untouched() and self.run_dir is None:
+            self.suggest(first=True)
 
     def _preset_applied(self, preset) -> None:
         """A preset's [data] keys go to the Data page's settings."""

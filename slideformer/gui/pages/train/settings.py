@@ -88,6 +88,8 @@ class RunSettings(QWidget):
     """A field changed (by the user or a preset)."""
     preset_applied = Signal(object)
     """A :class:`Preset` was applied (after ``changed``)."""
+    suggest_requested = Signal()
+    """The user asked for settings suggested for the chosen model and machine."""
 
     def __init__(self, parent=None):
         super().__init__(parent)
@@ -107,6 +109,13 @@ class RunSettings(QWidget):
         for p in self.presets:
             self.preset.addItem(p.name, p)
         self.preset.activated.connect(self._preset_chosen)
+        self.suggest_button = QToolButton()
+        self.suggest_button.setText("Suggest for this model")
+        self.suggest_button.setToolTip("Known-good first settings for the chosen model on the "
+                                       "machine the Plan page plans for:\nthe method that fits, "
+                                       "LoRA rank, learning rate, sequence length and batch "
+                                       "(editable after)")
+        self.suggest_button.clicked.connect(self.suggest_requested)
         self.preset_note = QLabel("")
         self.preset_note.setObjectName("hint")
         self.preset_note.setWordWrap(True)
@@ -130,6 +139,10 @@ class RunSettings(QWidget):
         self.weight_decay = dspin(0.0, 10.0, 0.01, 3)
         self.save_every = spin(0, 100_000_000, "at the end only")
         self.eval_every = spin(0, 100_000_000, "at the end only")
+        self.patience = spin(0, 9999, "never")
+        self.patience.setSuffix(" evals")
+        self.keep_best = QCheckBox("keep, export it")
+        self.tensorboard = QCheckBox("TensorBoard")
         self.device = QComboBox()
         for value, text in (("auto", "auto (GPU if there is one)"), ("cuda", "GPU (CUDA)"),
                             ("cpu", "CPU")):
@@ -149,6 +162,11 @@ class RunSettings(QWidget):
         """The form's rows, the method rows and the fields' tooltips."""
         form = QFormLayout(self)
         form.addRow("Preset", self.preset)
+        suggest_row = QHBoxLayout()  # a row of its own: beside the preset it widens the column
+        suggest_row.setContentsMargins(0, 0, 0, 0)
+        suggest_row.addWidget(self.suggest_button)
+        suggest_row.addStretch(1)
+        form.addRow("", suggest_row)
         form.addRow(self.preset_note)
         for label, widget in (("Learning rate", self.lr), ("Schedule", self.schedule),
                               ("Warm-up", self.warmup), ("Epochs", self.epochs),
@@ -156,7 +174,9 @@ class RunSettings(QWidget):
                               ("Accumulation", self.grad_accum), ("Sequence length", self.seq_len),
                               ("Clip grad norm", self.clip), ("Weight decay", self.weight_decay),
                               ("Checkpoint every", self.save_every),
-                              ("Validate every", self.eval_every), ("Device", self.device)):
+                              ("Validate every", self.eval_every),
+                              ("Stop early after", self.patience), ("Best checkpoint", self.keep_best),
+                              ("Also report to", self.tensorboard), ("Device", self.device)):
             form.addRow(label, widget)
         form.addRow("Run folder", out_row)
         self._add_method_rows(form)
@@ -165,17 +185,29 @@ class RunSettings(QWidget):
         self.grad_accum.setToolTip("Micro-batches per optimizer step")
         self.save_every.setToolTip("Write a checkpoint (resumable) every N steps")
         self.eval_every.setToolTip("Validation loss every N steps (needs a validation split)")
+        self.patience.setToolTip("Stop when this many evaluations in a row did not lower the "
+                                 "validation loss\n(train.early_stopping_patience; needs "
+                                 "\"Validate every\")")
+        self.keep_best.setToolTip("Keep the checkpoint with the lowest validation loss and export "
+                                  "it as final/ (output.keep_best; needs \"Validate every\")")
+        self.tensorboard.setToolTip("Also write the metrics for TensorBoard into the run folder's "
+                                    "tensorboard/ (output.report_to; needs the tensorboard "
+                                    "package)")
 
     def _connect_edits(self) -> None:
         """Every field's change is an edit; the combo boxes fit the narrow column."""
         for w in (self.lr, self.warmup, self.epochs, self.max_steps, self.micro_batch,
                   self.grad_accum, self.seq_len, self.clip, self.weight_decay, self.save_every,
-                  self.eval_every):
+                  self.eval_every, self.patience):
             w.valueChanged.connect(self._edited)
+        for w in (self.keep_best, self.tensorboard):
+            w.toggled.connect(self._edited)
         for w in (self.schedule, self.device, self.method):
             w.currentIndexChanged.connect(self._edited)
-        for w in (self.rank, self.alpha, self.dropout):
+        for w in (self.rank, self.alpha, self.dropout, self.beta):
             w.valueChanged.connect(self._edited)
+        self.objective.currentIndexChanged.connect(self._edited)
+        narrow(self.objective)
         self.output.textChanged.connect(self._edited)
         self.targets.textChanged.connect(self._edited)
         self.merged.toggled.connect(self._edited)
@@ -203,6 +235,17 @@ class RunSettings(QWidget):
         self.alpha.setToolTip("lora.alpha: adapters are scaled by alpha / rank")
         self.targets.setToolTip("Comma-separated projections with adapters (PEFT's target_modules)")
         form.addRow("Method", self.method)
+        self.objective = QComboBox()
+        for value, text in (("sft", "supervised (SFT)"), ("dpo", "DPO (pairs)"),
+                            ("orpo", "ORPO (pairs)"), ("simpo", "SimPO (pairs)")):
+            self.objective.addItem(text, value)
+        self.objective.setToolTip("train.objective: the next-token loss, or a preference "
+                                  "objective on {\"prompt\", \"chosen\", \"rejected\"} "
+                                  "records\n(the micro-batch then counts pairs)")
+        self.beta = dspin(0.001, 1000.0, 0.05, 3)
+        self.beta.setToolTip("preference.beta: DPO's and SimPO's beta, ORPO's lambda")
+        form.addRow("Objective", self.objective)
+        form.addRow("Preference beta", self.beta)
         for label, widget in (("LoRA rank", self.rank), ("LoRA alpha", self.alpha),
                               ("LoRA dropout", self.dropout), ("LoRA targets", self.targets),
                               ("Also write", self.merged)):
@@ -217,6 +260,9 @@ class RunSettings(QWidget):
         self.targets.setText(lo.target_modules)
         self.merged.setChecked(lo.export_merged)
         self._enable_lora(cfg.train.method)
+        self.objective.setCurrentIndex(self.objective.findData(cfg.train.objective))
+        self.beta.setValue(cfg.preference.beta)
+        self.beta.setEnabled(cfg.train.objective != "sft")
 
     def _enable_lora(self, method: str) -> None:
         for w in (self.rank, self.alpha, self.dropout, self.targets, self.merged):
@@ -236,11 +282,20 @@ class RunSettings(QWidget):
                           micro_batch=self.micro_batch.value(),
                           grad_accum=self.grad_accum.value(), save_every=self.save_every.value(),
                           eval_every=self.eval_every.value(), device=self.device.currentData(),
-                          method=self.method.currentData()),
+                          method=self.method.currentData(),
+                          early_stopping_patience=self.patience.value(),
+                          objective=self.objective.currentData()),
+            preference=replace(b.preference, beta=self.beta.value()),
             lora=replace(b.lora, rank=self.rank.value(), alpha=self.alpha.value(),
                          dropout=self.dropout.value(), target_modules=self.targets.text().strip(),
                          export_merged=self.merged.isChecked()),
-            output=replace(b.output, run_dir=self.output.text().strip()))
+            output=replace(b.output, run_dir=self.output.text().strip(),
+                           keep_best=self.keep_best.isChecked(), report_to=self._report_to()))
+
+    def _report_to(self) -> tuple[str, ...]:
+        """output.report_to with TensorBoard as the box says (other trackers kept as given)."""
+        others = tuple(t for t in self.base.output.report_to if t != "tensorboard")
+        return ("tensorboard",) * self.tensorboard.isChecked() + others
 
     def show_config(self, cfg: RunConfig) -> None:
         """Show every field of ``cfg`` that has a widget (no ``changed`` signals meanwhile)."""
@@ -259,6 +314,9 @@ class RunSettings(QWidget):
         self.weight_decay.setValue(o.weight_decay)
         self.save_every.setValue(t.save_every)
         self.eval_every.setValue(t.eval_every)
+        self.patience.setValue(t.early_stopping_patience)
+        self.keep_best.setChecked(cfg.output.keep_best)
+        self.tensorboard.setChecked("tensorboard" in cfg.output.report_to)
         self.device.setCurrentIndex(self.device.findData(t.device))
         self.output.setText(cfg.output.run_dir)
         self.epochs.setEnabled(t.max_steps == 0)
@@ -272,6 +330,21 @@ class RunSettings(QWidget):
         self.changed.emit()
         self.preset_applied.emit(preset)
 
+    def show_suggestion(self, preset: Preset) -> None:
+        """Apply a suggestion, listed under the presets (one at a time) so it can be chosen
+        again after an edit."""
+        if self.preset.count() > 1 and self.preset.itemData(1) is not None \
+                and self.preset.itemData(1) not in self.presets:
+            self.preset.removeItem(1)
+        self.preset.insertItem(1, preset.name, preset)
+        self.apply_preset(preset)
+
+    def is_untouched(self) -> bool:
+        """Whether the form still holds the defaults (nothing chosen or edited yet)."""
+        default = RunConfig()
+        return replace(self.config(), output=default.output, data=default.data) == default \
+            and self.seq_len.value() == default.data.max_seq_len
+
     def _preset_chosen(self, index: int) -> None:
         preset = self.preset.itemData(index)
         if preset is not None:
@@ -283,6 +356,7 @@ class RunSettings(QWidget):
         self.base = self.config()
         self.epochs.setEnabled(self.max_steps.value() == 0)
         self._enable_lora(self.base.train.method)
+        self.beta.setEnabled(self.base.train.objective != "sft")
         if self.preset.currentData() is not None and not self._matches(self.preset.currentData()):
             self.preset.setCurrentIndex(0)
             self.preset_note.setText("")
