@@ -1,6 +1,6 @@
 """DPO on the real SmolLM2-135M-Instruct: a stated preference learnt from a few hundred pairs.
 
-    python -m tools.preference_demo --dir /tmp/pref-demo [--steps 25]
+    python -m tools.preference_demo --dir DIR [--steps 25] [--lr 2e-5]
 
 The preference: replies that open with "Ahoy, matey!". For each training question the base
 model's own greedy answer is the rejected reply, and the same answer after "Ahoy, matey! " the
@@ -47,6 +47,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, required=True)
     ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--lr", type=float, default=2e-5)
     a = ap.parse_args()
     paths = prepare_identity(a.dir)  # the SmolLM2 folder (imported once from its GGUF)
     questions = [f.format(s) for s in SUBJECTS for f in FORMS]
@@ -60,7 +61,7 @@ def main() -> int:
     cfg = from_dict({
         "model": {"path": str(paths.model)},
         "data": {"train": str(pairs), "max_seq_len": 96},
-        "optim": {"lr": 1e-5, "weight_decay": 0.0, "warmup_steps": 2, "max_grad_norm": 1.0},
+        "optim": {"lr": a.lr, "weight_decay": 0.0, "warmup_steps": 2, "max_grad_norm": 1.0},
         "train": {"objective": "dpo", "micro_batch": 4, "grad_accum": 2, "max_steps": a.steps,
                   "device": "cpu"},
         "preference": {"beta": 0.1},

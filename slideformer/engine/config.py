@@ -32,7 +32,7 @@ else:  # pragma: no cover
 
 METHODS = ("full", "lora", "qlora")
 """train.method values."""
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo")
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto")
 """train.objective values (slideformer.engine.train.objectives)."""
 
 
@@ -172,8 +172,9 @@ class TrainConfig:
     objective: str = "sft"
     """sft (next-token loss on the trained tokens), or a preference objective on pairs of
     replies ({"prompt", "chosen", "rejected"} records; see [preference]): dpo (Rafailov et al.
-    2023), orpo (Hong et al. 2024), simpo (Meng et al. 2024). train.micro_batch then counts
-    pairs."""
+    2023), orpo (Hong et al. 2024), simpo (Meng et al. 2024); or kto (Ethayarajh et al. 2024)
+    on single replies labelled good or bad ({"prompt", "completion", "label"}).
+    train.micro_batch then counts pairs (kto: labelled replies)."""
     method: str = "full"
     """full (every weight trained), lora (frozen base, trained low-rank adapters; see [lora]) or
     qlora (lora over a base quantised to 4-bit NF4 with double-quantised scales)."""
@@ -224,10 +225,10 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    """Settings of a preference objective (train.objective = dpo, orpo or simpo)."""
+    """Settings of a preference objective (train.objective = dpo, orpo, simpo or kto)."""
     beta: float = 0.1
-    """DPO's and SimPO's beta (the inverse temperature of the implicit reward; SimPO's paper
-    uses 2.0 to 2.5), ORPO's lambda (the weight of its odds-ratio term; the paper's 0.1)."""
+    """DPO's, KTO's and SimPO's beta (the inverse temperature of the implicit reward; SimPO's
+    paper uses 2.0 to 2.5), ORPO's lambda (the weight of its odds-ratio term; the paper's 0.1)."""
     loss: str = "sigmoid"
     """DPO's loss of the reward margin: sigmoid (the paper's), hinge (SLiC's), or ipo (Azar et
     al. 2023: the squared distance of the log-ratio margin to 1 / (2 beta))."""
@@ -236,6 +237,11 @@ class PreferenceConfig:
     with adapters off, which is the same model), evaluated once before the first step."""
     gamma: float = 0.5
     """SimPO's target reward margin (TRL's default)."""
+    desirable_weight: float = 1.0
+    """KTO's lambda_D: the weight of the losses of replies labelled good."""
+    undesirable_weight: float = 1.0
+    """KTO's lambda_U: the weight of the losses of replies labelled bad (the paper suggests
+    lambda_D * n_D / (lambda_U * n_U) in [1, 4/3])."""
 
 
 @dataclass(frozen=True)

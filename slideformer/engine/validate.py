@@ -202,7 +202,7 @@ def _check_validation_uses(cfg: RunConfig) -> None:
 
 
 PREFERENCE_LOSSES = ("sigmoid", "hinge", "ipo")
-NOT_YET = {"kto": "KTO", "grpo": "GRPO"}
+NOT_YET = {"grpo": "GRPO"}
 
 
 def _check_objective(cfg: RunConfig) -> None:
@@ -214,6 +214,9 @@ def _check_objective(cfg: RunConfig) -> None:
     _choice("train.objective", t.objective, OBJECTIVES)
     _real("preference.beta", p.beta, lambda x: 0 < x <= 1e3, "above 0 (and at most 1000)")
     _real("preference.gamma", p.gamma, lambda x: abs(x) <= 1e3, "from -1000 to 1000")
+    for key in ("desirable_weight", "undesirable_weight"):
+        _real(f"preference.{key}", getattr(p, key), lambda x: 0 < x <= 1e3,
+              "above 0 (and at most 1000)")
     _choice("preference.loss", p.loss, PREFERENCE_LOSSES)
     _choice("preference.reference", p.reference, ("initial",))
     if t.objective == "sft":

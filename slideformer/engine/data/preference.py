@@ -13,6 +13,11 @@ Records (a ``data.train`` file of any format the SFT reader takes):
   Without ``prompt`` (TRL's implicit prompt), chosen and rejected are whole conversations whose
   shared leading messages are the prompt.
 
+KTO records (``train.objective = "kto"``): ``{"prompt", "completion", "label"}`` with a boolean
+label (true: desirable), the prompt and completion as above. Each is paired with the same prompt
+followed by the completion of the next record in the file (the last: the first's), the
+mismatched reply whose log-probability KTO's KL estimate needs; it takes the ``rejected`` slot.
+
 A response's log-probability is the sum over its tokens; prompt tokens never count. A pair whose
 prompt leaves no room for a reply within ``data.max_seq_len`` is refused; a longer reply is cut
 at the limit (counted and reported). Micro-batches hold ``micro_batch`` pairs as 2 x micro_batch
@@ -58,6 +63,8 @@ class Pair:
     rejected: Sequence
     where: str
     """The record it came from ("file:line")."""
+    desirable: bool | None = None
+    """KTO: the record's label (chosen is its reply, rejected the mismatched one)."""
 
 
 @dataclass(frozen=True)
@@ -70,26 +77,64 @@ class PairSet:
 
 
 # ---- records ------------------------------------------------------------------------------------
-def read_pairs(cfg: DataConfig, tok: TokenizerInfo,
-               emit: Callable = lambda ev: None) -> PairSet:
-    """Every pair of ``cfg.train``, checked and tokenized (see the module docstring)."""
+def read_pairs(cfg: DataConfig, tok: TokenizerInfo, emit: Callable = lambda ev: None,
+               kto: bool = False) -> PairSet:
+    """Every pair (``kto``: labelled reply) of ``cfg.train``, checked and tokenized (see the
+    module docstring)."""
     files = source_files(cfg.train)
     renderer = ChatRenderer(tok, cfg.chat_template, cfg.enable_thinking)
+    records = [(rec, *(_kto_fields(rec) if kto else _fields(rec)))
+               for rec in RecordReader(files, cfg.max_samples)]
     pairs, cut, chats = [], 0, 0
-    for rec in RecordReader(files, cfg.max_samples):
-        prompt, chosen, rejected = _fields(rec)
-        conversational = isinstance(chosen, list)
+    for i, (rec, prompt, first, second) in enumerate(records):
+        if kto:  # (reply, label) -> (reply, the next record's reply), the label kept
+            first, label = first
+            second = records[(i + 1) % len(records)][2][0]
+        conversational = isinstance(first, list)
+        if isinstance(second, list) != conversational:
+            raise UserError(rec.where, "is conversational and its neighbour is not (or the "
+                            "other way round)", "write every record of the file the same way")
         chats += conversational
         seqs = [(_chat if conversational else _plain)(tok, renderer, rec, prompt, reply)
-                for reply in (chosen, rejected)]
+                for reply in (first, second)]
         fitted = [_fit(s, cfg.max_seq_len, rec) for s in seqs]
         cut += any(len(s.ids) > cfg.max_seq_len for s in seqs)
-        pairs.append(Pair(fitted[0], fitted[1], rec.where))
+        pairs.append(Pair(fitted[0], fitted[1], rec.where, label if kto else None))
+    what = "labelled replies" if kto else "preference pairs"
     if cut:
-        emit(Log("warning", f"{cfg.train}: {cut} of {len(pairs)} pairs have a reply longer than "
+        emit(Log("warning", f"{cfg.train}: {cut} of {len(pairs)} {what} have a reply longer than "
                             f"data.max_seq_len = {cfg.max_seq_len} tokens, cut at the limit"))
-    emit(Log("info", f"{cfg.train}: {len(pairs):,} preference pairs"))
+    if kto and len({p.desirable for p in pairs}) < 2:
+        emit(Log("warning", f"{cfg.train}: every reply is labelled "
+                            f"{'desirable' if pairs[0].desirable else 'undesirable'}; KTO "
+                            "learns from both kinds"))
+    emit(Log("info", f"{cfg.train}: {len(pairs):,} {what}"))
     return PairSet(pairs, cut, renderer.where if chats else "")
+
+
+def _kto_fields(rec: Record) -> tuple:
+    """(prompt, (completion, label), None) of a KTO record."""
+    v = rec.value
+    fix = 'write each record as {"prompt": ..., "completion": ..., "label": true or false}'
+    if not isinstance(v, dict):
+        raise UserError(rec.where, "is not a KTO record (a JSON object)", fix)
+    if "chosen" in v or "rejected" in v:
+        raise UserError(rec.where, "holds a pair ('chosen'/'rejected'), not a labelled reply",
+                        "train pairs with train.objective = \"dpo\" (or orpo, simpo)")
+    if not isinstance(v.get("label"), bool):
+        raise UserError(rec.where, f"has the label {v.get('label')!r}, not true or false", fix)
+    completion, prompt = v.get("completion"), v.get("prompt")
+    if completion in (None, "", []):
+        raise UserError(rec.where, "has no 'completion'", fix)
+    if isinstance(completion, str):
+        if not isinstance(prompt, str):
+            raise UserError(rec.where, "has a string completion but its 'prompt' is "
+                            f"{'missing' if prompt is None else type(prompt).__name__}",
+                            "give the prompt as a string too")
+    else:
+        for key, msgs in (("prompt", prompt), ("completion", completion)):
+            _check_messages(rec, key, msgs)
+    return prompt, (completion, v["label"]), None
 
 
 def _fields(rec: Record) -> tuple:
@@ -98,9 +143,8 @@ def _fields(rec: Record) -> tuple:
     if not isinstance(v, dict):
         raise UserError(rec.where, "is not a preference record (a JSON object)", _FIX)
     if "label" in v or "completion" in v:
-        raise UserError(rec.where, "holds a KTO record ('completion' and 'label'); KTO is not "
-                        "supported yet", "use pairs (prompt, chosen, rejected) with dpo, orpo or "
-                        "simpo")
+        raise UserError(rec.where, "holds a KTO record ('completion' and 'label'), not a pair",
+                        "train labelled replies with train.objective = \"kto\"")
     for key in ("chosen", "rejected"):
         if v.get(key) in (None, "", []):
             raise UserError(rec.where, f"has no '{key}' reply", _FIX)
@@ -186,6 +230,8 @@ class PairBatch(MicroBatch):
 
     pairs: np.ndarray = None
     """(P,) indices of the pairs in the pair set."""
+    desirable: "torch.Tensor | None" = None
+    """KTO: (P,) bool labels of the replies (None for pairs)."""
     reference: "torch.Tensor | None" = None
     """(2P,) the reference model's response log-probabilities of the rows (None: not needed,
     or not known yet)."""
@@ -211,8 +257,11 @@ def pair_batch(pairs: list[Pair], index: np.ndarray, seq_len: int, pad_id: int,
     ref = None
     if reference is not None:
         ref = torch.from_numpy(np.concatenate([reference[index, 0], reference[index, 1]]))
+    desirable = None
+    if pairs[index[0]].desirable is not None:
+        desirable = torch.tensor([pairs[i].desirable for i in index], dtype=torch.bool)
     return PairBatch(torch.from_numpy(ids), torch.from_numpy(labels), None,
-                     pairs=np.asarray(index), reference=ref)
+                     pairs=np.asarray(index), reference=ref, desirable=desirable)
 
 
 class PairStream:

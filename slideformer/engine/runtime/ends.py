@@ -64,7 +64,7 @@ class ResidentEnds:
         tl.device_span("compute", "head", t0, self.backend.mark())
         return loss, gys
 
-    def preference_step(self, xs, inp, references, tl: StepTimeline):
+    def preference_step(self, xs, inp, references, tl: StepTimeline, desirable=None):
         """(loss, dL/dx of every micro-batch, PairStats) of a preference objective.
 
         Two passes over the head: the response log-probability of every row (each micro-batch
@@ -88,8 +88,9 @@ class ResidentEnds:
         if NEEDS_REFERENCE[kind]:
             ref = pair_order([r.to(logps[0].device) for r in references])
         P = sum(halves)
+        labels_ok = None if desirable is None else torch.cat(list(desirable)).to(ref.device)
         loss, weights, stats = sequence_weights(kind, cfg, pair_order(logps), pair_order(counts),
-                                                ref, P)
+                                                ref, P, labels_ok)
         gys, at = [], 0
         for x, (_, labels, _), p in zip(xs, inp, halves):
             row_w = torch.cat([weights[at:at + p], weights[P + at:P + at + p]])  # (2p,)

@@ -284,8 +284,10 @@ class SlidingExecutor(ResidentEnds):
         if self.objective is None:
             loss, gys = self.head_step(xs, inp, scale, tl)
         else:
+            mine = self.group.mine(micro_batches)
             loss, gys, pairs = self.preference_step(
-                xs, inp, [mb.reference for mb in self.group.mine(micro_batches)], tl)
+                xs, inp, [mb.reference for mb in mine], tl,
+                [mb.desirable for mb in mine] if self.objective[0] == "kto" else None)
         self.group.reduce(loss)
         del xs  # the last hidden states are not needed in the backward
         guard = None

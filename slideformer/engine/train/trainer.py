@@ -317,7 +317,7 @@ class Trainer:
         from slideformer.engine.data import BatchStream, prepare_data
         if self.cfg.train.objective != "sft":
             from slideformer.engine.data.preference import PairStream, read_pairs
-            pairs = read_pairs(self.cfg.data, self.tok, self.emit)
+            pairs = read_pairs(self.cfg.data, self.tok, self.emit, self.cfg.train.objective == "kto")
             t = self.cfg.train
             return pairs, PairStream(pairs.pairs, t.micro_batch, t.grad_accum, self.cfg.data.seed,
                                      self.cfg.data.max_seq_len, self.tok.pad_id or 0)

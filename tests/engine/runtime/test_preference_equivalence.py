@@ -36,7 +36,8 @@ OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=1
                     max_grad_norm=0.5)
 CASES = [("dpo", PreferenceConfig(beta=0.5)), ("dpo", PreferenceConfig(beta=0.5, loss="hinge")),
          ("dpo", PreferenceConfig(beta=0.5, loss="ipo")),
-         ("simpo", PreferenceConfig(beta=2.0, gamma=0.5)), ("orpo", PreferenceConfig(beta=0.1))]
+         ("simpo", PreferenceConfig(beta=2.0, gamma=0.5)), ("orpo", PreferenceConfig(beta=0.1)),
+         ("kto", PreferenceConfig(beta=0.5, undesirable_weight=1.5))]
 
 
 def pair_steps(spec, seed=4):
@@ -55,7 +56,8 @@ def pair_steps(spec, seed=4):
                 for row in (p, P + p):
                     end = int(torch.randint(prompt + 4, T + 1, (1,), generator=g))
                     labels[row, prompt - 1:end - 1] = ids[row, prompt:end]
-            mbs.append(PairBatch(ids, labels, None, pairs=np.arange(P)))
+            desirable = torch.tensor([True, False])[torch.randperm(P, generator=g) % 2]
+            mbs.append(PairBatch(ids, labels, None, pairs=np.arange(P), desirable=desirable))
         steps.append(mbs)
     return steps
 
@@ -69,9 +71,16 @@ def seq_logps(model, mb) -> torch.Tensor:
     return tok.sum(-1)
 
 
-def formula(kind, cfg, sc, sr, nc, nr, rc, rr):
-    """Each paper's loss, written out on its own (not the engine's code)."""
+def formula(kind, cfg, sc, sr, nc, nr, rc, rr, desirable):
+    """Each paper's loss, written out on its own (not the engine's code). KTO: ``sc`` are the
+    replies, ``sr`` the mismatched completions of the KL estimate."""
     b = cfg.beta
+    if kind == "kto":
+        kl = torch.clamp((sr - rr).mean(), min=0).detach()
+        r = sc - rc
+        good = cfg.desirable_weight * (1 - torch.sigmoid(b * (r - kl)))
+        bad = cfg.undesirable_weight * (1 - torch.sigmoid(b * (kl - r)))
+        return torch.cat([good[desirable], bad[~desirable]]).mean()
     if kind == "dpo":
         h = (sc - rc) - (sr - rr)
         if cfg.loss == "sigmoid":
@@ -110,7 +119,8 @@ def dense_train(model, steps, kind, cfg, trained=None):
             parts["r"].append(mb.reference)
         cat = {key: (torch.cat([v[:P] for v in vals]), torch.cat([v[P:] for v in vals]))
                for key, vals in parts.items()}
-        loss = formula(kind, cfg, *cat["s"], *cat["n"], *cat["r"])
+        loss = formula(kind, cfg, *cat["s"], *cat["n"], *cat["r"],
+                       torch.cat([mb.desirable for mb in mbs]))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, OPTIM.max_grad_norm)
         for gr in opt.param_groups:

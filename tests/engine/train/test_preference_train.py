@@ -45,11 +45,24 @@ def write_pairs(path: Path, n: int, seed: int) -> Path:
     return path
 
 
+def write_kto(path: Path, n: int, seed: int) -> Path:
+    """Half the records a word in capitals (desirable), half another lowercase word (not)."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for i in range(n):
+            w = word(rng)
+            good = i % 2 == 0
+            f.write(json.dumps({"prompt": f"{w} =", "completion": f" {w.upper() if good else word(rng)}",
+                                "label": good}) + "\n")
+    return path
+
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("preference")
     write_pairs(root / "pairs.jsonl", 160, 1)
     write_pairs(root / "held-out.jsonl", 60, 2)
+    write_kto(root / "kto.jsonl", 160, 3)
     return root
 
 
@@ -106,6 +119,23 @@ def test_dpo_learns_the_preference_on_held_out_pairs(dpo, root):
     assert pairs[-1].accuracy >= 0.9 and pairs[-1].margin > 0
 
 
+def test_kto_learns_which_replies_are_desirable(make, root):
+    cfg = make("kto", train__objective="kto", data__train=str(root / "kto.jsonl"))
+    assert run_training(cfg) == "finished"
+    assert [e.loss for e in events(cfg, StepMetrics)][0] == pytest.approx(0.5, abs=1e-6)
+    tok = load_tokenizer(cfg.model.path)
+    held = read_pairs(DataConfig(train=str(root / "held-out.jsonl"), max_seq_len=32), tok).pairs
+    before = transformers.AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    after = transformers.AutoModelForCausalLM.from_pretrained(
+        Path(cfg.output.run_dir) / "final", dtype=torch.float32)
+    good = [p.chosen for p in held]  # the held-out pairs' capitals: desirable, never seen
+    bad = [p.rejected for p in held]
+    assert (logps(after, good) - logps(before, good) > 0).mean() >= 0.9
+    assert (logps(after, bad) - logps(before, bad) < 0).mean() >= 0.9
+    last = events(cfg, PairMetrics)[-1]
+    assert last.chosen_reward > 0 > last.rejected_reward
+
+
 def test_a_resumed_dpo_run_equals_the_uninterrupted_one(make):
     from safetensors.torch import load_file
     # a constant rate: the 3-step first half then has the schedule of the 6-step run
@@ -120,6 +150,16 @@ def test_a_resumed_dpo_run_equals_the_uninterrupted_one(make):
     assert [e.loss for e in events(whole, StepMetrics)][3:] == \
         [e.loss for e in events(cut, StepMetrics)][3:]
     assert "objective = \"dpo\"" in (Path(cut.output.run_dir) / "config.toml").read_text()
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_adapter_dpo_starts_from_the_base_as_its_reference(make, method):
+    # the adapters start at zero: the reference pass (adapters on) is the base, adapters off
+    cfg = make(f"dpo-{method}", train__method=method, train__max_steps=3, optim__lr=1e-3)
+    assert run_training(cfg) == "finished"
+    losses = [e.loss for e in events(cfg, StepMetrics)]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6) and losses[-1] < losses[0]
+    assert (Path(cfg.output.run_dir) / "final" / "adapter_config.json").is_file()
 
 
 def test_simpo_and_orpo_runs_train(make):
@@ -163,19 +203,25 @@ def test_a_conversational_pair_trains_what_sft_trains(tiny_model):
 @pytest.mark.parametrize("record, says", [
     ({"prompt": "a", "chosen": "b"}, "has no 'rejected' reply"),
     ({"prompt": "a", "chosen": "b", "rejected": "b"}, "the same text"),
-    ({"prompt": "a", "completion": "b", "label": "yes"}, "KTO"),
+    ({"prompt": "a", "completion": "b", "label": True}, "train.objective = \"kto\""),
     ({"prompt": "a " * 40, "chosen": "b", "rejected": "c"}, "leaves no room for the reply"),
     ({"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]},
      "mixes a string reply"),
     ({"prompt": [{"role": "user", "content": "a"}], "chosen": [{"role": "user", "content": "b"}],
       "rejected": [{"role": "assistant", "content": "c"}]}, "must hold one assistant message"),
     ({"chosen": "b", "rejected": "c"}, "'prompt' is missing"),
+    ({"prompt": "a", "completion": "b", "label": "yes", "_kto": True}, "not true or false"),
+    ({"prompt": "a", "chosen": "b", "rejected": "c", "_kto": True}, "holds a pair"),
+    ({"prompt": "a", "label": True, "_kto": True}, "has no 'completion'"),
 ])
 def test_bad_records_are_refused_naming_the_record(make, root, record, says):
+    kto = record.pop("_kto", False)
     bad = root / f"bad-{abs(hash(says))}.jsonl"
-    good = json.dumps({"prompt": "x =", "chosen": " X", "rejected": " y"})
+    good = json.dumps({"prompt": "x =", "completion": " X", "label": True} if kto else
+                      {"prompt": "x =", "chosen": " X", "rejected": " y"})
     bad.write_text(good + "\n" + json.dumps(record) + "\n")
-    cfg = make(f"bad-{abs(hash(says))}", data__train=str(bad))
+    cfg = make(f"bad-{abs(hash(says))}", data__train=str(bad),
+               train__objective="kto" if kto else "dpo")
     with pytest.raises(UserError) as e:
         run_training(cfg)
     assert str(e.value).startswith(f"{bad}:2") and says in str(e.value)
@@ -184,7 +230,7 @@ def test_bad_records_are_refused_naming_the_record(make, root, record, says):
 
 def test_preference_settings_that_cannot_work_are_refused(make):
     from slideformer.engine.validate import validate
-    for over, key in (({"train.objective": "kto"}, "train.objective"),
+    for over, key in (({"train.objective": "grpo"}, "train.objective"),
                       ({"data.val_fraction": 0.1}, "data.val_fraction"),
                       ({"preference.beta": 0.0}, "preference.beta"),
                       ({"preference.loss": "sigmod"}, "preference.loss")):

@@ -237,13 +237,14 @@ class RunSettings(QWidget):
         form.addRow("Method", self.method)
         self.objective = QComboBox()
         for value, text in (("sft", "supervised (SFT)"), ("dpo", "DPO (pairs)"),
-                            ("orpo", "ORPO (pairs)"), ("simpo", "SimPO (pairs)")):
+                            ("orpo", "ORPO (pairs)"), ("simpo", "SimPO (pairs)"),
+                            ("kto", "KTO (labelled)")):
             self.objective.addItem(text, value)
         self.objective.setToolTip("train.objective: the next-token loss, or a preference "
                                   "objective on {\"prompt\", \"chosen\", \"rejected\"} "
                                   "records\n(the micro-batch then counts pairs)")
         self.beta = dspin(0.001, 1000.0, 0.05, 3)
-        self.beta.setToolTip("preference.beta: DPO's and SimPO's beta, ORPO's lambda")
+        self.beta.setToolTip("preference.beta: DPO's, SimPO's and KTO's beta, ORPO's lambda")
         form.addRow("Objective", self.objective)
         form.addRow("Preference beta", self.beta)
         for label, widget in (("LoRA rank", self.rank), ("LoRA alpha", self.alpha),
