@@ -123,7 +123,8 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
     if rs.get("rope_type", rs.get("type")) == "linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(float(rs["factor"]))
-    if spec.sliding_window is not None and spec.model_type == "gemma3_text":
+    if spec.model_type == "gemma3_text":
+        _check_gemma3(spec, model_dir)
         w.add_sliding_window(spec.sliding_window)
     if spec.moe is not None:
         if not spec.moe.renormalise:  # llama.cpp's qwen3moe always renormalises the top-k
@@ -134,6 +135,28 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
         w.add_expert_used_count(spec.moe.top_k)
         w.add_expert_feed_forward_length(spec.moe.width)
     _write_tokenizer(w, spec, model_dir)
+
+
+def _check_gemma3(spec: ModelSpec, model_dir: Path) -> None:
+    """Refuse a Gemma 3 that llama.cpp would compute differently: it fixes what the GGUF does
+    not say, every sixth layer global (the others sliding), local layers' RoPE base 10,000 and
+    scores scaled by head_dim ** -0.5 (query_pre_attn_scalar = head_dim, as the released
+    models have; the 27B's own rule aside). Measured against llama.cpp: tests/engine/gguf/
+    test_llama_cpp.py."""
+    cfg = model_dir / "config.json"
+    pattern = tuple("full_attention" if i % 6 == 5 else "sliding_attention"
+                    for i in range(spec.num_layers))
+    for bad, what in ((spec.layer_types != pattern, f"layer_types {list(spec.layer_types)}, "
+                       "where llama.cpp makes every sixth layer global and the others sliding"),
+                      (spec.local_rope is None or spec.local_rope[0] != 10000.0,
+                       "a local RoPE base other than the 10,000 llama.cpp uses"),
+                      (spec.attn_scale is not None
+                       and abs(spec.attn_scale * spec.head_dim ** 0.5 - 1) > 1e-6,
+                       "query_pre_attn_scalar other than head_dim, llama.cpp's score scale")):
+        if bad:
+            raise UserError(cfg, f"has {what}: llama.cpp would compute another model from the "
+                            "GGUF", "keep the model in its Hugging Face folder (the Gemma 3 "
+                            "releases export as they are)")
 
 
 def _write_tokenizer(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path) -> None:

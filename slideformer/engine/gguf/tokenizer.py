@@ -32,14 +32,15 @@ def _split_then_bytes(pattern: str):
 
 
 PRE_TOKENIZERS = {
-    "gpt2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
+    "gpt-2": lambda: pre_tokenizers.ByteLevel(add_prefix_space=False),
     "smollm": lambda: pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                pre_tokenizers.ByteLevel(add_prefix_space=False)]),
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3),
     "qwen2": lambda: _split_then_bytes(_QWEN2),
 }
 """llama.cpp pre-tokenizer name -> the tokenizers pre-tokenizer it stands for."""
-PRE_ALIASES = {"default": "gpt2", "llama3": "llama-bpe", "llama-v3": "llama-bpe",
+# "gpt2": the name this exporter wrote before llama.cpp was checked (llama.cpp says "gpt-2")
+PRE_ALIASES = {"default": "gpt-2", "gpt2": "gpt-2", "llama3": "llama-bpe", "llama-v3": "llama-bpe",
                "smaug-bpe": "llama-bpe", "deepseek-r1-qwen": "qwen2"}
 
 # llama.cpp token types (gguf.TokenType)
