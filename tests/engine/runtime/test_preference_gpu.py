@@ -41,6 +41,7 @@ def sliding(spec, folder, steps, kind, cfg, dtype):
                                             OPTIM.eps, OPTIM.weight_decay, k, coef)
         losses.append(ex.train_step(mbs, hyper, OPTIM.max_grad_norm).loss)
     ex.close()
+    backend.release_host()  # unpin before the next run pins its own state
     return losses
 
 
