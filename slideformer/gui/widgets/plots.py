@@ -59,9 +59,10 @@ METRICS = {
     "grad_norm": Metric("Gradient norm", (Line("grad_norm", "", RED),), "{:.2f}", "L2 norm"),
     "tokens_per_s": Metric("Throughput", (Line("tokens_per_s", "", GREEN),), "{:,.0f}",
                            "tokens/s", "tok/s"),
-    "rewards": Metric("Rewards", (Line("chosen_reward", "chosen", GREEN),
-                                  Line("rejected_reward", "rejected", RED),
-                                  Line("margin", "margin", BLUE)), "{:.3f}", "implicit reward"),
+    # chosen and rejected named by their colours only: three named values overflow the head
+    "rewards": Metric("Rewards", (Line("chosen_reward", "", GREEN),
+                                  Line("rejected_reward", "", RED),
+                                  Line("margin", "margin", BLUE)), "{:.2f}", "implicit reward"),
     "memory": Metric("Peak memory", (Line("peak_vram", "VRAM", BLUE, scale=GIB),
                                      Line("peak_ram", "RAM", TEAL, scale=GIB)), "{:.2f}", "GiB",
                      "GiB"),
@@ -118,7 +119,7 @@ class MetricPlot(QWidget):
             curve.setData(x, y)
             finite = y[np.isfinite(y)]
             if len(finite):  # a line with no value yet (validation, VRAM on the CPU) is left out
-                label = f"{line.label} " if len(self.spec.lines) > 1 else ""
+                label = f"{line.label} " if len(self.spec.lines) > 1 and line.label else ""
                 texts.append(f'<span style="color:{line.color}">{label}'
                              f'{self.spec.fmt.format(finite[-1])}</span>')
         unit = f" {self.spec.unit}" if self.spec.unit and texts else ""

@@ -103,7 +103,7 @@ def test_a_preference_run_shows_its_rewards_in_place_of_the_learning_rate(qtbot,
     assert page.dashboard.corner.currentWidget() is page.dashboard.plots["rewards"]
     x, margin = page.dashboard.plots["rewards"].curves[2].getData()
     assert list(x) == list(range(1, 21)) and list(margin) == pytest.approx([p.margin for p in pairs])
-    assert "margin 0.600" in page.dashboard.plots["rewards"].value.text()
+    assert "margin 0.60" in page.dashboard.plots["rewards"].value.text()
     page.dashboard.reset(page.run_dir)  # a supervised run next: the learning rate again
     page._on_events(recorded_run(steps=3))
     assert page.dashboard.corner.currentWidget() is page.dashboard.plots["lr"]
