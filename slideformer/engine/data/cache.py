@@ -2,15 +2,20 @@
 
 An entry is a folder ``<cache_dir>/<kind>-<key>/`` whose ``meta.json`` is written last; the
 folder is built under a temporary name and renamed into place, so a crash leaves either a
-complete entry or none (stale temporary folders of crashed runs are removed after a day).
-Keys are digests of everything the content depends on, so a changed input simply misses.
+complete entry or none. A temporary name says which process writes it
+(``<entry>.tmp-<host>-<pid>-<random>``): the next build removes the ones of processes of this
+machine that no longer run (a run killed while it tokenized), and any a day old (another
+machine's, sharing the folder). Keys are digests of everything the content depends on, so a
+changed input simply misses.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -19,11 +24,13 @@ from typing import Callable
 from slideformer.engine.data.records import content_hash
 from slideformer.engine.errors import UserError
 from slideformer.engine.models.tokenizer import TokenizerInfo
+from slideformer.engine.testhooks import pause_at
 
 CACHE_VERSION = 2
 """Bumped whenever the stored layout or the tokenization rules change."""
 META = "meta.json"
 _STALE_S = 24 * 3600
+_WRITER = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-[^-]*$")
 _RACY_S = 2.0
 _MEMO_SIZE = 512
 
@@ -68,7 +75,7 @@ def source_hash(cache_dir: Path, files: list[Path]) -> str:
         while len(memo) > _MEMO_SIZE:  # oldest first (dicts keep insertion order)
             memo.pop(next(iter(memo)))
         make_folder(cache_dir)
-        tmp = memo_path.with_name(f"hashes.json.tmp-{os.getpid()}")
+        tmp = memo_path.with_name(_tmp_prefix("hashes.json") + "memo")
         _write_json(tmp, memo)
         os.replace(tmp, memo_path)
     return value
@@ -103,9 +110,10 @@ def cached(cache_dir: Path, name: str, build: Callable[[Path], dict]) -> tuple[P
     if (final / META).is_file():
         return final, True
     _remove_stale(cache_dir)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{name}.tmp-", dir=cache_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(name), dir=cache_dir))
     try:
         meta = build(tmp)
+        pause_at("cache.entry")
         _write_json(tmp / META, meta)
         if final.exists() and not (final / META).is_file():
             shutil.rmtree(final)  # an incomplete entry (edited by hand): rebuild
@@ -126,11 +134,40 @@ def _write_json(path: Path, data: dict) -> None:
         os.fsync(f.fileno())
 
 
+def _tmp_prefix(name: str) -> str:
+    """The start of a temporary name of this process for ``name`` (see the module docstring)."""
+    return f"{name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
 def _remove_stale(cache_dir: Path) -> None:
+    """Delete the temporary entries and files no process will finish."""
     now = time.time()
     for p in cache_dir.glob("*.tmp-*"):
         try:
-            if now - p.stat().st_mtime > _STALE_S:
-                shutil.rmtree(p, ignore_errors=True)
+            if not _abandoned(p, now):
+                continue
+            if p.is_dir():
+                shutil.rmtree(p)
+            else:
+                p.unlink()  # source_hash's memo
         except OSError:
             pass
+
+
+def _abandoned(p: Path, now: float) -> bool:
+    """Whether the writer of the temporary ``p`` is a process of this machine that has ended,
+    or ``p`` is a day old."""
+    writer = _WRITER.search(p.name)
+    if writer and writer["host"] == socket.gethostname() and not _running(int(writer["pid"])):
+        return True
+    return now - p.stat().st_mtime > _STALE_S
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process
+        return True
+    return True

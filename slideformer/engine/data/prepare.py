@@ -117,6 +117,14 @@ def sources(cfg: DataConfig) -> list[tuple[str, str, MixSource]]:
     return out + [(m.path, f"data.mix[{i}]", m) for i, m in enumerate(cfg.mix)]
 
 
+def source_digests(cfg: DataConfig, cache_dir: Path | str) -> list[list]:
+    """``[setting, path, contents digest, weight, samples]`` of every training source, in order:
+    what a checkpoint records of its data (slideformer.engine.train.resume). The digests are
+    those of the token cache's keys, remembered in ``cache_dir``."""
+    return [[setting, path, source_hash(Path(cache_dir), source_files(path, setting)), m.weight,
+             m.samples] for path, setting, m in sources(cfg)]
+
+
 def prepare_data(cfg: DataConfig, tok: TokenizerInfo, cache_dir: Path | str,
                  emit: Callable | None = None) -> PreparedData:
     """Tokenize (or open from the cache) and lay out the training and validation data.

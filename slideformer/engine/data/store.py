@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from slideformer.engine.data.cache import read_meta
+from slideformer.engine.testhooks import pause_at
 
 
 class StoreWriter:
@@ -39,6 +40,7 @@ class StoreWriter:
                origin: np.ndarray) -> None:
         """Add documents: flat ids/mask, per-document lengths and (file, line) origins."""
         self._tokens.write(ids.astype("<i4", copy=False).tobytes())
+        pause_at("store.append")
         self._mask.write(mask.astype(np.uint8, copy=False).tobytes())
         self.lengths.append(lengths)
         trained = np.zeros(len(lengths), np.int64)

@@ -25,6 +25,7 @@ from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import parse_json, read_json
 from slideformer.engine.models import bnb4
 from slideformer.engine.models.spec import Layout, ModelSpec
+from slideformer.engine.testhooks import pause_at
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 """Safetensors dtypes a master weight can be read from (quantized ints are not cast)."""
@@ -357,9 +358,11 @@ def publish_dir(tmp: Path, out_dir: Path) -> Path:
     """Flush the staged folder ``tmp`` and rename it to ``out_dir`` (replacing it whole)."""
     old = out_dir.with_name(out_dir.name + ".old")
     _fsync_dir(tmp)
+    pause_at("publish.start")
     if out_dir.exists():  # the previous export stays whole until the new one is in place
         shutil.rmtree(old, ignore_errors=True)
         os.replace(out_dir, old)
+        pause_at("publish.swap")
         os.replace(tmp, out_dir)
         shutil.rmtree(old, ignore_errors=True)
     else:

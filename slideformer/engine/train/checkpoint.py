@@ -17,7 +17,8 @@ and fsynced; then the manifest, then the folder is fsynced and renamed to ``step
 parent fsynced. The rename is the commit: a crash at any moment leaves either no ``step-N`` or a
 complete one, and the previous checkpoints as they were. Older checkpoints are deleted only
 after the new one is in place, each renamed out of the way first, so a half-deleted folder never
-carries a checkpoint's name.
+carries a checkpoint's name; the Trainer also calls :func:`rotate` when a run resumes, which
+finishes a rotation that a kill interrupted.
 
 Reading (:func:`load_newest`): ``step-N`` folders newest first; one is taken when its manifest
 is present, its files have the listed sizes, and every byte hashes to the listed sha256 as it
@@ -29,9 +30,11 @@ The item files are ordinary safetensors files (``safetensors.torch.load_file`` r
 are written and read here tensor by tensor in 64 MiB chunks so that hashing costs no second pass
 and no extra copy of the state.
 
-Test hook: the environment variable ``SLIDEFORMER_TEST_SLOW_IO`` (seconds) makes the writer
+Test hooks: the environment variable ``SLIDEFORMER_TEST_SLOW_IO`` (seconds) makes the writer
 sleep that long before each file and before the commit, so fault-injection tests can kill the
-process in the middle of a checkpoint (tests/engine/train/test_reliability.py).
+process in the middle of a checkpoint (tests/engine/train/test_reliability.py); the points
+``checkpoint.*`` of :mod:`slideformer.engine.testhooks` stop it at one precise moment
+(tests/engine/train/test_kill_matrix.py).
 """
 from __future__ import annotations
 
@@ -53,6 +56,7 @@ import torch
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.models.weights import fsync_path
+from slideformer.engine.testhooks import pause_at
 
 MANIFEST, META = "manifest.json", "trainer.json"
 FORMAT = 1
@@ -94,7 +98,7 @@ def write_checkpoint(root: Path, step: int, items: dict[str, dict[str, torch.Ten
         _write_bytes(tmp / MANIFEST, json.dumps({"format": FORMAT, "step": step,
                                                  "files": files}, indent=1).encode())
         fsync_path(tmp)
-        _slow_io()
+        _slow_io("checkpoint.commit")
         if final.exists():  # a damaged or superseded checkpoint of the same step
             _set_aside(final, root / f".step-{step}.old")
         os.replace(tmp, final)
@@ -102,11 +106,18 @@ def write_checkpoint(root: Path, step: int, items: dict[str, dict[str, torch.Ten
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    rotate(root, keep, protect)
+    return final
+
+
+def rotate(root: Path, keep: int, protect: int | None = None) -> None:
+    """Keep the newest ``keep`` checkpoints (and the one of step ``protect``); delete the rest
+    and every leftover of an earlier process (a kill during a rotation leaves either)."""
     for old in checkpoints(root)[keep:]:
         if old.name != f"step-{protect}":
+            pause_at("checkpoint.rotate")
             _set_aside(old, root / f".{old.name}.old")
     _remove_leftovers(root)
-    return final
 
 
 def checkpoint_bytes(items: dict[str, dict[str, torch.Tensor]]) -> int:
@@ -114,10 +125,12 @@ def checkpoint_bytes(items: dict[str, dict[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for ts in items.values() for t in ts.values())
 
 
-def _slow_io() -> None:
+def _slow_io(point: str) -> None:
+    """The test hooks of the module docstring."""
     delay = os.environ.get("SLIDEFORMER_TEST_SLOW_IO")
     if delay:
         time.sleep(float(delay))
+    pause_at(point)
 
 
 class _Sha256:
@@ -149,7 +162,7 @@ class _HashingFile:
     then ``f.entry()`` once the block ended (the file is then flushed, fsynced and closed)."""
 
     def __init__(self, path: Path):
-        _slow_io()
+        _slow_io("checkpoint.file")
         self.f = open(path, "xb")
         self.sha = _Sha256()
         self.size = 0
@@ -208,6 +221,7 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict:
         out.write(struct.pack("<Q", len(head)) + head)
         for t in tensors.values():
             out.write(_raw(t))
+            pause_at("checkpoint.tensor")
     return out.entry()
 
 
@@ -216,6 +230,7 @@ def _set_aside(folder: Path, new: Path) -> None:
     shutil.rmtree(new, ignore_errors=True)
     os.replace(folder, new)
     if new.name.endswith(".old"):
+        pause_at("checkpoint.delete")
         shutil.rmtree(new, ignore_errors=True)
 
 
@@ -267,6 +282,16 @@ def read_meta(folder: Path) -> dict:
     if hashlib.sha256(data).hexdigest() != man["files"][META]["sha256"]:
         raise CorruptCheckpoint(f"{META} does not match its sha256")
     return json.loads(data)
+
+
+def newest_meta(root: Path) -> dict | None:
+    """The trainer state of the newest checkpoint whose trainer.json verifies (None: none)."""
+    for folder in checkpoints(root):
+        try:
+            return read_meta(folder)
+        except CorruptCheckpoint:
+            continue
+    return None
 
 
 def read_state(folder: Path, items: dict[str, dict[str, torch.Tensor]]) -> None:

@@ -10,7 +10,6 @@ layer plus one output shard).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -20,8 +19,10 @@ from safetensors.torch import save_file
 from slideformer.engine.models.lora import PROJECTIONS, LoraSpec
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.models.weights import (TOKENIZER_FILES, hf_name, item_layout, item_names,
-                                               stored_views, write_hf_folder)
+                                               publish_dir, staging_dir, stored_views,
+                                               write_hf_folder)
 from slideformer.engine.runtime.lora import adapter_name
+from slideformer.engine.testhooks import pause_at
 
 PEFT_PREFIX = "base_model.model."
 
@@ -47,32 +48,24 @@ def adapter_tensors(host, spec: ModelSpec, dtype: torch.dtype) -> dict[str, torc
 
 def write_adapter(out_dir: Path | str, host, spec: ModelSpec, lora: LoraSpec, base_model: str,
                   dtype: torch.dtype = torch.float32) -> Path:
-    """Write the PEFT adapter folder atomically (an existing ``out_dir`` stays whole until
-    the new one is complete). The adapters are small: fp32 by default."""
+    """Write the PEFT adapter folder atomically, as :func:`write_hf_folder` writes a model
+    (an existing ``out_dir`` stays whole until the new one is complete; a kill between its
+    renames is repaired by the next export). The adapters are small: fp32 by default."""
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_dir(out_dir)
     try:
         save_file(adapter_tensors(host, spec, dtype), str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
+        pause_at("adapter.file")
         (tmp / "adapter_config.json").write_text(json.dumps(adapter_config(lora, base_model),
                                                             indent=2))
         for f in TOKENIZER_FILES:
             if (Path(base_model) / f).is_file():
                 shutil.copy2(Path(base_model) / f, tmp / f)
-        old = out_dir.with_name(out_dir.name + ".old")
-        if out_dir.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+        return publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
 
 
 def merged_tensors(host, spec: ModelSpec, lora: LoraSpec):
@@ -87,6 +80,7 @@ def merged_tensors(host, spec: ModelSpec, lora: LoraSpec):
                 weights[w + ".weight"] += lora.scaling * (ad[w + ".lora_B.weight"]
                                                           @ ad[w + ".lora_A.weight"])
         yield from stored_views(spec, name, weights)
+        pause_at("merged.item")
 
 
 def write_merged(out_dir: Path | str, host, spec: ModelSpec, lora: LoraSpec, base_model: str,

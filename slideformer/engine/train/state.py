@@ -19,6 +19,7 @@ from slideformer.engine.models.weights import (Checkpoint, item_layout, item_nam
                                                write_hf_folder)
 from slideformer.engine.runtime.host_state import HostItem
 from slideformer.engine.runtime.lora import FrozenItem, build_adapters
+from slideformer.engine.testhooks import pause_at
 
 
 def build_host_state(spec: ModelSpec, backend, compute_dtype, moments_dtype,
@@ -107,6 +108,7 @@ def master_tensors(host: dict[str, HostItem], spec: ModelSpec):
     for name in item_names(spec):
         master = host[name].master()
         yield from stored_views(spec, name, item_layout(spec, name).views(master))
+        pause_at("export.item")
 
 
 def export_model(host, spec: ModelSpec, out_dir: Path | str, tokenizer_dir: Path | str,

@@ -13,7 +13,6 @@ checkpoint, saves its state when that state is sound, exports nothing, and conti
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import resource
@@ -27,8 +26,8 @@ import torch
 from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, parse_bytes
 from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shape, start_ranks
-from slideformer.engine.devices import (compute_dtype_name, moments_dtype_name, residual_dtype_name,
-                                        torch_dtype)
+from slideformer.engine.devices import (compute_dtype_name, device_kind, moments_dtype_name,
+                                        residual_dtype_name, torch_dtype)
 from slideformer.engine.errors import UserError
 from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, PairMetrics, RunState,
                                       StepMetrics, Timeline, read_events)
@@ -44,9 +43,11 @@ from slideformer.engine.runtime.executor import SlidingExecutor
 from slideformer.engine.runtime.host_state import AdamHyper
 from slideformer.engine.runtime.nvme import NvmeTier
 from slideformer.engine.runtime.shapes import ExecShape, borrowed_layers, device_items, disk_layers
+from slideformer.engine.train import resume as resume_rules
 from slideformer.engine.train.checkpoint import (CorruptCheckpoint, checkpoint_bytes, checkpoints,
-                                                 load_newest, read_state, rng_state, set_rng_state,
-                                                 write_checkpoint, write_error)
+                                                 load_newest, newest_meta, read_state, rotate,
+                                                 rng_state, set_rng_state, write_checkpoint,
+                                                 write_error)
 from slideformer.engine.tracking import Trackers, check_installed
 from slideformer.engine.train.objectives import NEEDS_REFERENCE
 from slideformer.engine.train.lock import LOCK_FILE, RunLock, run_owner
@@ -118,6 +119,8 @@ class Trainer:
         """Evaluations in a row that did not improve on ``best`` (early stopping counts them)."""
         self._stopped_early = ""
         self._evaluated_at = -1
+        self.depends: dict = {}
+        """What the checkpoints record of the model, compute dtype and data (_depends)."""
 
     # ---- control from other threads ---------------------------------------------------------
     def pause(self) -> None:
@@ -147,6 +150,11 @@ class Trainer:
         check_installed(cfg.output.report_to)
         self.lora = None if cfg.train.method == "full" else lora_spec(cfg.lora)
         self._check_run_dir(resume)
+        if resume:  # before the first event: a refused resume leaves the run folder as it was
+            self.depends = self._depends(data is None)
+            meta = newest_meta(self.run_dir / "checkpoints")
+            if meta is not None:
+                resume_rules.check(meta, cfg, self.depends)
         self.sink = EventSink(self.run_dir / "events.jsonl", self.callbacks)
         self.emit(RunState("setup", "loading model and data"))
         self.spec = load_spec(cfg.model.path)
@@ -166,6 +174,8 @@ class Trainer:
         self.tok = load_tokenizer(cfg.model.path)
         check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
         self.prepared, self.stream = data if data is not None else self._prepare_data()
+        if not resume:  # the data as this run read it (the digests come from the cache's memo)
+            self.depends = self._depends(data is None)
         self.total_steps = run_steps(cfg.train, self.stream.steps_per_epoch)
         self.tier = self._open_tier()
         self._build_state(shape, moments, resume)
@@ -575,7 +585,7 @@ class Trainer:
             return root / f"step-{self.step}"
         items = state_tensors(self.host)
         try:
-            best = self.best[0] if self.cfg.output.keep_best and self.best else None
+            best = self._best_step()
             path = write_checkpoint(root, self.step, items, self._trainer_state(),
                                     self.cfg.train.keep_checkpoints, protect=best)
         except OSError as e:
@@ -594,33 +604,32 @@ class Trainer:
                                   best=self.cfg.output.keep_best and best == self.step))
         return path
 
+    def _best_step(self) -> int | None:
+        """The step of the checkpoint output.keep_best keeps besides the newest (None: none)."""
+        return self.best[0] if self.cfg.output.keep_best and self.best else None
+
     def _trainer_state(self) -> dict:
         """Everything but the tensors that a resume needs to continue exactly."""
         return {"step": self.step, "total_steps": self.total_steps,
                 "next_lr": self.hyper(1.0).lr, "data": self.stream.state_dict(),
                 "rng": rng_state(), "config": config_mod.to_dict(self.cfg),
-                "model": self._model_figures(), "best": self.best,
+                **self.depends, "best": self.best,
                 "evals_without_gain": self.evals_without_gain}
 
-    def _model_figures(self) -> dict:
-        """The model a checkpoint belongs to: config.json's figures (as ``info`` shows them)
-        and its tokenizer.json's digest (another tokenizer makes other token sequences)."""
-        tok = Path(self.cfg.model.path) / "tokenizer.json"
-        digest = hashlib.sha256(tok.read_bytes()).hexdigest()[:16] if tok.is_file() else None
-        return {**{k: v for k, v in self.spec.summary().items() if k != "dtype"},
-                "tokenizer.json sha256": digest}
+    def _depends(self, own_data: bool) -> dict:
+        """What a checkpoint records of the model, compute dtype and data it was trained from
+        (slideformer.engine.train.resume); ``own_data``: the data is read from data.train."""
+        from slideformer.engine.data.prepare import source_digests
+        cfg = self.cfg
+        sources = source_digests(cfg.data, self.run_dir.parent / ".token-cache") if own_data \
+            else None
+        return resume_rules.depends(cfg, device_kind(cfg.train.device, torch.cuda.is_available()),
+                                    sources)
 
     def _accept(self, meta: dict) -> None:
-        """Refuse a checkpoint of another model (named as such) or another data position."""
-        old, new = meta.get("model"), self._model_figures()
-        if old is not None and old != new:
-            diffs = [f"{k} {old.get(k)!r} -> {v!r}" for k, v in new.items() if old.get(k) != v]
-            was = meta.get("config", {}).get("model", {}).get("path", "?")
-            raise UserError(Path(self.cfg.model.path) / "config.json",
-                            "describes another model than the one this run's checkpoints were "
-                            f"trained from ({', '.join(diffs)})",
-                            f"resume with the model of the checkpointed run ({was}), or start "
-                            "a new run folder without --resume")
+        """Refuse a checkpoint that this run cannot continue (slideformer.engine.train.resume),
+        or of another data position."""
+        resume_rules.check(meta, self.cfg, self.depends)
         self.stream.load_state_dict(meta["data"])
 
     def _restore(self) -> None:
@@ -633,9 +642,9 @@ class Trainer:
         self.evals_without_gain = int(meta.get("evals_without_gain", 0))
         self.executor.host_changed()
         set_rng_state(meta["rng"])
-        old, new = meta["config"], config_mod.to_dict(self.cfg)
-        changed = [f"{s}.{k} {old[s][k]!r} -> {v!r}" for s, values in new.items()
-                   for k, v in values.items() if k in old.get(s, {}) and old[s][k] != v]
+        # a kill during a rotation leaves one checkpoint too many, or a half-deleted one
+        rotate(self.run_dir / "checkpoints", self.cfg.train.keep_checkpoints, self._best_step())
+        changed = resume_rules.changes(meta["config"], config_mod.to_dict(self.cfg))
         if changed:
             self.emit(Log("warning", "resuming with changed settings: " + ", ".join(changed)))
         self.emit(Log("info", f"resumed from {folder.name}"))

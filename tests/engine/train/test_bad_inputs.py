@@ -182,11 +182,11 @@ CASES = {
                                         ["model3", "config.json", "another model",
                                          "tokenizer.json sha256", "checkpointed run"]),
     "checkpoint of another precision": (None, resume("--set", 'train.compute_dtype="bfloat16"'),
-                                        ["another model or precision"]),
+                                        ["train.compute_dtype", "float32 state"]),
     "resume with other batch settings": (None, resume("--micro-batch", "1"),
                                          ["micro_batch", "checkpoint"]),
     "resume with other data": (lambda w: write_task(w / "train.jsonl", 90, 7), resume(),
-                               ["checkpoint", "rows"]),
+                               ["data.train", "train.jsonl", "contents", "checkpoint"]),
 }
 
 
