@@ -22,6 +22,8 @@ from slideformer.engine.train.demo import write_task
 
 TIMEOUT = 60
 """Seconds a subprocess case may take before it counts as a hang."""
+TINY = TinyShape(layers=2, hidden=32, heads=2, kv_heads=1, intermediate=48)
+"""The shape of the work folder's model."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +41,7 @@ class Case:
 
 def make_workspace(root: Path) -> Path:
     """The work folder every case starts from (copied per case)."""
-    make_tiny_model(root / "model", "llama", TinyShape(layers=2, hidden=32, heads=2, kv_heads=1,
-                                                       intermediate=48), seed=5)
+    make_tiny_model(root / "model", "llama", TINY, seed=5)
     write_task(root / "train.jsonl", 40, 1)
     cfg = config_mod.from_dict({
         "model": {"path": "model"}, "data": {"train": "train.jsonl", "max_seq_len": 32},

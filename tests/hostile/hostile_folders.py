@@ -12,6 +12,8 @@ from folder_fuzz import (DELETE, Breakage, config_breakage, header_breakage, ind
                          jinja_breakage, length_breakage, tensor_breakage,
                          tokenizer_config_breakage, tokenizer_json_breakage, truncated)
 from hostile_corpus import CATEGORIES, Case, plan, setkey, train, write
+from hostile_adapters import ADAPTER_FOLDERS
+from hostile_gguf import GGUF_FILES
 
 INDEX = "model.safetensors.index.json"
 EMBED = "model.embed_tokens.weight"
@@ -132,5 +134,6 @@ MODEL_FOLDERS = [
          ("t.jinja", "UTF-8"), write("t.jinja", b"\xff{{ messages }}")),
 ]
 
-CORPUS = {**CATEGORIES, "model folders": MODEL_FOLDERS}
+CORPUS = {**CATEGORIES, "model folders": MODEL_FOLDERS, "gguf files": GGUF_FILES,
+          "adapter folders": ADAPTER_FOLDERS}
 """Every category of the hostile corpus."""

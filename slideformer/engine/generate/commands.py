@@ -15,7 +15,8 @@ _SAMPLING_FLAGS = {"temperature": "temperature", "top_p": "top_p", "max_tokens":
 def register(sub) -> None:
     p = sub.add_parser("chat", help="chat with a model folder or a run's checkpoint")
     p.add_argument("--model", required=True,
-                   help="model folder (a run's final/ too) or a run's checkpoints/step-N")
+                   help="model folder, a LoRA run's adapter folder (a run's final/) or a run's "
+                        "checkpoints/step-N")
     p.add_argument("--mode", choices=("auto", "resident", "streamed"), default="auto",
                    help="resident (all weights in memory, KV cache), streamed (layers read "
                         "through the window for every token: slow, for models larger than "

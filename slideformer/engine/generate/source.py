@@ -1,6 +1,9 @@
-"""What a user can chat with: a Hugging Face model folder, or a training checkpoint of a run.
+"""What a user can chat with: a Hugging Face model folder, a LoRA run's adapter folder, or a
+training checkpoint of a run.
 
-A model folder (a base model, a run's ``final/``) carries everything. A checkpoint
+A model folder (a base model, a run's ``final/``) carries everything. An adapter folder (a LoRA
+run's ``final/``) is its base model with the adapters added as each layer is read
+(:mod:`slideformer.engine.generate.adapter`). A checkpoint
 (``<run>/checkpoints/step-N``) holds only the exact training state of each item (bf16 weights +
 16-bit remainders, see slideformer.engine.train.checkpoint); its architecture and tokenizer are those of the
 run's base model, named by the run's ``config.toml``. Both give a weight reader with the same
@@ -17,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from slideformer.engine import config as config_mod
 from slideformer.engine.errors import UserError
+from slideformer.engine.generate.adapter import Adapter, is_adapter_folder, read_adapter
 from slideformer.engine.models.spec import ModelSpec, load_spec
 from slideformer.engine.models.weights import Checkpoint, item_layout
 from slideformer.engine.runtime.host_state import join_master
@@ -34,14 +38,16 @@ class ModelSource:
     """The folder whose tokenizer files and generation settings the model uses."""
     checkpoint: bool
     """True for a training checkpoint (weights from its item files)."""
+    adapter: Adapter | None = None
+    """A LoRA adapter folder's adapters, added to its base's weights."""
 
     def open_weights(self):
         """A reader with ``read_item(spec, item, out)`` and ``close()``."""
         if self.checkpoint:
             return TrainingStateReader(self.path)
-        reader = Checkpoint(self.path)
+        reader = Checkpoint(self.adapter.base if self.adapter else self.path)
         reader.check(self.spec)
-        return reader
+        return AdaptedReader(reader, self.adapter) if self.adapter else reader
 
     def generation_config(self) -> dict:
         """``generation_config.json`` of the model (empty when absent or unreadable)."""
@@ -61,6 +67,10 @@ def resolve_model(path: Path | str) -> ModelSource:
     path = Path(path)
     if (path / "config.json").is_file():
         return ModelSource(path, load_spec(path), path, checkpoint=False)
+    if is_adapter_folder(path):
+        adapter = read_adapter(path)
+        tokenizer = path if (path / "tokenizer.json").is_file() else adapter.base
+        return ModelSource(path, adapter.spec, tokenizer, checkpoint=False, adapter=adapter)
     if is_training_checkpoint(path):
         run_dir = path.parent.parent
         cfg = config_mod.load(run_dir / "config.toml")
@@ -69,10 +79,27 @@ def resolve_model(path: Path | str) -> ModelSource:
             raise UserError(path, f"is a checkpoint of a run on {base}, which is gone",
                             "restore the run's base model folder, or pick the run's final/ folder")
         return ModelSource(path, load_spec(base), base, checkpoint=True)
-    raise UserError(path, "is neither a model folder (config.json) nor a training checkpoint "
-                          "(manifest.json)",
+    raise UserError(path, "is neither a model folder (config.json), an adapter folder "
+                          "(adapter_config.json) nor a training checkpoint (manifest.json)",
                     "pick a Hugging Face model folder, a run's final/ folder or a "
                     "checkpoints/step-N folder")
+
+
+class AdaptedReader:
+    """The base model's weights with a LoRA adapter added to each layer as it is read
+    (``W + s * B @ A``, computed in fp32)."""
+
+    def __init__(self, base: Checkpoint, adapter: Adapter):
+        self.base, self.adapter = base, adapter
+
+    def read_item(self, spec: ModelSpec, item: str, out: torch.Tensor) -> torch.Tensor:
+        self.base.read_item(spec, item, out)
+        if item.startswith("layer"):
+            self.adapter.add_to_layer(int(item[5:]), item_layout(spec, item).views(out))
+        return out
+
+    def close(self) -> None:
+        self.base.close()
 
 
 class TrainingStateReader:

@@ -51,10 +51,10 @@ def default_out(model_dir: Path, kind: str) -> Path:
     """NAME-TYPE.gguf next to the folder (NAME-lora-TYPE.gguf for a LoRA adapter folder); a
     run's final/ goes into the run folder."""
     from slideformer.engine.gguf.exporter import folder_name, model_name
-    from slideformer.engine.gguf.lora_adapter import is_adapter
+    from slideformer.engine.generate.adapter import is_adapter_folder
     from slideformer.engine.models.spec import load_spec
     d = model_dir.resolve()
-    if is_adapter(d):
+    if is_adapter_folder(d):
         return d.parent / f"{folder_name(d)}-lora-{kind}.gguf"
     return d.parent / f"{model_name(d, load_spec(d))}-{kind}.gguf"
 
@@ -78,9 +78,9 @@ def export_with_modelfile(model_dir: Path | str, kind: str, out: Path | str | No
 
 
 def _export(a) -> int:
-    from slideformer.engine.gguf.lora_adapter import is_adapter
+    from slideformer.engine.generate.adapter import is_adapter_folder
     from slideformer.engine.gguf.ollama import check_name, command_line, send_to_ollama
-    if is_adapter(a.model):
+    if is_adapter_folder(a.model):
         return _export_adapter(a)
     if a.ollama is not None:
         check_name(a.ollama)  # before minutes of export

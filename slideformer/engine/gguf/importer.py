@@ -6,6 +6,7 @@ and its bf16 copy), with llama.cpp's Q/K row order undone (:mod:`slideformer.eng
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -13,25 +14,27 @@ import numpy as np
 import torch
 
 from slideformer.engine.errors import UserError
+from slideformer.engine.gguf import metadata
 from slideformer.engine.gguf.names import (GGUF_ARCHS, from_gguf_order, model_type_of, norm_shift, qk_heads,
                                           tensor_names)
 from slideformer.engine.gguf.reader import GGUFFile
 from slideformer.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
 from slideformer.engine.models.spec import SUPPORTED, ModelSpec, spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config
+from slideformer.engine.models.tokenizer import compile_template
 from slideformer.engine.models.weights import (hf_name, item_layout, item_names, publish_dir, staging_dir,
                                    stored_as, write_streamed_shards)
 
 
 def _family(g: GGUFFile) -> tuple[str, str]:
     """(GGUF architecture, Hugging Face model_type) of the file."""
-    arch = g.get("general.architecture")
+    arch = metadata.value(g, "general.architecture", str)
     if arch not in GGUF_ARCHS:
         raise UserError(g.path, f"is a GGUF of architecture {arch!r}, which is not supported",
                         f"use a GGUF of a supported family: {', '.join(SUPPORTED)} "
                         f"(architectures {', '.join(GGUF_ARCHS)})")
     # llama.cpp writes Mistral as "llama"; the name tells them apart (as transformers reads it)
-    if arch == "llama" and "mistral" in str(g.get("general.name", "")).lower():
+    if arch == "llama" and "mistral" in metadata.value(g, "general.name", str, "").lower():
         return arch, "mistral"
     return arch, model_type_of(arch)
 
@@ -42,7 +45,7 @@ def _float(v) -> float:
 
 
 def _rope_scaling(g: GGUFFile, arch: str) -> dict | None:
-    kind = g.get(f"{arch}.rope.scaling.type")
+    kind = metadata.value(g, f"{arch}.rope.scaling.type", str)
     if "rope_freqs.weight" in g.tensors:
         raise UserError(g.path, "uses per-frequency RoPE factors (rope_freqs, e.g. Llama 3.1 "
                                 "scaling), which import cannot turn back into rope_scaling",
@@ -51,27 +54,31 @@ def _rope_scaling(g: GGUFFile, arch: str) -> dict | None:
         return None
     if kind != "linear":
         raise UserError(g.path, f"uses RoPE scaling {kind!r}", "supported: none, linear")
-    return {"rope_type": "linear", "factor": _float(g.get(f"{arch}.rope.scaling.factor"))}
+    factor = metadata.value(g, f"{arch}.rope.scaling.factor", float)
+    if factor is None:
+        raise UserError(g.path, f"has linear RoPE scaling without '{arch}.rope.scaling.factor'",
+                        "use a complete GGUF file")
+    return {"rope_type": "linear", "factor": _float(factor)}
 
 
 def gguf_config(g: GGUFFile) -> dict:
     """The config.json of the model in a GGUF file."""
     arch, family = _family(g)
     need = lambda key: _required(g, f"{arch}.{key}")  # noqa: E731
+    number = lambda key, kind, default=None: metadata.value(g, f"{arch}.{key}", kind, default)  # noqa: E731
     hidden, heads = need("embedding_length"), need("attention.head_count")
-    if "token_embd.weight" not in g.tensors:
-        raise UserError(g.path, "has no token_embd.weight tensor", "use a complete GGUF file")
-    head_dim = g.get(f"{arch}.attention.key_length") or g.get(f"{arch}.rope.dimension_count")
+    vocab = _vocab_rows(g, arch)
+    key_length, rope_dims = number("attention.key_length", int), number("rope.dimension_count", int)
+    head_dim = key_length or rope_dims
     shape = TinyShape(layers=need("block_count"), hidden=hidden, heads=heads,
-                      kv_heads=g.get(f"{arch}.attention.head_count_kv", heads),
-                      intermediate=need("feed_forward_length"),
-                      vocab=g.shape("token_embd.weight")[0],
+                      kv_heads=number("attention.head_count_kv", int, heads),
+                      intermediate=need("feed_forward_length"), vocab=vocab,
                       head_dim=head_dim if head_dim and head_dim != hidden // heads else None,
                       tie="output.weight" not in g.tensors,
-                      max_positions=g.get(f"{arch}.context_length", 4096))
+                      max_positions=number("context_length", int, 4096))
     cfg = tiny_config(family, shape)  # the config.json keys of a model of this shape
-    cfg.update(rms_norm_eps=_float(g.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-               rope_theta=_float(g.get(f"{arch}.rope.freq_base", 10000.0)), torch_dtype="bfloat16")
+    cfg.update(rms_norm_eps=_float(number("attention.layer_norm_rms_epsilon", float, 1e-6)),
+               rope_theta=_float(number("rope.freq_base", float, 10000.0)), torch_dtype="bfloat16")
     if family in ("llama", "mistral") and "blk.0.attn_q.bias" in g.tensors:
         cfg["attention_bias"] = True
     if "blk.0.ffn_up.bias" in g.tensors:
@@ -85,16 +92,31 @@ def gguf_config(g: GGUFFile) -> dict:
                    moe_intermediate_size=need("expert_feed_forward_length"), norm_topk_prob=True)
     for key, gkey in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
-        if g.get(f"tokenizer.ggml.{gkey}") is not None:
-            cfg[key] = int(g.get(f"tokenizer.ggml.{gkey}"))
+        if (token := metadata.value(g, f"tokenizer.ggml.{gkey}", int)) is not None:
+            cfg[key] = token
     return cfg
+
+
+def _vocab_rows(g: GGUFFile, arch: str) -> int:
+    """The rows of token_embd.weight, which ``{arch}.vocab_size`` must agree with."""
+    if "token_embd.weight" not in g.tensors:
+        raise UserError(g.path, "has no token_embd.weight tensor", "use a complete GGUF file")
+    shape = g.shape("token_embd.weight")
+    if len(shape) != 2:
+        raise UserError(g.path, f"has token_embd.weight of shape {list(shape)}, not (vocabulary, "
+                        "hidden size)", "use a complete GGUF file")
+    said = metadata.value(g, f"{arch}.vocab_size", int)
+    if said is not None and said != shape[0]:
+        raise UserError(g.path, f"says '{arch}.vocab_size' = {said:,}, but token_embd.weight "
+                        f"has {shape[0]:,} rows", "use a consistent GGUF file")
+    return shape[0]
 
 
 def _gemma3(g: GGUFFile, arch: str, shape: TinyShape) -> dict:
     """Gemma 3's config keys as llama.cpp derives them: every 6th layer full, the others
     windowed with RoPE base 10000; scores scaled by 1/sqrt(head_dim), except the 27B's
     (62 layers: 1/sqrt(hidden / heads))."""
-    every = g.get(f"{arch}.attention.sliding_window_pattern") or 6
+    every = metadata.value(g, f"{arch}.attention.sliding_window_pattern", int) or 6
     scalar = shape.hidden // shape.heads if shape.layers == 62 else (shape.head_dim or
                                                                     shape.hidden // shape.heads)
     return {"sliding_window": _required(g, f"{arch}.attention.sliding_window"),
@@ -104,19 +126,74 @@ def _gemma3(g: GGUFFile, arch: str, shape: TinyShape) -> dict:
 
 
 def _required(g: GGUFFile, key: str) -> int:
-    v = g.get(key)
-    if not isinstance(v, int) or v <= 0:
+    v = metadata.value(g, key, int)
+    if v is None or v <= 0:
         raise UserError(g.path, f"has no valid '{key}' in its metadata", "use a complete GGUF file")
     return v
 
 
+_TOKENIZER_ARRAYS = {"tokens": str, "token_type": int, "merges": str, "scores": float}
+_TOKENIZER_VALUES = {"model": str, "pre": str, "add_bos_token": bool, "add_space_prefix": bool}
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "padding_token_id", "unknown_token_id")
+_TOKENIZER_FIX = "use a GGUF file whose tokenizer is complete, as llama.cpp's converter writes it"
+
+
 def _tokenizer_meta(g: GGUFFile) -> dict:
-    meta = {k.removeprefix("tokenizer.ggml."): v for k, v in g.meta.items()
-            if k.startswith("tokenizer.ggml.")}
+    """The ``tokenizer.ggml.*`` keys without the prefix, each of its type, and consistent: one
+    type (and score) per token, no more tokens than token_embd.weight has rows (a shorter
+    vocabulary is a padded embedding, as llama.cpp takes it), the special ids among them."""
+    get = lambda key, read, kind: read(g, f"tokenizer.ggml.{key}", kind)  # noqa: E731
+    meta = {k: get(k, metadata.array, kind) for k, kind in _TOKENIZER_ARRAYS.items()}
+    meta |= {k: get(k, metadata.value, kind) for k, kind in _TOKENIZER_VALUES.items()}
+    meta |= {k: get(k, metadata.value, int) for k in _TOKEN_IDS}
+    meta = {k: v for k, v in meta.items() if v is not None}
     if "tokens" not in meta:
         raise UserError(g.path, "has no tokenizer (tokenizer.ggml.tokens)",
                         "use a GGUF file that carries its tokenizer")
+    n, rows = metadata.length(meta["tokens"]), g.shape("token_embd.weight")[0]
+    if not 0 < n <= rows:
+        raise UserError(g.path, f"has {n:,} tokens (tokenizer.ggml.tokens) for the {rows:,} rows "
+                        "of token_embd.weight", _TOKENIZER_FIX)
+    if "token_type" not in meta:  # without it every special token would be split as text
+        raise UserError(g.path, "has no tokenizer.ggml.token_type (which tokens are special)",
+                        _TOKENIZER_FIX)
+    for key in ("token_type", "scores"):
+        if key in meta and metadata.length(meta[key]) != n:
+            raise UserError(g.path, f"has {metadata.length(meta[key]):,} entries in "
+                            f"tokenizer.ggml.{key} for its {n:,} tokens", _TOKENIZER_FIX)
+    if meta.get("model") == "gpt2" and "merges" not in meta:
+        raise UserError(g.path, "has a byte-level BPE tokenizer without tokenizer.ggml.merges",
+                        _TOKENIZER_FIX)
+    for key in _TOKEN_IDS:
+        if key in meta and not 0 <= meta[key] < n:
+            raise UserError(g.path, f"has tokenizer.ggml.{key} = {meta[key]:,}, which is not one "
+                            f"of its {n:,} tokens", _TOKENIZER_FIX)
     return meta
+
+
+def _check_special_tokens(g: GGUFFile, tok, meta: dict) -> None:
+    """Each special token encodes as its one id, as training needs (models.tokenizer checks the
+    imported folder the same way): an empty text, or a second token of the same text, fails."""
+    for key in _TOKEN_IDS:
+        if key in meta:
+            text = meta["tokens"][meta[key]]
+            if tok.encode(text, add_special_tokens=False).ids != [meta[key]]:
+                raise UserError(g.path, f"has the token {text!r} as tokenizer.ggml.{key} "
+                                f"{meta[key]}, but that text does not encode as that one token",
+                                _TOKENIZER_FIX)
+
+
+def _chat_template(g: GGUFFile) -> str | None:
+    """``tokenizer.chat_template``, compiled once in the sandbox it will render in."""
+    template = metadata.value(g, "tokenizer.chat_template", str)
+    if template:
+        try:
+            compile_template(template, g.path)
+        except UserError as e:
+            raise UserError(g.path, f"has a tokenizer.chat_template that does not compile "
+                            f"({e.problem})", "use another GGUF file of the model, or import it "
+                            "from its Hugging Face folder") from None
+    return template
 
 
 def importable(g) -> ModelSpec:
@@ -131,6 +208,7 @@ def importable(g) -> ModelSpec:
     _check_tensors(g, spec, tensor_names(spec))
     g.check_types()
     _tokenizer_meta(g)
+    _chat_template(g)
     return spec
 
 
@@ -149,6 +227,7 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
     spec = importable(g)
     cfg, names, tok_meta = spec.raw_config, tensor_names(spec), _tokenizer_meta(g)
     tok = build_tokenizer(tok_meta, g.path)  # before the weights: a bad tokenizer fails fast
+    _check_special_tokens(g, tok, tok_meta)
     stored = _stored_names(spec)  # stacked experts: one checkpoint tensor per expert
     shapes = [(name, g.shape(gg)[1:] if len(stored[hf]) > 1 else g.shape(gg))
               for hf, gg in names.items() for name in stored[hf]]
@@ -156,6 +235,9 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
     def tensors():
         for i, (hf, gg) in enumerate(names.items()):
             w = np.require(g.tensor(gg), requirements="W")  # mapped F32 data is read-only
+            if not np.isfinite(w).all():
+                raise UserError(g.path, f"tensor '{gg}' holds NaN or infinite values",
+                                "use another GGUF file of the model: these weights are corrupt")
             if (heads := qk_heads(spec, hf)) is not None:
                 w = from_gguf_order(w, heads)
             if shift := norm_shift(spec, hf):
@@ -166,12 +248,16 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
                 progress(i + 1, len(names))
 
     tmp = staging_dir(out)
-    write_streamed_shards(tmp, shapes, tensors(), max_shard_bytes)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save(str(tmp / "tokenizer.json"))
-    template = g.get("tokenizer.chat_template") or spec.family.chat_template
-    tc = tokenizer_config(tok_meta, template, spec.max_position_embeddings)
-    (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False))
+    try:
+        write_streamed_shards(tmp, shapes, tensors(), max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save(str(tmp / "tokenizer.json"))
+        template = _chat_template(g) or spec.family.chat_template
+        tc = tokenizer_config(tok_meta, template, spec.max_position_embeddings)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tc, indent=2, ensure_ascii=False))
+    except BaseException:  # nothing half-written is left next to --out
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return publish_dir(tmp, out)
 
 

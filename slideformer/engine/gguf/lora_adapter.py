@@ -15,6 +15,9 @@ Two things the base model's conversion changes are carried over:
   a row permutation ``P``): ``P (B A) = (P B) A``, so only ``B``'s rows are reordered;
 - rsLoRA scales by ``alpha / sqrt(r)``: ``alpha * sqrt(r)`` is written, which llama.cpp's
   ``alpha / r`` turns back into the trained scale.
+
+The folder is read and checked against its base by
+:func:`~slideformer.engine.generate.adapter.read_adapter` (as chat reads it).
 """
 from __future__ import annotations
 
@@ -24,30 +27,18 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
 
 from slideformer.engine.errors import UserError
+from slideformer.engine.generate.adapter import Adapter, read_adapter
 from slideformer.engine.gguf.exporter import TYPES, convert, tensor_type
 from slideformer.engine.gguf.names import arch_name, qk_heads, tensor_names, to_gguf_order
-from slideformer.engine.jsonfile import read_json
-from slideformer.engine.models.spec import ModelSpec, load_spec
-from slideformer.engine.train.lora_export import PEFT_PREFIX
-
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_FIX = "use the adapter folder a LoRA run wrote (its final/), unchanged"
+from slideformer.engine.models.lora import PROJECTIONS, LoraSpec
+from slideformer.engine.models.weights import hf_name
 
 
-def is_adapter(folder: Path | str) -> bool:
-    """Whether ``folder`` is a PEFT adapter folder (an adapter_config.json in it)."""
-    return (Path(folder) / ADAPTER_CONFIG).is_file()
-
-
-def lora_scale_alpha(cfg: dict) -> float:
+def lora_scale_alpha(lora: LoraSpec) -> float:
     """``adapter.lora.alpha``: what llama.cpp divides by the rank to get the trained scale."""
-    rank, alpha = cfg["r"], float(cfg["lora_alpha"])
-    return alpha * math.sqrt(rank) if cfg.get("use_rslora") else alpha
+    return lora.alpha * math.sqrt(lora.rank) if lora.rslora else lora.alpha
 
 
 def export_lora_gguf(adapter_dir: Path | str, out: Path | str, kind: str = "f32",
@@ -55,20 +46,19 @@ def export_lora_gguf(adapter_dir: Path | str, out: Path | str, kind: str = "f32"
     """Write the PEFT adapter in ``adapter_dir`` as the GGUF LoRA adapter ``out`` (which must
     not exist). ``base_dir``: the base model folder (default: the adapter's
     ``base_model_name_or_path``), whose config.json names the GGUF tensors."""
-    adapter_dir, out = Path(adapter_dir), Path(out)
+    out = Path(out)
     if kind not in TYPES:
         raise UserError("--type", f"{kind!r} is not a GGUF export type",
                         f"choose one of {', '.join(TYPES)}")
     if out.exists():
         raise UserError(out, "exists", "choose another --out, or move the old file away first")
-    cfg = _config(adapter_dir)
-    spec = load_spec(_base(adapter_dir, cfg, base_dir))
-    pairs = _pairs(adapter_dir, spec)
+    adapter = read_adapter(adapter_dir, base_dir)
+    pairs = _pairs(adapter)
     tmp = out.with_name(out.name + ".partial")
-    w = gguf.GGUFWriter(tmp, arch_name(spec.model_type))
+    w = gguf.GGUFWriter(tmp, arch_name(adapter.spec.model_type))
     w.add_type(gguf.GGUFType.ADAPTER)
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")
-    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, lora_scale_alpha(cfg))
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, lora_scale_alpha(adapter.lora))
     for name, (a, b) in pairs.items():
         for suffix, t in (("lora_a", a), ("lora_b", b)):
             qtype = tensor_type(name, t.shape, kind)
@@ -86,53 +76,18 @@ def export_lora_gguf(adapter_dir: Path | str, out: Path | str, kind: str = "f32"
     return out
 
 
-def _config(adapter_dir: Path) -> dict:
-    path = adapter_dir / ADAPTER_CONFIG
-    cfg = read_json(path, _FIX)
-    if not isinstance(cfg, dict) or cfg.get("peft_type") != "LORA":
-        raise UserError(path, "is not a PEFT LoRA config (peft_type is not LORA)", _FIX)
-    for key in ("r", "lora_alpha"):
-        if not isinstance(cfg.get(key), (int, float)) or isinstance(cfg.get(key), bool):
-            raise UserError(path, f"has no number '{key}'", _FIX)
-    return cfg
-
-
-def _base(adapter_dir: Path, cfg: dict, base_dir: Path | str | None) -> Path:
-    base = Path(base_dir) if base_dir else Path(str(cfg.get("base_model_name_or_path") or ""))
-    if not (base / "config.json").is_file():
-        raise UserError(adapter_dir / ADAPTER_CONFIG, f"names the base model {str(base)!r}, "
-                        "which is not a model folder here",
-                        "give the base model's folder (--base), the one the adapter was trained on")
-    return base
-
-
-def _pairs(adapter_dir: Path, spec: ModelSpec) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _pairs(adapter: Adapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """GGUF base tensor name -> (A, B) in llama.cpp's layout, fp32, layer order."""
-    path = adapter_dir / ADAPTER_WEIGHTS
-    try:
-        tensors = load_file(path)
-    except (OSError, SafetensorError) as e:
-        raise UserError(path, f"cannot be read ({e})", _FIX) from None
-    names = tensor_names(spec)
-    out = {}
-    for key in tensors:
-        if not key.endswith(".lora_A.weight"):
-            continue
-        hf = key.removeprefix(PEFT_PREFIX).replace(".lora_A.weight", ".weight")
-        b_key = key.replace(".lora_A.weight", ".lora_B.weight")
-        if hf not in names or b_key not in tensors:
-            raise UserError(path, f"holds {key}, which adapts no matrix of the base model "
-                            f"(or has no lora_B)", "give the base model the adapter was trained "
-                            "on (--base)")
-        a, b = (np.ascontiguousarray(tensors[k], np.float32) for k in (key, b_key))
-        if (heads := qk_heads(spec, hf)) is not None:
-            b = to_gguf_order(b, heads)
-        out[names[hf]] = (a, b)
-    if not out:
-        raise UserError(path, "holds no lora_A / lora_B tensors", _FIX)
-    return dict(sorted(out.items(), key=lambda kv: _order(kv[0])))
-
-
-def _order(name: str) -> tuple[int, str]:
-    parts = name.split(".")
-    return (int(parts[1]), name) if parts[0] == "blk" else (-1, name)
+    spec, names, out = adapter.spec, tensor_names(adapter.spec), {}
+    for i in range(spec.num_layers):
+        for t in adapter.lora.targets:
+            hf = hf_name(f"layer{i}", PROJECTIONS[t] + ".weight")
+            if hf not in names:
+                raise UserError(adapter.folder, f"adapts {hf}, which a {spec.model_type} GGUF "
+                                "does not hold as one matrix", "export the merged model instead "
+                                "(lora.export_merged)")
+            a, b = (np.ascontiguousarray(x.numpy(), np.float32) for x in adapter.pair(i, t))
+            if (heads := qk_heads(spec, hf)) is not None:
+                b = to_gguf_order(b, heads)
+            out[names[hf]] = (a, b)
+    return out

@@ -2,7 +2,12 @@
 
 :class:`GGUFFile` holds the metadata as plain Python values and the tensor table by name;
 :meth:`GGUFFile.tensor` dequantises one tensor (``gguf.quants.dequantize``), so reading a
-model costs one tensor of memory at a time on top of the mapping.
+model costs one tensor of memory at a time on top of the mapping. The file's structure is
+checked first (:func:`~slideformer.engine.gguf.header.read_header`): ``gguf.GGUFReader``
+trusts the lengths and offsets it reads. The metadata is the header's, so that import and the
+discovery scan see the same values; only the long arrays it skips (a vocabulary, its merges)
+come from ``gguf.GGUFReader``, which flattens arrays of arrays (``[[]]`` reads as ``[]``): such
+an array stays unread, and a typed read refuses it.
 """
 from __future__ import annotations
 
@@ -12,27 +17,7 @@ import gguf
 import numpy as np
 
 from slideformer.engine.errors import UserError
-
-
-def _probe(qtype: gguf.GGMLQuantizationType) -> bool:
-    """Whether the ``gguf`` package can dequantise ``qtype`` (tried on one zero block)."""
-    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
-    try:
-        gguf.quants.dequantize(np.zeros((1, nbytes), np.uint8), qtype)
-    except NotImplementedError:
-        return False
-    return True
-
-
-def check_types(path: Path, types) -> None:
-    """Every tensor type in ``types`` can be dequantised, or one message naming those that
-    cannot (each type is probed once)."""
-    bad = sorted(q.name for q in set(types) if not _probe(q))
-    if bad:
-        raise UserError(path, f"holds tensors of type {', '.join(bad)}, which the "
-                              f"gguf package cannot dequantise",
-                        "use a GGUF of type F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, "
-                        "Q2_K..Q6_K or an IQ type")
+from slideformer.engine.gguf.header import ARRAY, Unread, check_types, read_header
 
 
 class GGUFFile:
@@ -42,12 +27,14 @@ class GGUFFile:
         self.path = Path(path)
         if not self.path.is_file():
             raise UserError(self.path, "is not a file", "pass the path of a .gguf file")
+        header = read_header(self.path)  # every structural check, before GGUFReader's walk
         try:
             reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, OSError, KeyError) as e:
+            self.meta = {k: reader.fields[k].contents() if _flat_long(v) else v
+                         for k, v in header.meta.items()}
+        except (ValueError, IndexError, OSError, KeyError) as e:  # ValueError: not UTF-8 too
             raise UserError(self.path, f"cannot be read as GGUF ({e})",
                             "pass a complete .gguf file (re-download it if it was cut short)") from None
-        self.meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
         self.tensors = {t.name: t for t in reader.tensors}
 
     def get(self, key: str, default=None):
@@ -64,3 +51,8 @@ class GGUFFile:
         """One tensor, dequantised to float32, in PyTorch order."""
         t = self.tensors[name]
         return gguf.quants.dequantize(t.data, t.tensor_type).reshape(self.shape(name))
+
+
+def _flat_long(value) -> bool:
+    """A long array of scalars or strings: what ``gguf.GGUFReader`` reads as it is."""
+    return isinstance(value, Unread) and value.etype != ARRAY

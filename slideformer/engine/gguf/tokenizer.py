@@ -72,7 +72,7 @@ def build_tokenizer(meta: dict, where: Path) -> Tokenizer:
     """
     kind = meta.get("model")
     if kind == "llama":
-        return _sentencepiece(meta)
+        return _sentencepiece(meta, where)
     if kind != "gpt2":
         raise UserError(where, f"has a {kind!r} tokenizer; byte-level BPE ('gpt2': Llama 3, "
                                "SmolLM, Qwen) and SentencePiece BPE ('llama': Gemma) can be "
@@ -82,8 +82,8 @@ def build_tokenizer(meta: dict, where: Path) -> Tokenizer:
         raise UserError(where, f"uses the pre-tokenizer {meta.get('pre')!r}, which is not "
                                f"supported", f"supported: {', '.join(PRE_TOKENIZERS)}")
     tokens, types = meta["tokens"], meta.get("token_type") or [NORMAL] * len(meta["tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("merges", [])]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
+    merges = [_merge(m, i, where) for i, m in enumerate(meta.get("merges", []))]
+    tok = Tokenizer(_bpe(where, {t: i for i, t in enumerate(tokens)}, merges, fuse_unk=False))
     tok.pre_tokenizer = PRE_TOKENIZERS[pre]()
     tok.decoder = decoders.ByteLevel()
     if not _added_and_bos(tok, meta, tokens, types):
@@ -101,13 +101,38 @@ def _added_and_bos(tok: Tokenizer, meta: dict, tokens: list, types: list) -> boo
     bos = meta.get("bos_token_id")
     if not (meta.get("add_bos_token") and bos is not None):
         return False
+    # the template names bos by a key, not its text: a text with a space or a colon is not a
+    # piece of a template ("Cannot build Piece from string")
     tok.post_processor = processors.TemplateProcessing(
-        single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A {tokens[bos]} $B",
-        special_tokens=[(tokens[bos], bos)])
+        single="BOS $A", pair="BOS $A BOS $B",
+        special_tokens=[{"id": "BOS", "ids": [bos], "tokens": [tokens[bos]]}])
     return True
 
 
-def _sentencepiece(meta: dict) -> Tokenizer:
+def _merge(merge: str, i: int, where: Path) -> tuple[str, str]:
+    """A merge "a b" as its pair, split at the first space after its first character (as
+    llama.cpp splits it: a piece may itself be a space)."""
+    at = merge.find(" ", 1)
+    if at < 0:
+        raise UserError(where, f"has the merge #{i} {merge[:40]!r} in tokenizer.ggml.merges, "
+                        "which is not two pieces separated by a space",
+                        "use a GGUF file whose tokenizer llama.cpp's converter wrote, unchanged")
+    return merge[:at], merge[at + 1:]
+
+
+def _bpe(where: Path, vocab: dict, merges: list, **options) -> models.BPE:
+    """``models.BPE``; merges it cannot build (a piece that is not a token, a merge that is not
+    two pieces) are one message naming the GGUF file."""
+    try:
+        return models.BPE(vocab, merges, **options)
+    except Exception as e:  # tokenizers raises plain Exception (and TypeError for a 1-tuple)
+        raise UserError(where, f"has a vocabulary and merges that no BPE tokenizer can be built "
+                        f"from ({str(e).splitlines()[0]})", "use a GGUF file whose tokenizer "
+                        "llama.cpp's converter "
+                        "wrote, unchanged") from None
+
+
+def _sentencepiece(meta: dict, where: Path) -> Tokenizer:
     """A SentencePiece BPE vocabulary (llama.cpp's "llama" model: tokens, scores, types) as a
     ``tokenizers`` BPE with byte fallback, the way Gemma's own tokenizer.json is built.
 
@@ -130,8 +155,8 @@ def _sentencepiece(meta: dict) -> Tokenizer:
                 ranked.append((-scores[i], i, vocab[a], a, b))
     merges = [(a, b) for *_, a, b in sorted(ranked)]
     unk = meta.get("unknown_token_id")
-    tok = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, fuse_unk=True,
-                               unk_token=tokens[unk] if unk is not None else None))
+    tok = Tokenizer(_bpe(where, vocab, merges, byte_fallback=True, fuse_unk=True,
+                         unk_token=tokens[unk] if unk is not None else None))
     prefix = bool(meta.get("add_space_prefix"))
     steps = [normalizers.Prepend("▁")] if prefix else []
     tok.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])

@@ -199,3 +199,48 @@ def test_not_a_model_folder_is_one_clear_error(tmp_path, tiny_model_factory):
         ChatModel(broken, device="cpu")
     with pytest.raises(UserError, match="--mode"):
         ChatModel(broken, mode="fast")
+
+
+def test_a_lora_adapter_folder_chats_like_its_merged_model(tiny_model_factory, tmp_path):
+    """An adapter folder (a LoRA run's final/) is its base with s * B @ A added: the layers equal
+    those of the merged folder (W + s * B @ A in fp32, written out) and so does the reply."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from slideformer.engine.models.lora import PROJECTIONS, LoraSpec
+    from slideformer.engine.models.spec import load_spec
+    from slideformer.engine.models.weights import hf_name
+    from slideformer.engine.train.lora_export import PEFT_PREFIX, adapter_config
+    base = tiny_model_factory("llama")
+    spec, g = load_spec(base), torch.Generator().manual_seed(0)
+    lora = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=("q_proj", "v_proj", "down_proj"))
+    tensors = {}
+    for i in range(spec.num_layers):
+        for t in lora.targets:
+            out, inp = spec.layer_layout.shape(PROJECTIONS[t] + ".weight")
+            name = PEFT_PREFIX + hf_name(f"layer{i}", PROJECTIONS[t])
+            tensors[f"{name}.lora_A.weight"] = torch.randn(lora.rank, inp, generator=g)
+            tensors[f"{name}.lora_B.weight"] = torch.randn(out, lora.rank, generator=g)
+    adapter = tmp_path / "run" / "final"
+    adapter.mkdir(parents=True)
+    save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(json.dumps(adapter_config(lora, str(base))))
+    merged = tmp_path / "merged"
+    shutil.copytree(base, merged)
+    weights = {k: v.float() for k, v in load_file(str(base / "model.safetensors")).items()}
+    for key, a in tensors.items():
+        if key.endswith(".lora_A.weight"):
+            b = tensors[key.replace("lora_A", "lora_B")]
+            weights[key.removeprefix(PEFT_PREFIX).replace(".lora_A", "")] += lora.scaling * (b @ a)
+    save_file(weights, str(merged / "model.safetensors"), metadata={"format": "pt"})
+
+    plain = ChatModel(base, device="cpu", mode="resident")
+    adapted = ChatModel(adapter, device="cpu", mode="resident")
+    reference = ChatModel(merged, device="cpu", mode="resident")
+    assert resolve_model(adapter).tokenizer_dir == base  # no tokenizer copied into this one
+    for ours, theirs, before in zip(adapted.weights.layer_w, reference.weights.layer_w,
+                                    plain.weights.layer_w):
+        assert torch.equal(ours, theirs) and not torch.equal(ours, before)
+    prompt = plain.prompt_ids(QUESTION)
+    assert greedy(adapted, prompt)[0] == greedy(reference, prompt)[0]

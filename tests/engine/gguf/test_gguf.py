@@ -171,11 +171,11 @@ def test_bad_inputs_are_one_clear_message(tmp_path, capsys):
 
 
 def test_unsupported_tensor_type_is_named(tmp_path, monkeypatch):
-    from slideformer.engine.gguf import reader
+    from slideformer.engine.gguf import header, reader
     f = tmp_path / "q.gguf"
     _write_gguf(f, "llama")
     g = reader.GGUFFile(f)
-    monkeypatch.setattr(reader, "_probe", lambda q: q != gguf.GGMLQuantizationType.F32)
+    monkeypatch.setattr(header, "_probe", lambda q: q != gguf.GGMLQuantizationType.F32)
     with pytest.raises(UserError, match="type F32, which the gguf package cannot dequantise"):
         g.check_types()
 
