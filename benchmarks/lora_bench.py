@@ -6,6 +6,7 @@ per invocation, every contender in a process of its own (fresh CUDA context, cle
     python3 benchmarks/lora_bench.py --table 70b    # Llama-3.1-70B shape, ours qlora at 64K
     python3 benchmarks/lora_bench.py --table 123b   # Mistral-Large-2 shape, ours qlora
     python3 benchmarks/lora_bench.py --table 30b-a3b  # Qwen3-30B-A3B (MoE), ours lora, qlora
+    python3 benchmarks/lora_bench.py --table 120b-oss # GPT-OSS-120B (MoE, sinks), ours qlora
     add --tiny for a CPU dry run of the same table on a tiny shape
 
 Weights are random (N(0, 0.02)); ours quantises them layer by layer on the GPU into the host
@@ -40,6 +41,10 @@ TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 102
     "123b": ("mistral-large-2", ("ours-qlora",), ((4, 4),)),
     # HF+PEFT holds the 61 GB bf16 base in VRAM: no contender of it under a 24 GiB cap
     "30b-a3b": ("qwen3-30b-a3b", ("ours-lora", "ours-qlora"), ((4, 4),)),
+    # GPT-OSS keeps its experts as plain tensors, which bitsandbytes does not quantise: HF+PEFT
+    # holds a 120B (20B) base of 233 (42) GB in bf16, beyond the cap, so no contender of it
+    "120b-oss": ("gpt-oss-120b", ("ours-qlora",), ((4, 4),)),
+    "20b-oss": ("gpt-oss-20b", ("ours-lora", "ours-qlora"), ((4, 4),)),
 }
 GiB = 1 << 30
 MARK = "@@LORA "
@@ -289,7 +294,8 @@ def main() -> None:
     shape, contenders, sizes = TABLES[args.table]
     seq = args.seq
     if args.tiny:
-        tiny = "small-moe" if "model_type" in SHAPES[shape] else "tiny"
+        tiny = {"gpt_oss": "small-gpt-oss", "qwen3_moe": "small-moe"}.get(
+            SHAPES[shape].get("model_type"), "tiny")
         shape, seq, sizes = tiny, 32, tuple((2, acc // 4 or 1) for _, acc in sizes)
     print(json.dumps({"versions": versions(), "table": args.table, "shape": shape}))
     if args.only:

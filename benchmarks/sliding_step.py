@@ -61,6 +61,22 @@ SHAPES = {  # published config.json values of the public models
                              norm_topk_prob=True, num_hidden_layers=8, num_attention_heads=32,
                              num_key_value_heads=4, head_dim=128, vocab_size=151936,
                              tie_word_embeddings=False),
+    # GPT-OSS (MXFP4 experts on disk; here random bf16/NF4): alternating window 128, sinks
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                        num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                        vocab_size=201088, sliding_window=128, rope_theta=150000.0,
+                        tie_word_embeddings=False),
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
+                         num_local_experts=128, num_experts_per_tok=4, num_hidden_layers=36,
+                         num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                         vocab_size=201088, sliding_window=128, rope_theta=150000.0,
+                         tie_word_embeddings=False),
+    "small-gpt-oss": dict(model_type="gpt_oss", hidden_size=256, intermediate_size=256,  # CPU
+                          num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                          vocab_size=2048, sliding_window=16, rope_theta=150000.0,
+                          tie_word_embeddings=False),
     "small-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=688,  # CPU
                       moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
                       norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4,

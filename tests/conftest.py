@@ -151,9 +151,12 @@ def _load_hf(model_dir: Path):
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    # eager attention: the reference should not share our SDPA path
+    # eager attention: the reference should not share our SDPA path; eager experts: a loop
+    # over the experts, not transformers' default grouped_mm (another summation order, which
+    # the SDPA noise run of test_family_training does not share)
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                attn_implementation="eager").eval()
+                                                attn_implementation="eager",
+                                                experts_implementation="eager").eval()
 
 
 @pytest.fixture(scope="session")

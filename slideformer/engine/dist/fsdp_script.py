@@ -163,10 +163,14 @@ def build_model(model_dir: str, device: torch.device, world: int, offload: str, 
 
 
 def make_optimizer(model, s: dict) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices only (norms and biases get none)."""
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": s["weight_decay"]},
-              {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}]
+    """AdamW with decoupled weight decay on matrices only (norms and biases of any shape get
+    none: the engine's rule, slideformer.engine.models.spec.decayed)."""
+    named = list(model.named_parameters())
+    decay = [p.dim() > 1 and not (n.endswith("norm.weight") or n.endswith("bias"))
+             for n, p in named]
+    groups = [{"params": [p for (_, p), d in zip(named, decay) if d],
+               "weight_decay": s["weight_decay"]},
+              {"params": [p for (_, p), d in zip(named, decay) if not d], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=s["lrs"][0], betas=(s["beta1"], s["beta2"]), eps=s["eps"])
 
 

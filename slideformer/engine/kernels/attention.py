@@ -113,7 +113,8 @@ def document_block_mask(doc_ids: torch.Tensor, window: int | None = None):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool,
-           gqa: bool, scale: float | None = None) -> torch.Tensor:
+           gqa: bool, scale: float | None = None, sinks: torch.Tensor | None = None
+           ) -> torch.Tensor:
     """Attention of q (B, nh, T, hd) over k, v (B, nkv, S, hd) -> (B, nh, T, hd).
 
     Args:
@@ -121,15 +122,69 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
             None (then ``causal`` says whether the rows are causal).
         gqa: nkv < nh (grouped-query attention).
         scale: of the scores; None: 1/sqrt(hd).
+        sinks: (nh,) a sink logit per head (GPT-OSS), or None: :func:`attend_with_sinks`.
     """
+    if sinks is not None:
+        return attend_with_sinks(q, k, v, mask, causal, gqa, scale, sinks)
     if mask is None or isinstance(mask, torch.Tensor):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=gqa, scale=scale)
+    return _flex_attend(q, k, v, mask, gqa, scale)
+
+
+def attend_with_sinks(q, k, v, mask, causal: bool, gqa: bool, scale, sinks: torch.Tensor):
+    """:func:`attend` with one more logit per head in every softmax, the sink s_h, whose value
+    is zero (GPT-OSS). With Z = sum_j exp(score_j) over the keys a query sees and o the plain
+    attention output sum_j exp(score_j) v_j / Z:
+
+        out = sum_j exp(score_j) v_j / (Z + exp(s_h)) = o * Z / (Z + exp(s_h))
+            = o * sigmoid(lse - s_h),   lse = log Z,
+
+    so any attention that returns its log-sum-exp computes it, and autograd takes the sink's
+    gradient and the lse's through the sigmoid. On CUDA that is FlexAttention (its lse is
+    differentiable; plain causal rows get a causal BlockMask); elsewhere, and for the few rows
+    of a KV-cache step, :func:`scores_attention` forms the scores (the reference)."""
+    T, S = q.shape[2], k.shape[2]
+    if mask is None and causal and flex_available(q.device, q.shape[-1]):
+        mask = causal_block_mask(T, S, q.device)
+    if mask is None or isinstance(mask, torch.Tensor):
+        o, lse = scores_attention(q, k, v, mask, causal, scale)
+    else:
+        o, lse = _flex_attend(q, k, v, mask, gqa, scale, return_lse=True)
+    keep = torch.sigmoid(lse.float() - sinks.float()[None, :, None])  # (B, nh, T)
+    return (o.float() * keep[..., None]).to(o.dtype)
+
+
+def scores_attention(q, k, v, mask, causal: bool, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output (B, nh, T, hd), log-sum-exp of the scores (B, nh, T) in fp32), the scores
+    formed in full: the reference of the attention paths, and their path where no kernel
+    returns the lse. ``mask``: boolean (True = may attend) or None; ``causal`` with None."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, nh, S, hd)
+    s = (q @ k.transpose(-1, -2)).float() * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if mask is None and causal:
+        mask = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # (B, nh, T)
+    return (torch.exp(s - lse[..., None]).to(v.dtype) @ v), lse
+
+
+@functools.lru_cache(maxsize=16)
+def causal_block_mask(T: int, S: int, device):
+    """The plain causal rule (query i sees keys 0..i) as a BlockMask for all rows."""
+    return _flex_module().create_block_mask(lambda b, h, q, kv: q >= kv, None, None, T, S,
+                                            device=device)
+
+
+def _flex_attend(q, k, v, mask, gqa: bool, scale, **kw):
+    """FlexAttention with the BlockMask ``mask``, compiled (:func:`_flex`); ``kw``: e.g.
+    ``return_lse``."""
     count_launch("flex_attention")  # only document_mask makes anything else: a BlockMask
     flag, errors = _limit_flag()
     try:
         with torch._dynamo.config.patch(**{flag: True}):
-            return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale)
+            return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa, scale=scale, **kw)
     except errors as e:
         # dynamo alone would fall back silently; this path is the same, but said once
         if not _FALLBACK["seen"]:
@@ -139,7 +194,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
                 "GPU memory than planned (this process compiled it for more than "
                 f"{FLEX_RECOMPILE_LIMIT} shapes)"))
         return _flex_module().flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa,
-                                             scale=scale)
+                                             scale=scale, **kw)
 
 
 _FALLBACK = {"seen": False, "notice": None}

@@ -67,6 +67,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling) -> torch.Tensor:
     kind, factor = rs.get("rope_type", rs.get("type")), float(rs["factor"])
     if kind == "linear":
         return inv / factor
+    if kind == "yarn":
+        return _yarn_inv_freq(inv, hd, theta, factor, rs)
     # llama3: long wavelengths are divided by `factor`, short ones kept, the band between
     # interpolated smoothly (Llama 3.1 model card / reference implementation).
     lo, hi = float(rs["low_freq_factor"]), float(rs["high_freq_factor"])
@@ -79,6 +81,44 @@ def rope_inv_freq(head_dim: int, theta: float, scaling) -> torch.Tensor:
     return torch.where(medium, blended, scaled)
 
 
+def _yarn_inv_freq(inv: torch.Tensor, hd: int, theta: float, factor: float,
+                   rs: dict) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, "YaRN: Efficient Context Window Extension"): frequencies that
+    turn fewer than ``beta_slow`` times over the original context are interpolated (divided
+    by ``factor``), those that turn more than ``beta_fast`` times kept, a linear ramp over the
+    dimensions between; transformers' ``truncate`` rounds the ramp's ends to whole dimensions."""
+    old = float(rs["original_max_position_embeddings"])
+    fast, slow = float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1)
+
+    def dim_of(turns: float) -> float:  # the dimension whose frequency turns `turns` times
+        return hd * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    lo, hi = dim_of(fast), dim_of(slow)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, hd - 1)
+    hi = hi + 0.001 if lo == hi else hi
+    ramp = ((torch.arange(hd // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def rope_attention_factor(scaling) -> float:
+    """What YaRN multiplies the cos and sin tables by (1 for other scalings): its
+    ``attention_factor``, else 0.1 ln(factor) + 1, or with ``mscale`` and ``mscale_all_dim``
+    the ratio of that formula at each (transformers' rule)."""
+    rs = dict(scaling or ())
+    if rs.get("rope_type", rs.get("type")) != "yarn":
+        return 1.0
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    factor = float(rs["factor"])
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+    if rs.get("mscale") and rs.get("mscale_all_dim"):
+        return mscale(float(rs["mscale"])) / mscale(float(rs["mscale_all_dim"]))
+    return mscale()
+
+
 def rope_tables(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype,
                 local: bool = False):
     """cos, sin tables (B, 1, T, head_dim) for integer ``positions`` (B, T); ``local``: of the
@@ -87,7 +127,10 @@ def rope_tables(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype,
     inv = rope_inv_freq(spec.head_dim, theta, scaling).to(positions.device)
     freqs = positions.float()[..., None] * inv  # (B, T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    f = rope_attention_factor(scaling)
+    if f == 1.0:
+        return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    return (emb.cos() * f).to(dtype)[:, None], (emb.sin() * f).to(dtype)[:, None]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -185,7 +228,8 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     # is_causal aligns the mask top-left; with cached keys the caller passes the mask
     # (one new token attends to everything: no mask at all).
     causal = mask is None and k.shape[2] == T and T > 1
-    a = attend(q, k, v, mask, causal, nh != nkv, spec.attn_scale)  # (B, nh, T, hd)
+    a = attend(q, k, v, mask, causal, nh != nkv, spec.attn_scale,
+               p.get("self_attn.sinks"))  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
     return linear(p, "self_attn.o_proj", a, lora)
 

@@ -12,6 +12,10 @@ block; the three projections are then grouped matmuls over those blocks (``F.gro
 CUDA in 16-bit: one kernel per projection, no loop over experts), a loop over the blocks on the
 CPU (the reference path). Gradients are autograd's through these ops, routing weights included
 (the expert choice itself is piecewise constant and has none, as in transformers).
+
+GPT-OSS (``Moe.gpt_oss``) routes by the top-k logits of a router with a bias, softmaxed over
+those k, and its experts add biases, interleave gate and up in one projection stored (E, in,
+out), and gate with :func:`clamped_swiglu`.
 """
 from __future__ import annotations
 
@@ -32,20 +36,28 @@ def _grouped_kernel(x: torch.Tensor) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
-                   ends: torch.Tensor | None) -> torch.Tensor:
-    """Block b of x (rows by ``counts``, expert order) times ``w[b]^T``: (M, in) -> (M, out).
+                   ends: torch.Tensor | None, in_out: bool = False) -> torch.Tensor:
+    """Block b of x (rows by ``counts``, expert order) times expert b's matrix: (M, in) ->
+    (M, out).
 
-    ``w``: (E, out, in), stacked experts. ``ends``: int32 cumulative counts (the grouped
-    kernel's offsets), or None on the reference path."""
+    ``w``: stacked experts, (E, out, in), or (E, in, out) when ``in_out`` (GPT-OSS).
+    ``ends``: int32 cumulative counts (the grouped kernel's offsets), or None on the reference
+    path."""
+    wt = w if in_out else w.transpose(-2, -1)  # (E, in, out)
     if ends is not None:
         count_launch("grouped_mm")
-        return _GROUPED_MM(x, w.transpose(-2, -1), offs=ends)
+        return _GROUPED_MM(x, wt, offs=ends)
     blocks = torch.split(x, counts.tolist())
-    return torch.cat([F.linear(xb, w[e]) for e, xb in enumerate(blocks)])
+    return torch.cat([xb @ wt[e] for e, xb in enumerate(blocks)])
 
 
-def route(logits: torch.Tensor, top_k: int, renormalise: bool):
-    """(weights (N, k) in fp32, expert ids (N, k)) from router logits (N, E)."""
+def route(logits: torch.Tensor, top_k: int, renormalise: bool, top_first: bool = False):
+    """(weights (N, k) in fp32, expert ids (N, k)) from router logits (N, E): softmax, then
+    the top k (renormalised when asked); ``top_first``: the top-k logits, then their softmax
+    (GPT-OSS)."""
+    if top_first:
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
     probs = torch.softmax(logits.float(), dim=-1)
     w, ids = torch.topk(probs, top_k, dim=-1)
     if renormalise:
@@ -53,21 +65,37 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool):
     return w, ids
 
 
+def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's gated activation: (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha g'),
+    g' = min(g, limit)."""
+    g = g.clamp(max=limit)
+    return (u.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
+
+
 def moe_ffn(spec, p: dict, h: torch.Tensor, act) -> torch.Tensor:
     """The experts' output for normed input h (B, T, H) -> (B, T, H); ``act(g, u)`` is the
-    family's gated activation."""
+    family's gated activation (GPT-OSS: :func:`clamped_swiglu`)."""
     m, s = spec.family.moe, spec.moe
     B, T, H = h.shape
     x = h.reshape(-1, H)  # (N, H)
-    w, ids = route(F.linear(x, p[m.router]), s.top_k, s.renormalise)  # (N, k)
+    logits = F.linear(x, p[m.router], p[m.router_bias] if m.gpt_oss else None)  # (N, E)
+    w, ids = route(logits, s.top_k, s.renormalise, top_first=m.gpt_oss)  # (N, k)
     flat = ids.reshape(-1)  # (N*k,) pair j*k + slot
     order = torch.argsort(flat, stable=True)  # pairs sorted by expert
     counts = torch.bincount(flat, minlength=s.experts)  # (E,)
     ends = counts.cumsum(0).to(torch.int32) if _grouped_kernel(x) else None
     token = order // s.top_k  # (N*k,) the token of each sorted pair
     xs = x[token]  # (N*k, H)
-    z = act(grouped_linear(xs, p[m.stacked(m.gate)], counts, ends),
-            grouped_linear(xs, p[m.stacked(m.up)], counts, ends))  # (N*k, I)
-    y = grouped_linear(z, p[m.stacked(m.down)], counts, ends)  # (N*k, H)
+    if m.gpt_oss:
+        expert = flat[order]  # (N*k,) the expert of each sorted pair
+        gu = grouped_linear(xs, p[m.stacked(m.gate)], counts, ends, in_out=True) \
+            + p[m.bias(m.gate)][expert]  # (N*k, 2I): gate, up interleaved
+        z = clamped_swiglu(gu[:, 0::2], gu[:, 1::2], s.alpha, s.limit)  # (N*k, I)
+        y = grouped_linear(z, p[m.stacked(m.down)], counts, ends, in_out=True) \
+            + p[m.bias(m.down)][expert]  # (N*k, H)
+    else:
+        z = act(grouped_linear(xs, p[m.stacked(m.gate)], counts, ends),
+                grouped_linear(xs, p[m.stacked(m.up)], counts, ends))  # (N*k, I)
+        y = grouped_linear(z, p[m.stacked(m.down)], counts, ends)  # (N*k, H)
     y = (y.float() * w.reshape(-1)[order, None]).to(x.dtype)
     return x.new_zeros(x.shape).index_add(0, token, y).view(B, T, H)

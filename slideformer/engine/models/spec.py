@@ -61,11 +61,13 @@ class Layout:
         """(name, offset, length) of the RMSNorm weights."""
         return [(n, o, s[0]) for n, o, s in self.entries if n.endswith("norm.weight")]
 
-    def no_decay_mask(self) -> list[tuple[int, int]]:
-        """(offset, numel) spans excluded from weight decay: norms and biases, whatever their
-        shape (1-D tensors, and any ``*norm.weight`` or ``*bias``)."""
-        return [(o, math.prod(s)) for n, o, s in self.entries
-                if len(s) == 1 or n.endswith("norm.weight") or n.endswith("bias")]
+
+
+def decayed(name: str, shape: tuple[int, ...]) -> bool:
+    """Whether AdamW's weight decay applies to a tensor: matrices, not vectors (norms, biases,
+    GPT-OSS's sinks), nor norms and biases whatever their shape (GPT-OSS stacks its experts'
+    biases as (E, out) matrices)."""
+    return len(shape) > 1 and not (name.endswith("norm.weight") or name.endswith("bias"))
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,9 @@ class MoeShape:
     """Intermediate size of one expert."""
     renormalise: bool
     """The top-k routing weights are renormalised to sum to 1."""
+    alpha: float = 0.0
+    limit: float = 0.0
+    """GPT-OSS's clamped SwiGLU: ``swiglu_alpha`` and ``swiglu_limit`` (models.moe)."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,8 @@ class ModelSpec:
         if self.qk_norm:
             wq, wk = (q, kv) if self.qk_norm == "full" else (hd, hd)
             s += [("self_attn.q_norm.weight", (wq,)), ("self_attn.k_norm.weight", (wk,))]
+        if fam.sinks:
+            s.append(("self_attn.sinks", (self.num_heads,)))
         s.append(("post_attention_layernorm.weight", (h,)))
         if fam.norm == "sandwich":
             s.append(("pre_feedforward_layernorm.weight", (h,)))
@@ -173,6 +180,11 @@ class ModelSpec:
 
     def _ffn_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         h, m = self.hidden_size, self.family.moe
+        if m is not None and m.gpt_oss:  # (E, in, out), gate and up one projection, biases
+            e, i = self.moe.experts, self.moe.width
+            return [(m.router, (e, h)), (m.router_bias, (e,)),
+                    (m.stacked(m.gate), (e, h, 2 * i)), (m.bias(m.gate), (e, 2 * i)),
+                    (m.stacked(m.down), (e, i, h)), (m.bias(m.down), (e, h))]
         if m is not None:
             e, i = self.moe.experts, self.moe.width
             return [(m.router, (e, h)), (m.stacked(m.gate), (e, i, h)),
@@ -190,7 +202,7 @@ class ModelSpec:
         """The checkpoint names (inside a layer) that a layer tensor is stored as: itself, or
         for stacked experts one tensor per expert, in expert order."""
         m = self.family.moe
-        if m is not None:
+        if m is not None and not m.gpt_oss:  # GPT-OSS stores them stacked
             for proj in (m.gate, m.up, m.down):
                 if local == m.stacked(proj):
                     return [f"{m.experts}.{e}.{proj}.weight" for e in range(self.moe.experts)]
@@ -225,8 +237,10 @@ class ModelSpec:
         routed to): what the FLOPs of a token count."""
         if self.moe is None:
             return self.params_per_layer
-        e = self.moe
-        return self.params_per_layer - (e.experts - e.top_k) * 3 * e.width * self.hidden_size
+        e, m = self.moe, self.family.moe
+        experts = sum(math.prod(sh) for n, _, sh in self.layer_layout.entries
+                      if n.startswith(m.experts + "."))  # every expert's weights and biases
+        return self.params_per_layer - experts // e.experts * (e.experts - e.top_k)
 
     @property
     def ffn_width(self) -> int:
@@ -300,7 +314,11 @@ def _moe_shape(fam: Family, cfg: dict, path: Path) -> MoeShape | None:
         raise UserError(path, f"routes each token to num_experts_per_tok={k} experts, but "
                         f"{key} is {experts}", f"{_FIX} (top-k is at most the expert count)")
     renorm = m.renormalise if isinstance(m.renormalise, bool) else flag(cfg, m.renormalise, path)
-    return MoeShape(experts, k, _need(cfg, m.width_key, path), renorm)
+    clamp = {}
+    if m.gpt_oss:  # GptOssConfig's defaults
+        clamp = dict(alpha=positive_real(cfg, "swiglu_alpha", path, 1.702),
+                     limit=positive_real(cfg, "swiglu_limit", path, 7.0))
+    return MoeShape(experts, k, _need(cfg, m.width_key, path), renorm, **clamp)
 
 
 def _refused(fam: Family, cfg: dict, path: Path) -> None:

@@ -68,6 +68,16 @@ GEMMA_TEMPLATE = (
 FAMILY_TOKENS["gemma3_text"] = FamilyTokens(
     ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"), "<bos>",
     "<end_of_turn>", "<pad>", GEMMA_TEMPLATE)
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}"
+    "{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m['content'] }}"
+    "{{ '<|return|>' if m['role'] == 'assistant' else '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+"""GPT-OSS's harmony turns, cut down (the real template adds the system preamble, channels
+for reasoning and tools, and ends earlier replies with <|end|>)."""
+FAMILY_TOKENS["gpt_oss"] = FamilyTokens(
+    ("<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>", "<|channel|>"), None,
+    "<|return|>", "<|endoftext|>", HARMONY_TEMPLATE)
 for _a, _b in (("qwen3", "qwen2"), ("qwen3_moe", "qwen2"), ("mixtral", "mistral"),
                ("olmo2", "llama"), ("olmo3", "llama"), ("smollm3", "llama"), ("phi3", "llama")):
     FAMILY_TOKENS[_a] = FAMILY_TOKENS[_b]
@@ -171,6 +181,16 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
                    query_pre_attn_scalar=hd + 8, sliding_window=8, layer_types=types,
                    rope_theta=1e6, rope_local_base_freq=1e4, final_logit_softcapping=None,
                    attn_logit_softcapping=None)
+    if arch == "gpt_oss":  # experts top-2 of 4, biases; window 8; YaRN x4
+        cfg.update(num_local_experts=4, num_experts_per_tok=2, head_dim=hd, attention_bias=True,
+                   intermediate_size=shape.intermediate // 2, sliding_window=8,
+                   layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                for i in range(shape.layers)],
+                   output_router_logits=False, swiglu_alpha=1.702, swiglu_limit=7.0,
+                   rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
+                                    "original_max_position_embeddings": shape.max_positions // 4})
+        del cfg["rope_theta"]
     if tok is not None:
         t = FAMILY_TOKENS[arch]
         cfg.update(bos_token_id=tok.token_to_id(t.bos) if t.bos else None,

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # reading headers needs no torch (``info``); writing imports 
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import parse_json, read_json
-from slideformer.engine.models import bnb4
+from slideformer.engine.models import bnb4, mxfp4
 from slideformer.engine.models.spec import Layout, ModelSpec
 from slideformer.engine.testhooks import pause_at
 
@@ -176,6 +176,13 @@ class Checkpoint:
                 self.where[name], self.meta[name] = path, info
         self.quantized = any(bnb4.STATE in name for name in self.meta)
         """Whether some weights are pre-quantised 4-bit (slideformer.engine.models.bnb4)."""
+        self.mxfp4 = {name: mxfp4.stored_shape(self.meta, name) for name in
+                      (n.removesuffix("_blocks") for n in self.meta if n.endswith("_blocks"))
+                      if mxfp4.is_mxfp4(self.meta, name)}
+        """Tensors stored as MXFP4 blocks and scales (models.mxfp4) -> their dequantised shape
+        (None: parts that do not fit together)."""
+        for name in self.mxfp4:
+            self.where[name] = self.where[mxfp4.parts(name)[0]]
         self._open: dict[Path, object] = {}
 
     def size_on_disk(self) -> int:
@@ -185,6 +192,8 @@ class Checkpoint:
         """The weights' storage type as reports show it ("BF16", or bnb4.DESCRIPTION)."""
         if self.quantized:
             return bnb4.DESCRIPTION
+        if self.mxfp4:
+            return mxfp4.DESCRIPTION
         return next(iter(self.meta.values()))["dtype"] if self.meta else "?"
 
     def _handle(self, path: Path):
@@ -203,6 +212,16 @@ class Checkpoint:
                 self._meta_for(name, shape)
 
     def _meta_for(self, name: str, shape: tuple) -> None:
+        if name in self.mxfp4:
+            if self.mxfp4[name] != tuple(shape):
+                blocks, scales = mxfp4.parts(name)
+                raise UserError(self.where[name], f"MXFP4 tensor '{name}' has blocks "
+                                f"{self.meta[blocks]['dtype']} {self.meta[blocks]['shape']} and "
+                                f"scales {self.meta[scales]['dtype']} {self.meta[scales]['shape']}"
+                                f", which do not give the shape config.json implies "
+                                f"{list(shape)} (E, in, out)",
+                                "the weights do not match config.json; use the matching files")
+            return
         if name in self.meta and bnb4.is_quantised(self.meta, name):
             bnb4.check_weight(self, name, tuple(shape))
             return
@@ -223,8 +242,15 @@ class Checkpoint:
                             "the weights do not match config.json; use the matching files")
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One stored tensor as it is (memory-mapped)."""
+        """One stored tensor as it is (memory-mapped); an MXFP4 one dequantised to bf16."""
+        if name in self.mxfp4:
+            import torch
+            return self._mxfp4_into(name, torch.empty(self.mxfp4[name], dtype=torch.bfloat16))
         return self._handle(self.where[name]).get_tensor(name)
+
+    def _mxfp4_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        blocks, scales = (self._handle(self.where[p]).get_tensor(p) for p in mxfp4.parts(name))
+        return mxfp4.dequantize(blocks, scales, out)
 
     def raw_bytes(self, name: str) -> bytes:
         """One stored tensor's bytes, read without torch."""
@@ -240,6 +266,8 @@ class Checkpoint:
             self._meta_for(name, view.shape)
             if bnb4.is_quantised(self.meta, name):
                 bnb4.dequantize(self, name, view)
+            elif name in self.mxfp4:
+                self._mxfp4_into(name, view)
             else:
                 view.copy_(self.tensor(name))
         return out
@@ -267,7 +295,7 @@ class Checkpoint:
         for local, off in quant.raw:
             name = hf_name(item, local)
             self._meta_for(name, shapes[local])
-            quant.raw_view(out, off, math.prod(shapes[local])).copy_(self._finite(name))
+            quant.raw_view(out, off, math.prod(shapes[local])).copy_(self._finite(name).reshape(-1))
         return out
 
     def _finite(self, name: str) -> torch.Tensor:

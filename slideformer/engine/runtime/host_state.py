@@ -27,13 +27,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-
+import math
 import sys
 
 import torch
 
 from slideformer.engine.kernels import cpu_adam
-from slideformer.engine.models.spec import Layout
+from slideformer.engine.models.spec import Layout, decayed
 from slideformer.engine.runtime.shapes import CHUNK
 
 assert sys.byteorder == "little", "the bf16/remainder split assumes a little-endian CPU"
@@ -55,12 +55,11 @@ class AdamHyper:
 
 
 def decay_runs(layout: Layout) -> list[tuple[int, int, bool]]:
-    """Contiguous (start, end, decay) runs: 1-D tensors (norms, biases) get no weight decay."""
+    """Contiguous (start, end, decay) runs: norms, biases and other vectors get no weight decay
+    (models.spec.decayed)."""
     runs: list[tuple[int, int, bool]] = []
-    for _, off, shape in layout.entries:
-        n, decay = 1, len(shape) > 1
-        for s in shape:
-            n *= s
+    for name, off, shape in layout.entries:
+        n, decay = math.prod(shape), decayed(name, shape)
         if runs and runs[-1][2] == decay and runs[-1][1] == off:
             runs[-1] = (runs[-1][0], off + n, decay)
         else:

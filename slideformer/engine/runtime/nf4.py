@@ -112,7 +112,7 @@ class Nf4Layout:
 
     @staticmethod
     def build(layout: Layout, dtype: torch.dtype) -> "Nf4Layout":
-        mats = [(n, s) for n, _, s in layout.entries if len(s) > 1]
+        mats = [(n, s) for n, _, s in layout.entries if _quantised(n, s)]
         off, tensors = 0, []
         for name, shape in mats:
             numel = math.prod(shape)
@@ -126,10 +126,10 @@ class Nf4Layout:
         size = torch.empty((), dtype=dtype).element_size()
         raw = []
         for name, _, shape in layout.entries:
-            if len(shape) == 1:
+            if not _quantised(name, shape):
                 off = _align(off, size)
                 raw.append((name, off))
-                off += shape[0] * size
+                off += math.prod(shape) * size
         return Nf4Layout(layout, dtype, tuple(tensors), tuple(raw), _align(off, 16))
 
     # ---- quantise (host, while loading) ----------------------------------------------------
@@ -140,7 +140,7 @@ class Nf4Layout:
             self.quantize_tensor(t, views[t.name], out)
         for name, off in self.raw:
             v = views[name]
-            self.raw_view(out, off, v.numel()).copy_(v)
+            self.raw_view(out, off, v.numel()).copy_(v.reshape(-1))
         return out
 
     def quantize_tensor(self, t: Nf4Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
@@ -213,6 +213,13 @@ def _tables(device) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = torch.stack([NF4[b // 16], NF4[b % 16]], dim=1)
         _TABLES[key] = (pairs.to(device), DYNAMIC.to(device))
     return _TABLES[key]
+
+
+def _quantised(name: str, shape: tuple[int, ...]) -> bool:
+    """Which of an item's tensors are stored in NF4: the weight matrices (stacked experts too),
+    not the vectors, nor biases of any shape (GPT-OSS's experts stack theirs as (E, out)), as
+    bitsandbytes quantises a Linear's weight and keeps its bias."""
+    return len(shape) > 1 and not name.endswith("bias")
 
 
 def _align(n: int, a: int) -> int:

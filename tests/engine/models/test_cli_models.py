@@ -124,8 +124,11 @@ BAD_FOLDERS = [
     ("heads-not-multiple", lambda d: edit_json(d / "config.json", num_key_value_heads=4),
      "config.json", r"num_attention_heads=6 is not a multiple of num_key_value_heads=4"),
     ("rope-unknown-type", lambda d: edit_json(
-        d / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0}),
-     "config.json", r"rope_scaling type 'yarn' is not supported"),
+        d / "config.json", rope_scaling={"rope_type": "longrope", "factor": 4.0}),
+     "config.json", r"rope_scaling type 'longrope' is not supported"),
+    ("yarn-incomplete", lambda d: edit_json(
+        d / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}),
+     "config.json", r"lacks a positive original_max_position_embeddings, beta_fast"),
     ("rope-incomplete", lambda d: edit_json(
         d / "config.json", rope_scaling={"rope_type": "llama3", "factor": 8.0}),
      "config.json", r"lacks a positive low_freq_factor, high_freq_factor, original_max_position_embeddings"),

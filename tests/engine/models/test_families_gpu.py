@@ -25,9 +25,12 @@ def rel(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-@pytest.mark.parametrize("tokens,experts", [(1000, 8), (4096, 128), (7, 16)])
-def test_grouped_experts_match_the_loop(tokens, experts):
-    """Forward and gradients of the three grouped projections, with empty experts included."""
+@pytest.mark.parametrize("tokens,experts,in_out", [(1000, 8, False), (4096, 128, False),
+                                                    (7, 16, False), (1000, 8, True),
+                                                    (7, 16, True)])
+def test_grouped_experts_match_the_loop(tokens, experts, in_out):
+    """Forward and gradients of the three grouped projections, with empty experts included;
+    ``in_out``: GPT-OSS's (E, in, out) storage."""
     g = torch.Generator("cuda").manual_seed(0)
     H, I = 256, 128
     ids = torch.randint(0, experts, (tokens,), generator=g, device="cuda")
@@ -35,13 +38,14 @@ def test_grouped_experts_match_the_loop(tokens, experts):
     counts = torch.bincount(ids, minlength=experts)
     x = torch.randn(tokens, H, generator=g, device="cuda").to(torch.bfloat16)[order]
     w = (torch.randn(experts, I, H, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    w = w.transpose(1, 2).contiguous() if in_out else w
     gy = torch.randn(tokens, I, generator=g, device="cuda").to(torch.bfloat16)
     out = {}
     for path in ("grouped", "loop"):
         xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
         ends = counts.cumsum(0).to(torch.int32) if path == "grouped" else None
         before = LAUNCHES["grouped_mm"]
-        y = moe.grouped_linear(xs, ws, counts, ends)
+        y = moe.grouped_linear(xs, ws, counts, ends, in_out=in_out)
         assert (LAUNCHES["grouped_mm"] > before) == (path == "grouped")
         y.backward(gy)
         out[path] = (y, xs.grad, ws.grad)
@@ -59,6 +63,38 @@ def test_windowed_block_mask_matches_the_boolean_mask(T, window):
     ref = attend(q, k, v, packed_causal_mask(doc, window), False, False)
     got = attend(q, k, v, document_block_mask(doc, window), False, False)
     assert rel(got, ref) < 1e-2
+
+
+@pytest.mark.skipif(not flex_available("cuda", 64), reason="no FlexAttention")
+@pytest.mark.parametrize("T,window,gqa", [(256, None, False), (300, 128, True), (1024, None, True)])
+def test_sinks_through_flex_lse_match_the_scores(T, window, gqa):
+    """Attention sinks from FlexAttention's differentiable log-sum-exp (plain causal rows, and
+    a windowed document mask) against the scores formed in fp32: output and the gradients of
+    q, k, v and the sinks."""
+    g = torch.Generator("cuda").manual_seed(3)
+    nkv = 2 if gqa else 4
+    q = torch.randn(2, 4, T, 64, generator=g, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(2, nkv, T, 64, generator=g, device="cuda").to(torch.bfloat16)
+            for _ in range(2))
+    sinks = torch.randn(4, generator=g, device="cuda")
+    gy = torch.randn(2, 4, T, 64, generator=g, device="cuda").to(torch.bfloat16)
+    doc = (torch.arange(T, device="cuda") >= T // 3).long().expand(2, T).contiguous()
+    out = {}
+    for path in ("flex", "reference"):  # the reference: fp32 on the CPU
+        leaves = [(t if path == "flex" else t.cpu().float()).clone().requires_grad_()
+                  for t in (q, k, v, sinks)]
+        if window is None:
+            mask = None
+        else:
+            mask = document_block_mask(doc, window) if path == "flex" \
+                else packed_causal_mask(doc.cpu(), window)
+        before = LAUNCHES["flex_attention"]
+        y = attend(*leaves[:3], mask, mask is None, gqa, None, leaves[3])
+        assert (LAUNCHES["flex_attention"] > before) == (path == "flex")
+        y.backward(gy.to(y.device, y.dtype))
+        out[path] = (y, *(t.grad for t in leaves))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), out["flex"], out["reference"]):
+        assert rel(a.cpu(), b) < 2e-2, name
 
 
 @pytest.mark.parametrize("arch", SUPPORTED)

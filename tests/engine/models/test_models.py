@@ -23,6 +23,11 @@ from slideformer.engine.models.weights import hf_name
 LLAMA3_ROPE = {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}
 LINEAR_ROPE = {"rope_scaling": {"type": "linear", "factor": 4.0}}
+# YaRN x4 from an original context of 64 on head_dim 16: the ramp spans dimensions 1.8 to 4.9
+# of 8 (kept, blended and interpolated frequencies all present); the tables scale by 1.139.
+YARN_ROPE = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                              "beta_slow": 1.0, "original_max_position_embeddings": 64},
+             "max_position_embeddings": 256}
 
 VARIANTS = [
     pytest.param("llama", TinyShape(), None, id="llama"),
@@ -35,6 +40,7 @@ VARIANTS = [
     pytest.param("qwen2", TinyShape(tie=True), None, id="qwen2-tied"),
     pytest.param("llama", TinyShape(), LLAMA3_ROPE, id="llama-rope_llama3"),
     pytest.param("llama", TinyShape(), LINEAR_ROPE, id="llama-rope_linear"),
+    pytest.param("llama", TinyShape(), YARN_ROPE, id="llama-rope_yarn"),
     pytest.param("llama", TinyShape(), {"attention_bias": True, "mlp_bias": True},
                  id="llama-biases"),
     pytest.param("mistral", TinyShape(kv_heads=6), None, id="mistral-mha"),
@@ -52,6 +58,10 @@ VARIANTS = [
     pytest.param("phi3", TinyShape(), None, id="phi3"),
     pytest.param("phi3", TinyShape(), {"sliding_window": 8}, id="phi3-window8"),
     pytest.param("gemma3_text", TinyShape(), None, id="gemma3"),
+    # sinks, alternating window 8, YaRN, experts with biases and the clamped SwiGLU
+    pytest.param("gpt_oss", TinyShape(), None, id="gpt_oss-rope_yarn"),
+    pytest.param("gpt_oss", TinyShape(kv_heads=6), {"attention_bias": False,
+                                                    "swiglu_limit": 0.05}, id="gpt_oss-mha-clamped"),
     pytest.param("gemma3_text", TinyShape(tie=False), {"rope_scaling": {
         "rope_type": "linear", "factor": 4.0}}, id="gemma3-untied-rope_linear"),
 ]
@@ -62,7 +72,7 @@ def hf_as_ours(spec, tensors: dict) -> dict:
     ``down_proj``, the router as ``mlp.gate``) under the engine's names (one stacked tensor
     per projection, under the family's checkpoint prefix)."""
     m = spec.family.moe
-    if m is None:
+    if m is None or m.gpt_oss:  # GPT-OSS: transformers' names and layout are the engine's
         return tensors
     out = {}
     for name, t in tensors.items():
@@ -139,7 +149,8 @@ def test_gradients_match_transformers(arch, shape, extra, tiny_model_factory, lo
 
 @pytest.mark.parametrize("arch,shape,extra", [
     v for v in VARIANTS if v.id in ("llama-rope_llama3", "qwen2-tied", "qwen3-head_dim24",
-                                    "mixtral", "qwen3_moe", "gemma3", "smollm3")])
+                                    "mixtral", "qwen3_moe", "gemma3", "smollm3",
+                                    "gpt_oss-rope_yarn")])
 def test_folder_saved_by_transformers(arch, shape, extra, tiny_model_factory, tmp_path,
                                       load_dense, load_hf):
     """A folder written by save_pretrained: its config spelling (transformers 5 moves

@@ -19,7 +19,7 @@ WINDOW = {"mistral": {"sliding_window": 8},
           "qwen2": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0},
           "qwen3": {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
           "smollm3": {"use_sliding_window": True, "sliding_window": 8},
-          "gemma3_text": {}, "olmo3": {}}
+          "gemma3_text": {}, "olmo3": {}, "gpt_oss": {}}
 
 
 @pytest.mark.parametrize("arch,extra,window", [
@@ -32,7 +32,8 @@ WINDOW = {"mistral": {"sliding_window": 8},
                "layer_types": ["full_attention", "sliding_attention"]}, 128),
     # transformers' Llama reads no layer_types: every layer attends in full
     ("llama", {"sliding_window": 128, "layer_types": ["full_attention", "sliding_attention"]}, None),
-    ("gemma3_text", {"sliding_window": 512, "layer_types": None}, 512)])
+    ("gemma3_text", {"sliding_window": 512, "layer_types": None}, 512),
+    ("gpt_oss", {"sliding_window": None, "layer_types": None}, 128)])  # GptOssConfig's default
 def test_window_is_read_as_transformers_does(arch, extra, window):
     cfg = {**tiny_config(arch, TinyShape(layers=2)), **extra}
     cfg = {k: v for k, v in cfg.items() if v is not None or k == "sliding_window"}

@@ -35,7 +35,8 @@ from slideformer.engine.train.state import build_host_state, load_weights
 from tests.engine.models.test_models import hf_as_ours
 from tests.engine.runtime.test_sliding_equivalence import make_batches
 
-FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "olmo3", "phi3", "smollm3", "gemma3_text"]
+FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "olmo3", "phi3", "smollm3", "gemma3_text",
+            "gpt_oss"]
 STEPS = 3
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=1,
                     max_grad_norm=0.5)
@@ -43,13 +44,22 @@ FLOOR = 2e-5
 """Relative differences that fp32 summation order alone makes (see the module docstring)."""
 EXTRA = {"mixtral": {"sliding_window": 16}}
 """Mixtral's window (16 of the 24-token rows) on top of its experts."""
+ALT = {"gpt_oss": {"dtype": torch.float64, "attn_implementation": "eager"}}
+"""The noise run of families whose transformers code has no SDPA path (GPT-OSS's sinks): the
+eager model in float64, whose distance from the fp32 run is fp32's rounding itself."""
 
 
 def hf_train(model, steps, optim):
     """(losses, gradient norms) of transformers' model trained on ``steps``."""
-    params = [p for p in model.parameters()]
-    groups = [{"params": [p for p in params if p.dim() > 1], "weight_decay": optim.weight_decay},
-              {"params": [p for p in params if p.dim() == 1], "weight_decay": 0.0}]
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    # the engine's rule (models.spec.decayed): no decay on vectors, norms and biases of any
+    # shape (GPT-OSS stacks its experts' biases as matrices)
+    decayed = [p.dim() > 1 and not (n.endswith("bias") or n.endswith("norm.weight"))
+               for n, p in named]
+    groups = [{"params": [p for p, d in zip(params, decayed) if d],
+               "weight_decay": optim.weight_decay},
+              {"params": [p for p, d in zip(params, decayed) if not d], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
     model.train()
     losses, norms = [], []
@@ -58,7 +68,8 @@ def hf_train(model, steps, optim):
         opt.zero_grad()
         loss = 0.0
         for mb in mbs:
-            z = model(input_ids=mb.input_ids).logits.float()  # labels are shifted already
+            z = model(input_ids=mb.input_ids).logits  # labels are shifted already
+            z = z if z.dtype == torch.float64 else z.float()
             l_mb = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]),
                                                      mb.labels.reshape(-1), ignore_index=-100,
                                                      reduction="sum") / tokens
@@ -95,7 +106,8 @@ def test_family_trains_as_transformers_does(arch, tiny_model_factory, load_hf):
     spec = load_spec(folder)
     steps = make_batches(spec, n_micro=2, B=2, T=24, seed=4)[:STEPS]
     ref, alt = load_hf(folder), AutoModelForCausalLM.from_pretrained(
-        folder, dtype=torch.float32, attn_implementation="sdpa")
+        folder, experts_implementation="eager",
+        **ALT.get(arch, {"dtype": torch.float32, "attn_implementation": "sdpa"}))
     ref_losses, ref_norms = hf_train(ref, steps, OPTIM)
     alt_losses, alt_norms = hf_train(alt, steps, OPTIM)
     losses, norms, host = sliding_train(spec, folder, steps, OPTIM)

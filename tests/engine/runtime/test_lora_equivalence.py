@@ -117,7 +117,7 @@ def assert_same(spec, lora, host, model, losses, ref_losses):
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3",
-                                        "gemma3_text"])
+                                        "gemma3_text", "gpt_oss"])
 def family_model(request, tmp_path_factory):
     arch = request.param
     d = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", arch,

@@ -1,12 +1,13 @@
 """The supported model families, one file each: ``FAMILIES[model_type]`` is its :class:`Family`.
 
-Where is Gemma? ``gemma3.py``. What a family may declare: ``base.py``.
+Where is Gemma? ``gemma3.py``. GPT-OSS? ``gpt_oss.py``. What a family may declare: ``base.py``.
 """
-from slideformer.engine.models.families import (gemma3, llama, mistral, mixtral, olmo2, olmo3,
-                                                phi3, qwen2, qwen3, qwen3_moe, smollm3)
+from slideformer.engine.models.families import (gemma3, gpt_oss, llama, mistral, mixtral, olmo2,
+                                                olmo3, phi3, qwen2, qwen3, qwen3_moe, smollm3)
 from slideformer.engine.models.families.base import Family
 
 FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (
-    llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, olmo2, olmo3, phi3, smollm3, gemma3)}
+    llama, mistral, qwen2, qwen3, mixtral, qwen3_moe, olmo2, olmo3, phi3, smollm3, gemma3,
+    gpt_oss)}
 SUPPORTED = tuple(FAMILIES)
 """Hugging Face ``model_type`` values this engine trains."""

@@ -52,9 +52,25 @@ class Moe:
     renormalise: bool | str
     """Whether the top-k routing weights are renormalised to sum to 1: always (True), or as
     the config key of that name says (Qwen3-MoE's "norm_topk_prob")."""
+    gpt_oss: bool = False
+    """GPT-OSS's experts, which differ in five ways: the router and every expert projection
+    carry biases (``{router}`` -> ``.bias``, ``{experts}.{proj}_bias``); gate and up are one
+    projection ``gate`` whose outputs interleave (gate at even columns, up at odd); the stacked
+    tensors are stored (E, in, out), under their own names without ``.weight``, stacked on
+    disk too; the router takes the top-k logits and softmaxes those; the activation is the
+    clamped SwiGLU of :func:`slideformer.engine.models.moe.clamped_swiglu` (``swiglu_alpha``,
+    ``swiglu_limit``)."""
 
     def stacked(self, proj: str) -> str:
-        return f"{self.experts}.{proj}.weight"
+        return f"{self.experts}.{proj}" + ("" if self.gpt_oss else ".weight")
+
+    def bias(self, proj: str) -> str:
+        """An expert projection's stacked bias (GPT-OSS)."""
+        return f"{self.experts}.{proj}_bias"
+
+    @property
+    def router_bias(self) -> str | None:
+        return self.router.removesuffix("weight") + "bias" if self.gpt_oss else None
 
 
 @dataclass(frozen=True)
@@ -95,6 +111,9 @@ class Family:
     supported (None: refused with a message)."""
     chat_template: str | None = None
     """The family's chat format, for imports whose file carries none (Gemma 3's GGUFs)."""
+    sinks: bool = False
+    """Each attention head has a learnt sink logit ``self_attn.sinks`` (GPT-OSS): one more
+    entry of the softmax's denominator whose value is zero (kernels.attention.attend)."""
 
 
 # ---- config.json readers shared by the families --------------------------------------------
@@ -166,7 +185,10 @@ def all_layers(kind: str, num_layers: int) -> tuple[str, ...]:
 # Keys each rope_scaling type needs (rope_inv_freq reads them).
 _ROPE_KEYS = {"linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor",
-                         "original_max_position_embeddings")}
+                         "original_max_position_embeddings"),
+              "yarn": ("factor", "original_max_position_embeddings")}
+_YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+"""YaRN's optional numbers (positive where given; transformers' defaults otherwise)."""
 
 
 def rope_of(cfg: dict, path: Path, default_theta: float = 10000.0
@@ -192,13 +214,20 @@ def rope_of(cfg: dict, path: Path, default_theta: float = 10000.0
         return theta, None
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:
         raise UserError(path, f"{key} type {kind!r} is not supported",
-                        "supported: none, linear, llama3")
+                        "supported: none, linear, llama3, yarn")
     missing = [k for k in _ROPE_KEYS[kind] if isinstance(rs.get(k), bool)
                or not isinstance(rs.get(k), (int, float)) or not 0 < rs[k] < math.inf]
+    if kind == "yarn":
+        missing += [k for k in _YARN_OPTIONAL if rs.get(k) is not None and (
+            isinstance(rs[k], bool) or not isinstance(rs[k], (int, float))
+            or not 0 < rs[k] < math.inf)]
+        if not isinstance(rs.get("truncate", True), bool):
+            raise UserError(path, f"{key}.truncate is {rs['truncate']!r}, not true or false", FIX)
     if missing:
         raise UserError(path, f"{key} of type {kind!r} lacks a positive "
                         f"{', '.join(missing)}", FIX)
-    return theta, tuple(sorted((k, v) for k, v in rs.items() if not isinstance(v, (list, dict))))
+    return theta, tuple(sorted((k, v) for k, v in rs.items()
+                               if v is not None and not isinstance(v, (list, dict))))
 
 
 def rope_per_type(cfg: dict, path: Path, full_theta: float, local_theta: float) -> dict:
