@@ -25,7 +25,8 @@ def our_args(cfg: BenchConfig, micro_batch: int, slots: int, checkpoints: str = 
                            checkpoints=checkpoints, head_chunk=head_chunk or cfg.head_chunk,
                            clip=cfg.clip, vram_cap=cfg.vram_cap,
                            warmup=cfg.warmup if warmup is None else warmup,
-                           steps=cfg.steps if steps is None else steps, precision="bf16")
+                           steps=cfg.steps if steps is None else steps, precision="bf16",
+                           objective="sft")
 
 
 def our_row(cfg: BenchConfig, res: dict) -> dict:

@@ -386,8 +386,75 @@ TEMPLATES = [
     Case("template syntax error", train(), ("chat_template",), chat_template("{% for %}")),
 ]
 
+def pairs_file(*records, rel: str = "pairs.jsonl", good: dict | None = None
+               ) -> Callable[[Path], None]:
+    """A preference file: one good record (a DPO pair, or ``good``), then ``records`` (dicts, or
+    raw lines as str): the message names line 2 onwards."""
+    good = good or {"prompt": "x =", "chosen": " X", "rejected": " y"}
+
+    def prepare(w: Path) -> None:
+        lines = [json.dumps(good)] + [r if isinstance(r, str) else json.dumps(r) for r in records]
+        (w / rel).write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogatepass"))
+    return prepare
+
+
+def dpo(*args: str) -> tuple[str, ...]:
+    return train("--objective", "dpo", "--data", "pairs.jsonl", *args)
+
+
+def kto(*args: str) -> tuple[str, ...]:
+    return train("--objective", "kto", "--data", "pairs.jsonl", *args)
+
+
+KTO_GOOD = {"prompt": "x =", "completion": " X", "label": True}
+PREFERENCE = [
+    Case("a pair without its rejected reply", dpo(), ("pairs.jsonl:2", "'rejected'"),
+         pairs_file({"prompt": "a", "chosen": "b"})),
+    Case("chosen equal to rejected", dpo(), ("pairs.jsonl:2", "the same text"),
+         pairs_file({"prompt": "a", "chosen": "b", "rejected": "b"})),
+    Case("a reply that is a number", dpo(), ("pairs.jsonl:2", "chosen"),
+         pairs_file({"prompt": "a", "chosen": 7, "rejected": "b"})),
+    Case("a prompt that is null", dpo(), ("pairs.jsonl:2", "prompt"),
+         pairs_file({"prompt": None, "chosen": "a", "rejected": "b"})),
+    Case("a string reply beside a message list", dpo(), ("pairs.jsonl:2", "mixes"),
+         pairs_file({"prompt": "a", "chosen": "b",
+                     "rejected": [{"role": "assistant", "content": "c"}]})),
+    Case("a conversational reply from the user", dpo(), ("pairs.jsonl:2", "assistant"),
+         pairs_file({"prompt": [{"role": "user", "content": "a"}],
+                     "chosen": [{"role": "user", "content": "b"}],
+                     "rejected": [{"role": "assistant", "content": "c"}]})),
+    Case("a message without content", dpo(), ("pairs.jsonl:2",),
+         pairs_file({"prompt": [{"role": "user"}],
+                     "chosen": [{"role": "assistant", "content": "b"}],
+                     "rejected": [{"role": "assistant", "content": "c"}]})),
+    Case("a prompt longer than the sequence limit", dpo(), ("pairs.jsonl:2", "no room"),
+         pairs_file({"prompt": "a " * 60, "chosen": "b", "rejected": "c"})),
+    Case("a pair record that is a list", dpo(), ("pairs.jsonl:2",),
+         pairs_file('["x =", " X", " y"]')),
+    Case("a pair line that is not JSON", dpo(), ("pairs.jsonl:2",), pairs_file("{chosen: 1")),
+    Case("a reply of lone surrogates", dpo(), ("pairs.jsonl:2",),
+         pairs_file('{"prompt": "a", "chosen": "\\ud800", "rejected": "b"}')),
+    Case("SFT records under DPO", dpo(), ("pairs.jsonl", "rejected"),
+         pairs_file(good={"messages": [{"role": "user", "content": "a"},
+                                       {"role": "assistant", "content": "b"}]})),
+    Case("KTO label that is a string", kto(), ("pairs.jsonl:2", "true or false"),
+         pairs_file({"prompt": "a", "completion": "b", "label": "yes"}, good=KTO_GOOD)),
+    Case("KTO label that is 1", kto(), ("pairs.jsonl:2", "true or false"),
+         pairs_file({"prompt": "a", "completion": "b", "label": 1}, good=KTO_GOOD)),
+    Case("KTO record without a completion", kto(), ("pairs.jsonl:2", "'completion'"),
+         pairs_file({"prompt": "a", "label": True}, good=KTO_GOOD)),
+    Case("a DPO pair under KTO", kto(), ("pairs.jsonl:2", "pair"),
+         pairs_file({"prompt": "a", "chosen": "b", "rejected": "c"}, good=KTO_GOOD)),
+    Case("preference pairs under SFT", train("--data", "pairs.jsonl"),
+         ("pairs.jsonl:1", "--objective"), pairs_file()),
+    Case("beta of zero", dpo("--set", "preference.beta=0.0"), ("preference.beta",), pairs_file()),
+    Case("a loss type misspelt", dpo("--set", "preference.loss=\"sigmod\""), ("preference.loss",),
+         pairs_file()),
+]
+
 CATEGORIES = {"tracebacks": TRACEBACKS, "silent": SILENT, "hangs": HANGS,
-              "misleading": MISLEADING, "boundaries": BOUNDARIES, "templates": TEMPLATES}
+              "misleading": MISLEADING, "boundaries": BOUNDARIES, "templates": TEMPLATES,
+              "preference": PREFERENCE}
 
 
 # ---- running a case ---------------------------------------------------------------------------

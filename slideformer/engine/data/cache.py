@@ -10,6 +10,7 @@ changed input simply misses.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from slideformer.engine.config import format_bytes
 from slideformer.engine.data.records import content_hash
 from slideformer.engine.errors import UserError
 from slideformer.engine.models.tokenizer import TokenizerInfo
@@ -112,9 +114,22 @@ def cached(cache_dir: Path, name: str, build: Callable[[Path], dict]) -> tuple[P
     _remove_stale(cache_dir)
     tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(name), dir=cache_dir))
     try:
-        meta = build(tmp)
-        pause_at("cache.entry")
-        _write_json(tmp / META, meta)
+        try:
+            meta = build(tmp)
+            pause_at("cache.entry")
+            _write_json(tmp / META, meta)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            written = sum(f.stat().st_size for f in tmp.rglob("*") if f.is_file())
+            shutil.rmtree(tmp, ignore_errors=True)
+            free = shutil.disk_usage(cache_dir).free
+            raise UserError(cache_dir, f"ran out of disk space while the data was tokenised "
+                            f"into it ({format_bytes(written)} written, "
+                            f"{format_bytes(free)} free once that was removed)",
+                            "free disk space there, or set output.run_dir to a folder on a "
+                            "larger disk (the token cache is the run folder's sibling "
+                            ".token-cache, about 5 bytes per token of the data)") from None
         if final.exists() and not (final / META).is_file():
             shutil.rmtree(final)  # an incomplete entry (edited by hand): rebuild
         try:

@@ -143,9 +143,11 @@ def _refuse_kind(rec: Record) -> None:
     if _present(rec, "kto_tag") or (_present(rec, "label") and ("completion" in v
                                                                   or "prompt" in v)):
         raise UserError(rec.where, "the record holds KTO preference data (a 'label' marking "
-                        "the completion good or bad); preference training is not supported yet",
-                        "keep the records labelled true as an Alpaca file (prompt -> "
-                        "instruction, completion -> output)")
+                        "the completion good or bad), which supervised fine-tuning does not read",
+                        "train with train.objective = \"kto\" (CLI --objective kto) on records "
+                        "{\"prompt\", \"completion\", \"label\"} as TRL writes them, or keep "
+                        "the records labelled true as an Alpaca file (prompt -> instruction, "
+                        "completion -> output)")
     for key in conv.MEDIA_KEYS:
         if _present(rec, key):
             raise conv.media_error(rec, key)

@@ -116,9 +116,11 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
         softmax += nc * V * c
     rows = min(V, GW_ROWS)  # linear_ce._add_outer: one block of vocabulary rows at a time
     wgrad = 0 if frozen else nc * V * c + (0 if fp32_grads else rows * H * (c + up))
-    # saved x.float()/normalised/output (8 B per element) + gh; an fp32 stream needs no copy
-    # but keeps the fp32 normalised value and the rounded output
-    norm = N * H * (4 + 2 * c if prec.wide else 8 + c)
+    # 8 B per element: the norm's saved fp32 values and its output or gh (head_step frees each
+    # micro-batch's h and gh before the next one's: one N x H x c less than while the loop kept
+    # them, measured on the CPU allocator 2026-12-06); an fp32 stream needs no copy but keeps
+    # the fp32 normalised value and the rounded output
+    norm = N * H * (4 + 2 * c if prec.wide else 8)
     if fused_norm:  # h and gh, the rsqrt per token; its input is the hidden state itself
         norm = N * (2 * H * c + 4)
     return Allocation("gpu", "LM-head chunk and loss", norm + max(softmax, wgrad),

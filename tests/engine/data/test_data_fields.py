@@ -88,7 +88,7 @@ def test_preference_data_is_refused(tok, tmp_path, record, words):
     path = jsonl(tmp_path / "p.jsonl", [record])
     err = user_error(prep, tok, tmp_path / "c", path)
     assert err.where.endswith("p.jsonl:1") and words in err.problem
-    assert "not supported yet" in err.problem and err.fix
+    assert "supervised fine-tuning does not read" in err.problem and "--objective" in err.fix
 
 
 @pytest.mark.parametrize("record,words", [

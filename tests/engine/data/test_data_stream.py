@@ -132,6 +132,22 @@ def test_cache_hit_change_and_crash(tok, tmp_path, data, monkeypatch):
     assert not prep(tok, cache, data, max_seq_len=SEQ, train_on="all").stats.from_cache
 
 
+def test_a_full_disk_while_tokenising_is_one_message_and_leaves_nothing(tok, tmp_path, data,
+                                                                         monkeypatch):
+    """Was: OSError [Errno 28] with a traceback from the token store's write."""
+    import errno
+
+    def full(files, fmt, tok_, train_on, folder, emit, task):
+        (folder / "tokens.bin").write_bytes(b"x" * 4096)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(prepare_mod, "build_store", full)
+    cache = tmp_path / "cache"
+    err = user_error(prep, tok, cache, data, max_seq_len=SEQ)
+    assert err.where == str(cache) and "ran out of disk space" in err.problem
+    assert "4.0 KiB written" in err.problem and "output.run_dir" in err.fix
+    assert not [p for p in cache.iterdir() if ".tmp-" in p.name or p.name.startswith("tokens-")]
+
+
 def test_source_hash_is_remembered_for_settled_files(tok, tmp_path, data, monkeypatch):
     hashed = []
     real = cache_mod.content_hash

@@ -18,6 +18,8 @@ from tests.engine.runtime.test_preference_equivalence import (N_MICRO, OPTIM, P,
                                                               pair_steps, with_reference)
 
 pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
 transformers = pytest.importorskip("transformers")
 
 

@@ -477,6 +477,11 @@ class TrainPage(QWidget):
         elif end.outcome == "detached":
             self._show_status("info", f"No longer following {short_path(self.run_dir)}; the "
                                       f"engine carries on. The Runs page lists it.")
+        elif last is None and latest_checkpoint(self.run_dir) is None:  # refused in set-up
+            self._show_status("error", f"The run could not start: nothing was trained. "
+                                       f"{end.message}")
+            if end.log_tail:
+                self.dashboard.show_failure_log(end.log_tail)
         else:
             checkpoint = latest_checkpoint(self.run_dir)
             resume = ("It can continue from its checkpoint at step "
