@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import read_json, surrogate_key
-from slideformer.engine.models.families import FAMILIES, SUPPORTED
+from slideformer.engine.models.families import FAMILIES, SUPPORTED, TEXT_TOWERS
 from slideformer.engine.models.families.base import (FIX, FULL, SLIDING, Family, all_layers, flag,
                                                      positive_int, positive_real,
                                                      rope_of, window)
@@ -352,9 +352,13 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     """Build a :class:`ModelSpec` from a parsed config.json dict."""
     path = Path(path)
     mt = cfg.get("model_type")
+    if isinstance(mt, str) and mt in TEXT_TOWERS:  # a multimodal folder: its text model
+        cfg = TEXT_TOWERS[mt](cfg, path)
+        mt = cfg["model_type"]
     if not isinstance(mt, str) or mt not in FAMILIES:
         raise UserError(path, f"model_type {mt!r} is not supported",
-                        f"choose a model of a supported family: {', '.join(SUPPORTED)}")
+                        f"choose a model of a supported family: {', '.join(SUPPORTED)} (and "
+                        f"the text tower of {', '.join(TEXT_TOWERS)})")
     fam = FAMILIES[mt]
     _refused(fam, cfg, path)
     h = _need(cfg, "hidden_size", path)

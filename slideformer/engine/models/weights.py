@@ -27,6 +27,10 @@ from slideformer.engine.models import bnb4, mxfp4
 from slideformer.engine.models.spec import Layout, ModelSpec
 from slideformer.engine.testhooks import pause_at
 
+TOWER_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+"""Where multimodal folders keep their text model's tensors (Gemma 3 4B and up: transformers
+writes ``language_model.model.*``; some conversions ``model.language_model.*``)."""
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 """Safetensors dtypes a master weight can be read from (quantized ints are not cast)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -174,6 +178,15 @@ class Checkpoint:
             header, self._data[path] = _read_header(path)
             for name, info in header.items():
                 self.where[name], self.meta[name] = path, info
+        self.stored: dict[str, str] = {}
+        """Engine name -> the name in the files, for a text tower stored under its multimodal
+        model's prefix (:data:`TOWER_PREFIXES`)."""
+        for name in list(self.meta):
+            for prefix, plain in TOWER_PREFIXES:
+                alias = plain + name[len(prefix):]
+                if name.startswith(prefix) and alias not in self.meta:
+                    self.where[alias], self.meta[alias] = self.where[name], self.meta[name]
+                    self.stored[alias] = name
         self.quantized = any(bnb4.STATE in name for name in self.meta)
         """Whether some weights are pre-quantised 4-bit (slideformer.engine.models.bnb4)."""
         self.mxfp4 = {name: mxfp4.stored_shape(self.meta, name) for name in
@@ -246,10 +259,11 @@ class Checkpoint:
         if name in self.mxfp4:
             import torch
             return self._mxfp4_into(name, torch.empty(self.mxfp4[name], dtype=torch.bfloat16))
-        return self._handle(self.where[name]).get_tensor(name)
+        return self._handle(self.where[name]).get_tensor(self.stored.get(name, name))
 
     def _mxfp4_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
-        blocks, scales = (self._handle(self.where[p]).get_tensor(p) for p in mxfp4.parts(name))
+        blocks, scales = (self._handle(self.where[p]).get_tensor(self.stored.get(p, p))
+                          for p in mxfp4.parts(name))
         return mxfp4.dequantize(blocks, scales, out)
 
     def raw_bytes(self, name: str) -> bytes:

@@ -11,3 +11,6 @@ FAMILIES: dict[str, Family] = {m.FAMILY.model_type: m.FAMILY for m in (
     gpt_oss)}
 SUPPORTED = tuple(FAMILIES)
 """Hugging Face ``model_type`` values this engine trains."""
+TEXT_TOWERS = {"gemma3": gemma3.text_tower}
+"""Multimodal ``model_type`` values whose text tower is one of the families: ``text_tower(cfg,
+path)`` gives that family's config.json."""

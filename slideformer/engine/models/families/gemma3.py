@@ -1,5 +1,5 @@
-"""Gemma 3 text (``gemma3_text``: the text-only checkpoints, Gemma 3 270M and 1B; the
-multimodal ``gemma3`` configs of 4B and up nest this one under ``text_config`` and are not read).
+"""Gemma 3 text (``gemma3_text``: the text-only checkpoints, Gemma 3 270M and 1B; and the text
+tower of the multimodal ``gemma3`` folders, 4B, 12B and 27B: :func:`text_tower`).
 
 Sandwich norms (before and after attention and MLP), norms that scale by (1 + weight), per-head
 q/k norms, GeGLU (tanh-approximated GELU), the embedding scaled by sqrt(hidden_size), scores
@@ -9,9 +9,38 @@ Logit soft-capping (Gemma 2's) and bidirectional attention are refused.
 """
 from pathlib import Path
 
-from slideformer.engine.models.families.base import (FULL, SLIDING, Family, layer_types,
+from slideformer.engine.errors import UserError
+from slideformer.engine.models.families.base import (FIX, FULL, SLIDING, Family, layer_types,
                                                      positive_int, positive_real, rope_per_type,
                                                      window)
+
+TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216,
+                 "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+                 "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+                 "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                 "tie_word_embeddings": True}
+"""Gemma3TextConfig's defaults (transformers 5.25): the released multimodal configs write only
+what differs from them (4B: sizes, layers, window and RoPE scaling; heads and head_dim not)."""
+
+
+def text_tower(cfg: dict, path: Path) -> dict:
+    """The config.json of a multimodal Gemma 3 folder (``model_type`` "gemma3") as its text
+    tower's: ``text_config`` over :data:`TEXT_DEFAULTS`, the folder's dtype and tying where it
+    gives none (its ``tie_word_embeddings`` decides, as in transformers), as a text-only
+    ``gemma3_text`` config (what an export writes: the tuned folder is
+    a Gemma3ForCausalLM; the vision tower and its projector are neither trained nor written).
+    Its weights are read under the tower's prefix (models.weights.Checkpoint)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise UserError(path, "is a multimodal Gemma 3 config.json without a 'text_config' object",
+                        FIX)
+    out = {**TEXT_DEFAULTS, **text}
+    for key in ("torch_dtype", "dtype"):
+        if key not in text and key in cfg:
+            out[key] = cfg[key]
+    if "tie_word_embeddings" in cfg:  # the multimodal model's own setting decides its head
+        out["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return out | {"model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
 
 
 def configure(cfg: dict, path: Path, num_layers: int) -> dict:
