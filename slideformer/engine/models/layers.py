@@ -257,15 +257,16 @@ def gated(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
     return act(linear(p, "mlp.gate_proj", h, lora), linear(p, "mlp.up_proj", h, lora))
 
 
-def feed_forward(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
-    """The feed-forward of normed input h: the gated MLP, or the mixture of experts."""
+def feed_forward(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None, aux=None) -> torch.Tensor:
+    """The feed-forward of normed input h: the gated MLP, or the mixture of experts (``aux``:
+    its router loss, models.moe.RouterAux)."""
     if spec.moe is not None:
-        return moe_ffn(spec, p, h, ACTIVATIONS[spec.family.act])
+        return moe_ffn(spec, p, h, ACTIVATIONS[spec.family.act], aux)
     return linear(p, "mlp.down_proj", gated(spec, p, h, lora), lora)
 
 
 def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
-                  cache=None, lora=None) -> torch.Tensor:
+                  cache=None, lora=None, aux=None) -> torch.Tensor:
     """One decoder layer: x (B, T, H) -> (B, T, H), norms placed as the family says.
 
     Args:
@@ -278,6 +279,8 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
             ``cache``, a boolean (T, past + T). :class:`LayerInputs` gives each layer its own.
         cache: the layer's KV cache when generating (see :func:`attention`).
         lora: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
+        aux: the micro-batch's router loss (models.moe.RouterAux) of a mixture of experts
+            trained with it, or None.
     """
     if _plain(spec, p):
         x, z = layer_to_down(spec, p, x, rope, mask, cache, lora)
@@ -291,7 +294,7 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
     h = (x.to(c) if style == "post" else
          norm(spec, p, "pre_feedforward_layernorm" if style == "sandwich"
               else "post_attention_layernorm", x, c))
-    m = feed_forward(spec, p, h, lora)
+    m = feed_forward(spec, p, h, lora, aux)
     if style != "pre":
         m = norm(spec, p, "post_feedforward_layernorm", m)
     return x + m
@@ -337,7 +340,7 @@ class _DownGrads(torch.autograd.Function):
 
 
 def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Tensor, rope,
-                   mask=None, into: dict | None = None) -> tuple[torch.Tensor, dict]:
+                   mask=None, into: dict | None = None, aux=None) -> tuple[torch.Tensor, dict]:
     """Recompute one decoder layer from its input ``x`` and backpropagate ``gy`` = dL/dy:
     (dL/dx, {name: dL/d leaf}) for the parameter ``leaves`` (tensors that require grad).
 
@@ -351,7 +354,8 @@ def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Ten
     fine-tuning step's FLOPs, and one hidden state per token of memory. Without ``into`` every
     gradient is the one autograd gives through :func:`decoder_layer` (the same calls; tests
     compare them with ``torch.equal``). Other layer shapes (a down projection with a bias,
-    post or sandwich norms, experts) keep the plain autograd path.
+    post or sandwich norms, experts) keep the plain autograd path; ``aux`` (models.moe.RouterAux)
+    adds the router loss's terms of this layer to what is backpropagated.
     """
     into = into or {}
     x = x.detach().requires_grad_()
@@ -359,10 +363,12 @@ def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Ten
     wanted = [v for k, v in leaves.items() if k not in into]
     with torch.enable_grad():
         if not _plain(spec, leaves):
-            y = decoder_layer(spec, p, x, rope, mask)
+            y = decoder_layer(spec, p, x, rope, mask, aux=aux)
         else:  # one expression: the graph alone keeps the mid residual and z alive
             down = leaves["mlp.down_proj.weight"]
             y = _DownGrads.apply(*layer_to_down(spec, p, x, rope, mask), down,
                                  into.get("mlp.down_proj.weight"))
-        grads = torch.autograd.grad(y, [x, *wanted], gy)
+        terms = aux.take() if aux is not None else []
+        grads = torch.autograd.grad([y, *terms], [x, *wanted],
+                                    [gy, *(torch.ones_like(t) for t in terms)])
     return grads[0], dict(zip([k for k in leaves if k not in into], grads[1:]))

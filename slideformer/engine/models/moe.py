@@ -72,14 +72,56 @@ def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float)
     return (u.clamp(-limit, limit) + 1) * (g * torch.sigmoid(g * alpha))
 
 
-def moe_ffn(spec, p: dict, h: torch.Tensor, act) -> torch.Tensor:
+class RouterAux:
+    """The router's load-balancing loss of one micro-batch (Switch Transformer, Fedus et al.
+    2021, eq. 4-6), as transformers' ``load_balancing_loss_func`` computes it from every
+    layer's router logits when ``output_router_logits`` is on: over the L layers and N tokens,
+
+        f_e = (assignments of a token's top-k slots to e) / (L N),   P_e = mean_{l,n} p_{l,n,e}
+        aux = E * sum_e f_e P_e,   p = softmax(logits) over all E experts
+
+    The choice (f) has no gradient. The forward, without autograd, records each layer's counts
+    and probabilities (:meth:`observe` with grad off); f is then fixed, and the backward's
+    recompute of layer l adds ``weight * E / (L N) * sum_{n,e} f_e p_{l,n,e}``, whose gradient
+    w.r.t. that layer's logits is aux's (:meth:`observe` with grad on; :meth:`take`).
+    ``weight``: what the step's loss multiplies this micro-batch's aux by."""
+
+    def __init__(self, experts: int, layers: int, tokens: int, weight: float, device):
+        self.E, self.rows, self.weight = experts, layers * tokens, weight
+        self.counts = torch.zeros(experts, dtype=torch.float32, device=device)
+        self.probs = torch.zeros(experts, dtype=torch.float32, device=device)
+        self.terms: list[torch.Tensor] = []
+
+    def observe(self, logits: torch.Tensor, ids: torch.Tensor) -> None:
+        p = torch.softmax(logits.float(), dim=-1)  # (N, E)
+        if not torch.is_grad_enabled():  # the forward: counts and probabilities
+            self.counts += torch.bincount(ids.reshape(-1), minlength=self.E).float()
+            self.probs += p.sum(0)
+            return
+        f = self.counts / self.rows  # (E,), fixed
+        self.terms.append((p * f).sum() * (self.weight * self.E / self.rows))
+
+    def value(self) -> float:
+        """weight * aux of the forward's logits."""
+        return float(self.weight * self.E * (self.counts / self.rows * self.probs / self.rows).sum())
+
+    def take(self) -> list[torch.Tensor]:
+        """The terms the recompute of one layer added (their gradient is the loss's)."""
+        out, self.terms = self.terms, []
+        return out
+
+
+def moe_ffn(spec, p: dict, h: torch.Tensor, act, aux: RouterAux | None = None) -> torch.Tensor:
     """The experts' output for normed input h (B, T, H) -> (B, T, H); ``act(g, u)`` is the
-    family's gated activation (GPT-OSS: :func:`clamped_swiglu`)."""
+    family's gated activation (GPT-OSS: :func:`clamped_swiglu`); ``aux``: the micro-batch's
+    router loss, when the run computes it."""
     m, s = spec.family.moe, spec.moe
     B, T, H = h.shape
     x = h.reshape(-1, H)  # (N, H)
     logits = F.linear(x, p[m.router], p[m.router_bias] if m.gpt_oss else None)  # (N, E)
     w, ids = route(logits, s.top_k, s.renormalise, top_first=m.gpt_oss)  # (N, k)
+    if aux is not None:
+        aux.observe(logits, ids)
     flat = ids.reshape(-1)  # (N*k,) pair j*k + slot
     order = torch.argsort(flat, stable=True)  # pairs sorted by expert
     counts = torch.bincount(flat, minlength=s.experts)  # (E,)

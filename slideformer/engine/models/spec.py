@@ -84,6 +84,9 @@ class MoeShape:
     alpha: float = 0.0
     limit: float = 0.0
     """GPT-OSS's clamped SwiGLU: ``swiglu_alpha`` and ``swiglu_limit`` (models.moe)."""
+    aux_coef: float = 0.0
+    """The router's load-balancing loss weight (``router_aux_loss_coef`` while
+    ``output_router_logits`` is on, as transformers trains; 0: off; models.moe.RouterAux)."""
 
 
 @dataclass(frozen=True)
@@ -318,7 +321,13 @@ def _moe_shape(fam: Family, cfg: dict, path: Path) -> MoeShape | None:
     if m.gpt_oss:  # GptOssConfig's defaults
         clamp = dict(alpha=positive_real(cfg, "swiglu_alpha", path, 1.702),
                      limit=positive_real(cfg, "swiglu_limit", path, 7.0))
-    return MoeShape(experts, k, _need(cfg, m.width_key, path), renorm, **clamp)
+    aux = 0.0
+    if flag(cfg, "output_router_logits", path):  # MixtralConfig's, Qwen3MoeConfig's default
+        aux = 0.001 if cfg.get("router_aux_loss_coef") is None else cfg["router_aux_loss_coef"]
+        if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0 <= aux < math.inf:
+            raise UserError(path, f"'router_aux_loss_coef' is {aux!r}, not a number >= 0", _FIX)
+    return MoeShape(experts, k, _need(cfg, m.width_key, path), renorm, aux_coef=float(aux),
+                    **clamp)
 
 
 def _refused(fam: Family, cfg: dict, path: Path) -> None:

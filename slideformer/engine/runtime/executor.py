@@ -53,6 +53,7 @@ from slideformer.engine.kernels.attention import document_mask
 from slideformer.engine.kernels.dispatch import fp32_accumulate
 from slideformer.engine.models.inputs import LayerInputs
 from slideformer.engine.models.layers import decoder_layer, layer_backward
+from slideformer.engine.models.moe import RouterAux
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
 from slideformer.engine.models.model import embed
 from slideformer.engine.models.spec import ModelSpec
@@ -277,6 +278,7 @@ class SlidingExecutor(ResidentEnds):
         tokens = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)  # of the whole step: the ranks' gradients are summed
         inp = [self._inputs(mb) for mb in self.group.mine(micro_batches)]
+        self.aux = self._router_aux(inp, len(micro_batches))
         self._refresh(self.embed, tl)
         xs = self.forward_window(inp, tl)
         self._refresh(self.head, tl)
@@ -288,6 +290,7 @@ class SlidingExecutor(ResidentEnds):
             loss, gys, pairs = self.preference_step(
                 xs, inp, [mb.reference for mb in mine], tl,
                 [mb.desirable for mb in mine] if self.objective[0] == "kto" else None)
+        loss = loss + sum(a.value() for a in self.aux)
         self.group.reduce(loss)
         del xs  # the last hidden states are not needed in the backward
         guard = None
@@ -309,7 +312,22 @@ class SlidingExecutor(ResidentEnds):
             self.pool.invalidate_all()
         self.group.step_done(self.wait_updates)
         applied = guard.applied if skipped and guard is not None else 0
+        self.aux = []
         return StepOutput(float(loss), norm, tokens, skipped, tl, applied, pairs)
+
+    aux: list = []
+    """The step's router losses, one per micro-batch (models.moe.RouterAux), while it runs."""
+
+    def _router_aux(self, inp, n_micro: int) -> list:
+        """A mixture of experts trained with its router loss: one RouterAux per micro-batch,
+        weighted ``aux_coef / n_micro`` (the step's loss is the tokens' mean cross-entropy plus
+        the coefficient times the micro-batches' mean aux; every token counts, as transformers
+        counts them without an attention mask); [] otherwise."""
+        moe = self.spec.moe
+        if moe is None or not moe.aux_coef:
+            return []
+        return [RouterAux(moe.experts, self.spec.num_layers, ids.numel(),
+                          moe.aux_coef / n_micro, self.backend.device) for ids, *_ in inp]
 
     def _barrier_updates(self, hp: AdamHyper, coef: float, clip: bool, tl: StepTimeline) -> None:
         """Once the norm is known: the host updates that waited for it, in update order (their
@@ -360,7 +378,8 @@ class SlidingExecutor(ResidentEnds):
                     if save:
                         self.store.save(i, mb, xs[mb])
                     xs[mb] = decoder_layer(spec, p, xs[mb], *layers.at(i),
-                                           lora=self._adapters(i, mb, save))
+                                           lora=self._adapters(i, mb, save),
+                                           aux=self.aux[mb] if save and self.aux else None)
                 tl.device_span("compute", self.layers[i].name, t0, self.backend.mark())
                 if i >= self.G:
                     self.pool.release(i, evict=i < L - k)
@@ -477,11 +496,12 @@ class SlidingExecutor(ResidentEnds):
         layer's, or with a frozen base its adapters') to g; return dL/dx."""
         spec = self.spec
         base = self._norm_views(f"layer{layer}", spec.layer_layout.views(w))
+        aux = self.aux[mb] if self.aux else None
         if self.lora is None:  # the recompute skips the layer's output (layer_backward)
             into = grads_into(spec, g, w.dtype)
             leaves = {k: v.detach() if k in into else v.detach().requires_grad_()
                       for k, v in base.items()}
-            gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, into)
+            gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, into, aux)
             layout = spec.layer_layout.only(grads)
             grads = list(grads.values())
         else:
@@ -491,8 +511,10 @@ class SlidingExecutor(ResidentEnds):
             adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
             x = x.detach().requires_grad_()
             with torch.enable_grad():
-                y = decoder_layer(spec, base, x, rope, mask, lora=adapters)
-                gx, *grads = torch.autograd.grad(y, [x, *leaves.values()], gy)
+                y = decoder_layer(spec, base, x, rope, mask, lora=adapters, aux=aux)
+                terms = aux.take() if aux is not None else []
+                gx, *grads = torch.autograd.grad([y, *terms], [x, *leaves.values()],
+                                                 [gy, *(torch.ones_like(t) for t in terms)])
         for (_, off, _), gp in zip(layout.entries, grads):
             g[off:off + gp.numel()].add_(gp.reshape(-1))
         return gx

@@ -68,11 +68,14 @@ def hf_train(model, steps, optim):
         opt.zero_grad()
         loss = 0.0
         for mb in mbs:
-            z = model(input_ids=mb.input_ids).logits  # labels are shifted already
+            out = model(input_ids=mb.input_ids)
+            z = out.logits  # labels are shifted already
             z = z if z.dtype == torch.float64 else z.float()
             l_mb = torch.nn.functional.cross_entropy(z.reshape(-1, z.shape[-1]),
                                                      mb.labels.reshape(-1), ignore_index=-100,
                                                      reduction="sum") / tokens
+            if getattr(model.config, "output_router_logits", False):  # the router's loss
+                l_mb = l_mb + model.config.router_aux_loss_coef * out.aux_loss / len(mbs)
             l_mb.backward()
             loss += l_mb.item()
         norms.append(float(torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm)))
@@ -100,9 +103,17 @@ def sliding_train(spec, folder, steps, optim):
     return losses, norms, host
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_family_trains_as_transformers_does(arch, tiny_model_factory, load_hf):
-    folder = tiny_model_factory(arch, TinyShape(), EXTRA.get(arch), seed=1)
+AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
+"""The router's load-balancing loss on, weighted well above the releases' 0.001 so that a wrong
+gradient of it shows in the weights."""
+CASES = [pytest.param(a, EXTRA.get(a), id=a) for a in FAMILIES] + [
+    pytest.param(a, {**EXTRA.get(a, {}), **AUX}, id=f"{a}-router_aux")
+    for a in ("mixtral", "qwen3_moe", "gpt_oss")]
+
+
+@pytest.mark.parametrize("arch,extra", CASES)
+def test_family_trains_as_transformers_does(arch, extra, tiny_model_factory, load_hf):
+    folder = tiny_model_factory(arch, TinyShape(), extra, seed=1)
     spec = load_spec(folder)
     steps = make_batches(spec, n_micro=2, B=2, T=24, seed=4)[:STEPS]
     ref, alt = load_hf(folder), AutoModelForCausalLM.from_pretrained(

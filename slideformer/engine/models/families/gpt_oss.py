@@ -9,8 +9,8 @@ the experts in MXFP4 (``*_blocks`` + ``*_scales``): they are dequantised as they
 (models.mxfp4); what the engine writes is bf16.
 
 GptOssConfig's defaults are taken where config.json leaves a key out (``attention_bias`` true,
-alternating layer types, window 128, the YaRN of the releases). The router's auxiliary loss
-(``output_router_logits``) is refused, as for the other mixtures.
+alternating layer types, window 128, the YaRN of the releases). With ``output_router_logits``
+the router's load-balancing loss is trained, as for the other mixtures (models.moe.RouterAux).
 """
 from pathlib import Path
 
@@ -40,5 +40,4 @@ FAMILY = Family(
     "gpt_oss", "GptOssForCausalLM", "GPT-OSS", configure=configure, sinks=True,
     moe=Moe("mlp.router.weight", "mlp.experts", "gate_up_proj", "gate_up_proj", "down_proj",
             ("num_local_experts", "num_experts"), "intermediate_size", renormalise=False,
-            gpt_oss=True),
-    refuse=(("output_router_logits", False),))
+            gpt_oss=True))

@@ -11,5 +11,5 @@ FAMILY = Family(
     "qwen3_moe", "Qwen3MoeForCausalLM", "Qwen3-MoE", qk_norm="head", configure=configure,
     moe=Moe("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj",
             ("num_experts", "num_local_experts"), "moe_intermediate_size", renormalise="norm_topk_prob"),
-    refuse=(("mlp_only_layers", []), ("decoder_sparse_step", 1), ("output_router_logits", False)),
+    refuse=(("mlp_only_layers", []), ("decoder_sparse_step", 1)),
     gguf="qwen3moe")
