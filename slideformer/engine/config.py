@@ -32,7 +32,7 @@ else:  # pragma: no cover
 
 METHODS = ("full", "lora", "qlora")
 """train.method values."""
-OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto")
+OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto", "grpo")
 """train.objective values (slideformer.engine.train.objectives)."""
 
 
@@ -174,7 +174,10 @@ class TrainConfig:
     replies ({"prompt", "chosen", "rejected"} records; see [preference]): dpo (Rafailov et al.
     2023), orpo (Hong et al. 2024), simpo (Meng et al. 2024); or kto (Ethayarajh et al. 2024)
     on single replies labelled good or bad ({"prompt", "completion", "label"}).
-    train.micro_batch then counts pairs (kto: labelled replies)."""
+    train.micro_batch then counts pairs (kto: labelled replies). grpo (Shao et al. 2024):
+    replies sampled from the model being trained, scored by a reward ([grpo]); micro_batch
+    then counts sampled replies, a step holds micro_batch x grad_accum of them, grpo.group_size
+    per prompt."""
     method: str = "full"
     """full (every weight trained), lora (frozen base, trained low-rank adapters; see [lora]) or
     qlora (lora over a base quantised to 4-bit NF4 with double-quantised scales)."""
@@ -245,6 +248,31 @@ class PreferenceConfig:
 
 
 @dataclass(frozen=True)
+class GrpoConfig:
+    """Settings of train.objective = "grpo" (Group Relative Policy Optimization, Shao et al.
+    2024, "DeepSeekMath"): group_size replies are sampled per prompt from the current weights,
+    scored, and each reply's tokens are trained with its group-normalised advantage."""
+    group_size: int = 8
+    """Replies sampled per prompt (the group whose rewards normalise each other; TRL's
+    num_generations)."""
+    max_new_tokens: int = 64
+    """The longest reply sampled (a reply ends earlier at the model's end-of-turn token)."""
+    temperature: float = 1.0
+    """Sampling temperature of the replies (> 0: a group needs different replies)."""
+    top_p: float = 1.0
+    reward: str = ""
+    """A Python file defining ``reward(prompt, completion, record) -> float`` (prompt and
+    completion as text, record the data line as a dict); empty: the answer check below."""
+    answer_regex: str = r"(?s)(.*)"
+    """The answer check when no reward file is given: 1.0 when the regex's first group, found
+    in the reply, equals the record's "answer" (both stripped), else 0.0. The default compares
+    the whole reply; e.g. r"answer is (\S+)" takes the word after "answer is"."""
+    kl_beta: float = 0.0
+    """The weight of the KL penalty to the initial model (0: none, the GRPO of DAPO and Dr.
+    GRPO; only 0 is supported so far)."""
+
+
+@dataclass(frozen=True)
 class BudgetConfig:
     vram: str = "auto"
     """GPU memory budget, e.g. "24GiB"; auto = the GPU's free memory less a margin."""
@@ -288,6 +316,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GrpoConfig = field(default_factory=GrpoConfig)
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 

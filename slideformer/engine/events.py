@@ -70,6 +70,20 @@ class PairMetrics:
 
 
 @dataclass(frozen=True)
+class RolloutMetrics:
+    """A GRPO step's sampled replies (train.objective = "grpo", slideformer.engine.train.grpo)."""
+    step: int
+    reward_mean: float
+    reward_std: float
+    """Over every reply of the step."""
+    reply_tokens: float
+    """Mean tokens of a reply."""
+    rollout_s: float
+    """Time spent sampling the step's replies."""
+    time: float = field(default_factory=_now)
+
+
+@dataclass(frozen=True)
 class Span:
     """One unit of work on one resource: compute, h2d, d2h, optimizer or disk."""
     lane: str
@@ -113,8 +127,8 @@ class CheckpointSaved:
 
 
 EVENT_TYPES = {c.__name__: c for c in
-               (RunState, StepMetrics, EvalMetrics, PairMetrics, Timeline, Log, Progress,
-                CheckpointSaved)}
+               (RunState, StepMetrics, EvalMetrics, PairMetrics, RolloutMetrics, Timeline, Log,
+                Progress, CheckpointSaved)}
 
 
 def to_json(ev) -> str:

@@ -202,16 +202,35 @@ def _check_validation_uses(cfg: RunConfig) -> None:
 
 
 PREFERENCE_LOSSES = ("sigmoid", "hinge", "ipo")
-NOT_YET = {"grpo": "GRPO"}
+
+
+def _check_grpo(cfg: RunConfig) -> None:
+    """The [grpo] section (its values whatever the objective; the group against the step)."""
+    g, t = cfg.grpo, cfg.train
+    _int("grpo.group_size", g.group_size, 2, 1 << 12, " (a group of one has no spread)")
+    _int("grpo.max_new_tokens", g.max_new_tokens, 1, 1 << 16)
+    _real("grpo.temperature", g.temperature, lambda x: 0 < x <= 100, "above 0 (at most 100)")
+    _real("grpo.top_p", g.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
+    _real("grpo.kl_beta", g.kl_beta, lambda x: x == 0, "0 (the KL penalty is not built yet)")
+    if not isinstance(g.answer_regex, str) or not isinstance(g.reward, str):
+        raise UserError("grpo.answer_regex", "and grpo.reward must be text", "quote them")
+    try:
+        re.compile(g.answer_regex)
+    except re.error as e:
+        raise UserError("grpo.answer_regex", f"is not a regular expression ({e})",
+                        "fix the pattern (Python's re syntax)") from None
+    if t.objective == "grpo" and (t.micro_batch * t.grad_accum) % g.group_size:
+        raise UserError("train.micro_batch", f"x train.grad_accum = {t.micro_batch * t.grad_accum}"
+                        f" replies a step, not a whole number of groups of grpo.group_size = "
+                        f"{g.group_size}", "make micro_batch x grad_accum a multiple of the group "
+                        "size")
 
 
 def _check_objective(cfg: RunConfig) -> None:
-    """train.objective and the [preference] section; what a preference run cannot do yet."""
+    """train.objective, the [preference] and [grpo] sections; what such a run cannot do yet."""
     t, p = cfg.train, cfg.preference
-    if t.objective in NOT_YET:
-        raise UserError("train.objective", f"is {t.objective!r}: {NOT_YET[t.objective]} is not "
-                        "supported yet", f"use one of: {', '.join(OBJECTIVES)}")
     _choice("train.objective", t.objective, OBJECTIVES)
+    _check_grpo(cfg)
     _real("preference.beta", p.beta, lambda x: 0 < x <= 1e3, "above 0 (and at most 1000)")
     _real("preference.gamma", p.gamma, lambda x: abs(x) <= 1e3, "from -1000 to 1000")
     for key in ("desirable_weight", "undesirable_weight"):

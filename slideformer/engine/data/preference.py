@@ -38,6 +38,7 @@ from slideformer.engine.data.conversation import Conversation
 from slideformer.engine.data.dataset import MicroBatch
 from slideformer.engine.data.encode import encode_chats
 from slideformer.engine.data.records import Record, RecordReader, source_files
+from slideformer.engine.data.stream import same_position
 from slideformer.engine.errors import UserError
 from slideformer.engine.events import Log
 from slideformer.engine.kernels import IGNORE
@@ -305,12 +306,7 @@ class PairStream:
                 "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
 
     def load_state_dict(self, state: dict) -> None:
-        mine = self.state_dict()
-        for key in ("kind", "pairs", "per_step", "seed"):
-            if state.get(key) != mine[key]:
-                raise UserError("checkpoint data position", f"was saved with {key} = "
-                                f"{state.get(key)!r}, but this run has {mine[key]!r}",
-                                "resume with the same data and batch settings")
+        same_position(self.state_dict(), state, ("kind", "pairs", "per_step", "seed"))
         self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
 
 

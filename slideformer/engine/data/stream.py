@@ -63,13 +63,7 @@ class BatchStream:
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved position: the same batches an uninterrupted run would see."""
-        mine = self.state_dict()
-        for key in ("seed", "rows", "micro_batch", "grad_accum"):
-            if state.get(key) != mine[key]:
-                raise UserError("checkpoint data position", f"was saved with {key} = "
-                                f"{state.get(key)}, but this run has {mine[key]}",
-                                "resume with the same data and batch settings as the "
-                                "checkpointed run")
+        same_position(self.state_dict(), state, ("seed", "rows", "micro_batch", "grad_accum"))
         if not 0 <= state["step"] < self.steps_per_epoch or state["epoch"] < 0:
             raise UserError("checkpoint data position", f"step {state['step']} of epoch "
                             f"{state['epoch']} is out of range", "use an intact checkpoint")
@@ -81,3 +75,14 @@ def iterate_eval(dataset: SequenceDataset, micro_batch: int) -> Iterator[MicroBa
     """Every row of ``dataset`` in order, ``micro_batch`` at a time (the last may be smaller)."""
     for start in range(0, len(dataset), micro_batch):
         yield dataset.batch(range(start, min(start + micro_batch, len(dataset))))
+
+
+def same_position(mine: dict, state: dict, keys) -> None:
+    """Refuse a checkpoint's data position (``state``) saved with other data or batch settings
+    than this stream's (``mine``: its state_dict) in any of ``keys``."""
+    for key in keys:
+        if state.get(key) != mine[key]:
+            raise UserError("checkpoint data position", f"was saved with {key} = "
+                            f"{state.get(key)!r}, but this run has {mine[key]!r}",
+                            "resume with the same data and batch settings as the "
+                            "checkpointed run")

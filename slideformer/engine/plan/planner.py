@@ -173,11 +173,11 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     moments = torch_dtype(moments_dtype_name(o.moments_dtype))
     residual = torch_dtype(residual_dtype_name(t.precision, compute_name))
     prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2), residual)
-    pairs = t.objective != "sft"  # a preference micro-batch: 2 rows (chosen, rejected) a pair
+    pairs = t.objective not in ("sft", "grpo")  # a preference micro-batch: 2 rows a pair
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch * (1 + pairs),
                  grad_accum=t.grad_accum, precision=prec, slots=b.slots,
                  checkpoints=b.checkpoints, gpu_layers=b.gpu_layers, clip=o.max_grad_norm > 0,
-                 packed=cfg.data.packing and not pairs, method=t.method,
+                 packed=cfg.data.packing and t.objective == "sft", method=t.method,
                  regen=None if t.clip_regen == "auto" else t.clip_regen,
                  lora=None if t.method == "full" else for_model(lora_spec(cfg.lora), spec))
 

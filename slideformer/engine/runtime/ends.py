@@ -64,6 +64,25 @@ class ResidentEnds:
         tl.device_span("compute", "head", t0, self.backend.mark())
         return loss, gys
 
+    def weighted_step(self, xs, inp, weights, tl: StepTimeline):
+        """(loss, dL/dx of every micro-batch) when each row's target tokens count with the
+        row's weight (GRPO, train.grpo: ``weights`` one (rows,) tensor per micro-batch): the
+        loss is the sum over rows of weight x the row's summed cross-entropy (its value from a
+        forward pass over the head, the gradient from one weighted backward)."""
+        t0 = self.backend.mark()
+        w, gw, nw, gnorm = self._head_weights()
+        loss = torch.zeros((), dtype=torch.float32, device=self.backend.device)
+        gys = []
+        for x, (_, labels, _), row_w in zip(xs, inp, weights):
+            row_w = row_w.to(self.backend.device, torch.float32)
+            with torch.no_grad():
+                h = final_norm(self.spec, nw, x, self.dtype)
+                loss += (linear_ce_rows(h, w, labels, self.shape.head_chunk).sum(1) * row_w).sum()
+            scale = row_w[:, None].expand(labels.shape).contiguous()  # (rows, T)
+            gys.append(self._head_backward(x, labels, w, gw, nw, gnorm, scale)[1])
+        tl.device_span("compute", "head", t0, self.backend.mark())
+        return loss, gys
+
     def preference_step(self, xs, inp, references, tl: StepTimeline, desirable=None):
         """(loss, dL/dx of every micro-batch, PairStats) of a preference objective.
 

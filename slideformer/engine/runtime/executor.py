@@ -285,6 +285,9 @@ class SlidingExecutor(ResidentEnds):
         pairs = None
         if self.objective is None:
             loss, gys = self.head_step(xs, inp, scale, tl)
+        elif self.objective[0] == "grpo":
+            loss, gys = self.weighted_step(
+                xs, inp, [mb.weights for mb in self.group.mine(micro_batches)], tl)
         else:
             mine = self.group.mine(micro_batches)
             loss, gys, pairs = self.preference_step(

@@ -68,18 +68,26 @@ def write_adapter(out_dir: Path | str, host, spec: ModelSpec, lora: LoraSpec, ba
         raise
 
 
+def merged_item(host, spec: ModelSpec, lora: LoraSpec, name: str) -> torch.Tensor:
+    """Item ``name`` of the merged model as one fp32 flat tensor: the base's weights, a layer's
+    adapters folded in (W + s B A)."""
+    flat = host[name].master()
+    if name.startswith("layer"):
+        weights = item_layout(spec, name).views(flat)
+        item = host[adapter_name(int(name[5:]))]
+        ad = item.layout.views(item.master())
+        for t in lora.targets:
+            w = PROJECTIONS[t]
+            weights[w + ".weight"] += lora.scaling * (ad[w + ".lora_B.weight"]
+                                                      @ ad[w + ".lora_A.weight"])
+    return flat
+
+
 def merged_tensors(host, spec: ModelSpec, lora: LoraSpec):
     """(checkpoint name, fp32 tensor) of the merged model, one item materialised at a time."""
     for name in item_names(spec):
-        weights = item_layout(spec, name).views(host[name].master())
-        if name.startswith("layer"):
-            item = host[adapter_name(int(name[5:]))]
-            ad = item.layout.views(item.master())
-            for t in lora.targets:
-                w = PROJECTIONS[t]
-                weights[w + ".weight"] += lora.scaling * (ad[w + ".lora_B.weight"]
-                                                          @ ad[w + ".lora_A.weight"])
-        yield from stored_views(spec, name, weights)
+        yield from stored_views(spec, name, item_layout(spec, name).views(
+            merged_item(host, spec, lora, name)))
         pause_at("merged.item")
 
 

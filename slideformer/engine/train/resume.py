@@ -114,6 +114,13 @@ RULES: dict[str, Rule] = {
     "preference.gamma": Rule(False, "a hyperparameter of the loss to come"),
     "preference.desirable_weight": Rule(False, "a hyperparameter of the loss to come"),
     "preference.undesirable_weight": Rule(False, "a hyperparameter of the loss to come"),
+    "grpo.group_size": Rule(False, "a setting of the steps to come"),
+    "grpo.max_new_tokens": Rule(False, "a setting of the steps to come"),
+    "grpo.temperature": Rule(False, "a setting of the steps to come"),
+    "grpo.top_p": Rule(False, "a setting of the steps to come"),
+    "grpo.reward": Rule(False, "the reward of the steps to come"),
+    "grpo.answer_regex": Rule(False, "the reward of the steps to come"),
+    "grpo.kl_beta": Rule(False, "a hyperparameter of the loss to come"),
     "budget.vram": Rule(False, _PLACEMENT),
     "budget.ram": Rule(False, _PLACEMENT),
     "budget.slots": Rule(False, _PLACEMENT),
@@ -214,7 +221,9 @@ def _applies(key: str, old: dict) -> bool:
     if key.startswith("lora."):
         return train.get("method", "full") != "full"
     if key.startswith("preference."):
-        return train.get("objective", "sft") != "sft"
+        return train.get("objective", "sft") not in ("sft", "grpo")
+    if key.startswith("grpo."):
+        return train.get("objective", "sft") == "grpo"
     return True
 
 

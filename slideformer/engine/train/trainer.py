@@ -29,8 +29,9 @@ from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shap
 from slideformer.engine.devices import (compute_dtype_name, device_kind, moments_dtype_name,
                                         residual_dtype_name, torch_dtype)
 from slideformer.engine.errors import UserError
-from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, PairMetrics, RunState,
-                                      StepMetrics, Timeline, read_events)
+from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, PairMetrics,
+                                      RolloutMetrics, RunState, StepMetrics, Timeline,
+                                      read_events)
 from slideformer.engine.kernels import cpu_adam
 from slideformer.engine.kernels.attention import take_flex_fallback
 from slideformer.engine.models.lora import for_model
@@ -184,7 +185,10 @@ class Trainer:
                                  self.backend.is_cuda)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
                                         self.lora, cfg.train.seed, self.ranks.group, residual)
-        if cfg.train.objective != "sft":
+        if cfg.train.objective == "grpo":
+            self.executor.objective = ("grpo", cfg.grpo)
+            self.stream.policy = self._sample
+        elif cfg.train.objective != "sft":
             self.executor.objective = (cfg.train.objective, cfg.preference)
         if cpu_adam.unavailable_reason() and self.lora is None:
             self.emit(Log("warning", f"compiled CPU AdamW unavailable "
@@ -325,6 +329,15 @@ class Trainer:
 
     def _prepare_data(self):
         from slideformer.engine.data import BatchStream, prepare_data
+        if self.cfg.train.objective == "grpo":
+            from slideformer.engine.data.chat import ChatRenderer
+            from slideformer.engine.train.grpo import GrpoStream, read_prompts
+            d, t = self.cfg.data, self.cfg.train
+            prompts = read_prompts(d, self.tok, ChatRenderer(self.tok, d.chat_template,
+                                                             d.enable_thinking))
+            self.emit(Log("info", f"{d.train}: {len(prompts):,} prompts"))
+            return prompts, GrpoStream(prompts, self.cfg.grpo, t.micro_batch, t.grad_accum,
+                                       d.seed, d.max_seq_len, self.tok.pad_id or 0, self.tok)
         if self.cfg.train.objective != "sft":
             from slideformer.engine.data.preference import PairStream, read_pairs
             pairs = read_pairs(self.cfg.data, self.tok, self.emit, self.cfg.train.objective == "kto")
@@ -338,6 +351,32 @@ class Trainer:
                                      grad_accum=t.grad_accum, seed=self.cfg.data.seed)
 
     # ---- training ---------------------------------------------------------------------------
+    _rollout = (None, None)
+    """(step, ResidentWeights) the replies of that step are sampled with."""
+
+    def _sample(self, prompt: list[int], seed: int) -> tuple[list[int], bool]:
+        """One GRPO reply to ``prompt`` from the weights being trained (train.grpo)."""
+        from slideformer.engine.generate.sampling import SamplingConfig
+        from slideformer.engine.generate.session import end_of_turn_ids
+        from slideformer.engine.generate.window import ResidentWeights
+        from slideformer.engine.train.grpo import PolicyReader, sample_reply
+        step, weights = self._rollout
+        if step != self.step:  # the weights of this step: the updates done, read once
+            self._rollout = (None, None)
+            self.executor.drain()
+            weights = ResidentWeights(self.spec, PolicyReader(self.host, self.lora), self.dtype,
+                                      self.backend)
+            self._rollout = (self.step, weights)
+            stops = {self.tok.eos_id} if self.tok.eos_id is not None else set()
+            self._stops = frozenset(stops | end_of_turn_ids(self.tok))
+        g = self.cfg.grpo
+        cfg = SamplingConfig(temperature=g.temperature, top_p=g.top_p,
+                             max_new_tokens=min(g.max_new_tokens,
+                                                self.cfg.data.max_seq_len - len(prompt)),
+                             seed=seed)
+        return sample_reply(self.spec, weights, prompt, cfg, self._stops, self.backend.device,
+                            self.dtype)
+
     def hyper(self, coef: float) -> AdamHyper:
         o = self.cfg.optim
         return AdamHyper(lr=lr_at(self.step + 1, self.total_steps, o), beta1=o.beta1,
@@ -407,6 +446,10 @@ class Trainer:
         if out.pairs is not None and not out.skipped:
             p = out.pairs
             self.emit(PairMetrics(self.step, p.accuracy, p.chosen, p.rejected, p.margin))
+        rollout = getattr(self.stream, "last", None)
+        if rollout is not None:
+            self.emit(RolloutMetrics(self.step, rollout.reward_mean, rollout.reward_std,
+                                     rollout.reply_tokens, rollout.seconds))
         notice = take_flex_fallback()
         if notice:
             self.emit(Log("warning", notice))

@@ -230,7 +230,7 @@ def test_bad_records_are_refused_naming_the_record(make, root, record, says):
 
 def test_preference_settings_that_cannot_work_are_refused(make):
     from slideformer.engine.validate import validate
-    for over, key in (({"train.objective": "grpo"}, "train.objective"),
+    for over, key in (({"train.objective": "ppo"}, "train.objective"),
                       ({"data.val_fraction": 0.1}, "data.val_fraction"),
                       ({"preference.beta": 0.0}, "preference.beta"),
                       ({"preference.loss": "sigmod"}, "preference.loss")):

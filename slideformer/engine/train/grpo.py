@@ -1,0 +1,296 @@
+"""GRPO (Group Relative Policy Optimization; Shao et al. 2024, "DeepSeekMath", section 4.1).
+
+For each prompt q of a step, G = grpo.group_size replies o_1..o_G are sampled from the weights
+being trained and scored r_i by the reward. A reply's advantage is its reward normalised within
+its group (TRL's GRPOTrainer: the unbiased standard deviation, 1e-4 added):
+
+    A_i = (r_i - mean_j r_j) / (std_j r_j + 1e-4)
+
+The step then takes one optimizer step on these replies (on-policy: the importance ratio of the
+clipped surrogate is 1, its gradient A_i grad log pi), the loss over the step's P prompts being
+
+    L = -1 / (P G) * sum_q sum_i 1 / |o_i| * sum_t A_i log pi(o_i,t | q, o_i,<t)
+
+so every reply token's cross-entropy is weighted A_i / (P G |o_i|): one weighted cross-entropy
+backward over the head gives the exact gradient (runtime.ends). A reply's tokens are the sampled
+ids themselves (never re-tokenised text), its stop token included when it stopped: the model
+learns to end its replies. The KL penalty to the initial model (grpo.kl_beta) is not built:
+only 0 is accepted. The loss's value is near zero by construction (a group's advantages sum to
+zero); the run reports the rewards (RolloutMetrics).
+
+Prompts (``data.train``): ``{"prompt": str or messages, "answer": str, ...}``, or a chat record
+``{"messages": [..., assistant]}`` whose last reply is the answer and the rest the prompt (the
+SFT demo task trains as is). A plain-string prompt is BOS + its tokens; messages are rendered
+with the chat template and the generation prompt.
+
+Rewards: a Python file (``grpo.reward``) defining ``reward(prompt, completion, record) ->
+float``, or the answer check: 1.0 when the first group of ``grpo.answer_regex`` found in the
+reply equals the record's answer, both stripped.
+
+Replies are sampled with a seed per (data seed, epoch, step of the epoch, prompt, reply), so a
+resumed run samples what the uninterrupted one sampled. Sampling holds the model's weights
+resident on the training device, one sequence at a time with a KV cache: the tiny and small
+models this objective has been run with so far, not 8B and up (not built: batched, streamed
+rollouts).
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from slideformer.engine.config import DataConfig, GrpoConfig
+from slideformer.engine.data.chat import ChatRenderer
+from slideformer.engine.data.dataset import MicroBatch
+from slideformer.engine.data.records import Record, RecordReader, source_files
+from slideformer.engine.data.stream import same_position
+from slideformer.engine.errors import UserError
+from slideformer.engine.generate.cache import KVCache
+from slideformer.engine.generate.decoder import forward
+from slideformer.engine.generate.sampling import SamplingConfig, next_token
+from slideformer.engine.kernels import IGNORE
+
+_FIX = ('write each record as {"prompt": ..., "answer": ...} (the prompt a string or a list of '
+        'messages), or as {"messages": [...]} ending with the assistant\'s answer')
+
+
+@dataclass(frozen=True)
+class Prompt:
+    ids: list[int]
+    """The prompt's tokens, ready for the reply."""
+    text: str
+    """The prompt as the reward sees it (the rendered conversation, or the string)."""
+    answer: str | None
+    record: dict
+    where: str
+
+
+@dataclass
+class GrpoBatch(MicroBatch):
+    """Sampled replies, one a row after its prompt; ``weights`` (rows,) A_i / (P G |o_i|)."""
+
+    weights: torch.Tensor = None
+
+
+@dataclass(frozen=True)
+class RolloutStats:
+    reward_mean: float
+    reward_std: float
+    """Over every reply of the step."""
+    reply_tokens: float
+    """Mean tokens of a reply."""
+    seconds: float
+    """Sampling time of the step."""
+
+
+# ---- prompts ------------------------------------------------------------------------------------
+def read_prompts(cfg: DataConfig, tok, renderer: ChatRenderer) -> list[Prompt]:
+    """Every prompt of ``cfg.train`` (see the module docstring), checked and tokenized."""
+    prompts = [_prompt(rec, tok, renderer, cfg.max_seq_len)
+               for rec in RecordReader(source_files(cfg.train), cfg.max_samples)]
+    if not prompts:
+        raise UserError(cfg.train, "holds no prompts", _FIX)
+    return prompts
+
+
+def _prompt(rec: Record, tok, renderer: ChatRenderer, limit: int) -> Prompt:
+    v = rec.value
+    if not isinstance(v, dict):
+        raise UserError(rec.where, "is not a prompt record (a JSON object)", _FIX)
+    prompt, answer = v.get("prompt"), v.get("answer")
+    if prompt is None and isinstance(v.get("messages"), list) and v["messages"]:
+        *prompt, last = v["messages"]
+        if not isinstance(last, dict) or last.get("role") != "assistant":
+            raise UserError(rec.where, "has messages that do not end with the assistant's "
+                            "answer", _FIX)
+        answer = last.get("content") if answer is None else answer
+    if answer is not None and not isinstance(answer, str):
+        raise UserError(rec.where, f"has an 'answer' that is {type(answer).__name__}, not text",
+                        "write the answer as a string")
+    if isinstance(prompt, str) and prompt:
+        bos = [tok.bos_id] if tok.bos_id is not None else []
+        ids, text = bos + tok.tok.encode(prompt, add_special_tokens=False).ids, prompt
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in prompt):
+        try:
+            text = tok.render_chat(prompt, add_generation_prompt=True)
+        except UserError as e:
+            raise UserError(rec.where, f"cannot be rendered with the chat template ({e.problem})",
+                            "fix the record's messages") from None
+        ids = tok.encode(text)
+    else:
+        raise UserError(rec.where, "has no prompt (a non-empty string or list of "
+                        "{\"role\", \"content\"} messages)", _FIX)
+    if len(ids) >= limit:
+        raise UserError(rec.where, f"has a prompt of {len(ids):,} tokens, which leaves no room "
+                        f"for a reply within data.max_seq_len = {limit:,}",
+                        "raise data.max_seq_len, or shorten or remove the record")
+    return Prompt(ids, text, answer, v, rec.where)
+
+
+# ---- rewards ------------------------------------------------------------------------------------
+def reward_function(cfg: GrpoConfig, prompts: list[Prompt]) -> Callable[[Prompt, str], float]:
+    """``score(prompt, completion) -> float`` from grpo.reward's file, or the answer check."""
+    if cfg.reward:
+        return _file_reward(Path(cfg.reward).expanduser())
+    missing = next((p for p in prompts if p.answer is None), None)
+    if missing is not None:
+        raise UserError(missing.where, "has no 'answer' for the answer check",
+                        "give every record an \"answer\", or a reward file (grpo.reward)")
+    pattern = re.compile(cfg.answer_regex)
+
+    def check(p: Prompt, completion: str) -> float:
+        m = pattern.search(completion)
+        got = (m.group(1) if m and m.groups() else m.group(0) if m else None)
+        return float(got is not None and got.strip() == p.answer.strip())
+    return check
+
+
+def _file_reward(path: Path) -> Callable[[Prompt, str], float]:
+    fix = "define reward(prompt, completion, record) -> float in that file"
+    if not path.is_file():
+        raise UserError(path, "is not a file (grpo.reward)", fix)
+    spec = importlib.util.spec_from_file_location("slideformer_grpo_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's code: any error is theirs to fix, named
+        raise UserError(path, f"failed to load: {type(e).__name__}: {e}", fix) from None
+    fn = getattr(module, "reward", None)
+    if not callable(fn):
+        raise UserError(path, "defines no reward function", fix)
+
+    def call(p: Prompt, completion: str) -> float:
+        try:
+            r = fn(p.text, completion, p.record)
+        except Exception as e:
+            raise UserError(path, f"reward() raised {type(e).__name__}: {e} on the record "
+                            f"{p.where}", "make reward() return a number for every record") \
+                from None
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+            raise UserError(path, f"reward() returned {r!r} for the record {p.where}",
+                            "return a finite number")
+        return float(r)
+    return call
+
+
+def advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(P, G) group-normalised advantages of (P, G) rewards (module docstring)."""
+    mean, std = rewards.mean(1, keepdim=True), rewards.std(1, keepdim=True)
+    return (rewards - mean) / (std + 1e-4)
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+@torch.no_grad()
+def sample_reply(spec, weights, prompt: list[int], cfg: SamplingConfig, stop_ids: frozenset,
+                 device, dtype) -> tuple[list[int], bool]:
+    """(the reply's token ids, whether it ended with a stop token, which is the last id)."""
+    cache = KVCache(spec, len(prompt) + cfg.max_new_tokens, dtype, device)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    logits = forward(spec, weights, torch.tensor([prompt], device=device), cache)
+    out: list[int] = []
+    while len(out) < cfg.max_new_tokens:
+        tok = next_token(logits, cfg, gen)
+        out.append(tok)
+        if tok in stop_ids:
+            return out, True
+        logits = forward(spec, weights, torch.tensor([[tok]], device=device), cache)
+    return out, False
+
+
+def replies_batch(prompts: list[Prompt], replies: list[list[int]], adv: torch.Tensor,
+                  seq_len: int, pad_id: int, P: int, G: int) -> GrpoBatch:
+    """Row r: ``prompts[r]`` + ``replies[r]`` (cut at ``seq_len``), the reply's tokens the
+    targets, weighted ``adv[r]`` / (P G |o_r|)."""
+    ids = np.full((len(replies), seq_len), pad_id, np.int64)
+    labels = np.full((len(replies), seq_len), IGNORE, np.int64)
+    weights = torch.zeros(len(replies))
+    for r, (prompt, reply) in enumerate(zip(prompts, replies)):
+        start = len(prompt.ids)
+        row = (prompt.ids + reply)[:seq_len]
+        ids[r, :len(row)] = row
+        labels[r, start - 1:len(row) - 1] = row[start:]
+        weights[r] = float(adv[r]) / (P * G * max(len(row) - start, 1))
+    return GrpoBatch(torch.from_numpy(ids), torch.from_numpy(labels), None, weights=weights)
+
+
+class PolicyReader:
+    """The weights being trained, for sampling (generate.window's reader protocol): each item's
+    fp32 master from the host state (dequantised for a QLoRA base), a LoRA run's adapters folded
+    in. The executor must be drained first (its updates finished, device items pulled)."""
+
+    def __init__(self, host: dict, lora):
+        self.host, self.lora = host, lora
+
+    def read_item(self, spec, item: str, out: torch.Tensor) -> torch.Tensor:
+        from slideformer.engine.train.lora_export import merged_item
+        flat = self.host[item].master() if self.lora is None else \
+            merged_item(self.host, spec, self.lora, item)
+        return out.copy_(flat)
+
+    def close(self) -> None:
+        pass
+
+
+class GrpoStream:
+    """Steps of P = micro_batch x grad_accum / G prompts, each sampled G times by ``policy``
+    (set by the trainer: ``policy(prompt_ids, seed) -> (reply ids, stopped)`` with the current
+    weights); the prompts reshuffled (seeded) every epoch. Its position is a checkpoint's
+    ``data`` entry, as the other streams'."""
+
+    def __init__(self, prompts: list[Prompt], cfg: GrpoConfig, micro_batch: int,
+                 grad_accum: int, seed: int, seq_len: int, pad_id: int, tok):
+        self.prompts, self.cfg, self.tok = prompts, cfg, tok
+        self.micro_batch, self.seed, self.seq_len, self.pad_id = micro_batch, seed, seq_len, pad_id
+        self.G = cfg.group_size
+        self.P = micro_batch * grad_accum // self.G
+        if len(prompts) < self.P:
+            raise UserError("train.micro_batch", f"x train.grad_accum / grpo.group_size is "
+                            f"{self.P} prompts a step, but the data holds {len(prompts)}",
+                            "lower train.micro_batch or train.grad_accum, or add prompts")
+        self.steps_per_epoch = len(prompts) // self.P
+        self.epoch, self.pos = 0, 0
+        self.reward = reward_function(cfg, prompts)
+        self.policy: Callable | None = None
+        self.last: RolloutStats | None = None
+
+    def next_step(self) -> list[GrpoBatch]:
+        import time
+        if self.pos >= self.steps_per_epoch:
+            self.epoch, self.pos = self.epoch + 1, 0
+        order = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.prompts))
+        chosen = [self.prompts[i] for i in order[self.pos * self.P:(self.pos + 1) * self.P]]
+        t0 = time.perf_counter()
+        replies, scores = [], []
+        for q, p in enumerate(chosen):
+            for g in range(self.G):
+                seed = int(np.random.default_rng([self.seed, self.epoch, self.pos, q, g])
+                           .integers(1 << 62))
+                ids, stopped = self.policy(p.ids, seed)
+                replies.append(ids)
+                text = self.tok.decode(ids[:-1] if stopped else ids)
+                scores.append(self.reward(p, text))
+        self.pos += 1
+        rewards = torch.tensor(scores, dtype=torch.float64).view(self.P, self.G)
+        adv = advantages(rewards).view(-1)
+        self.last = RolloutStats(float(rewards.mean()), float(rewards.std(unbiased=False)),
+                                 float(np.mean([len(r) for r in replies])),
+                                 time.perf_counter() - t0)
+        m, rows = self.micro_batch, [chosen[r // self.G] for r in range(len(replies))]
+        return [replies_batch(rows[i:i + m], replies[i:i + m], adv[i:i + m], self.seq_len,
+                              self.pad_id, self.P, self.G) for i in range(0, len(replies), m)]
+
+    def state_dict(self) -> dict:
+        return {"kind": "grpo", "prompts": len(self.prompts), "per_step": self.P,
+                "seed": self.seed, "epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        same_position(self.state_dict(), state, ("kind", "prompts", "per_step", "seed"))
+        self.epoch, self.pos = int(state["epoch"]), int(state["pos"])
