@@ -42,7 +42,8 @@ from slideformer.engine.gguf.kinds import EXPORT_KINDS as GGUF_EXPORT_TYPES
 from slideformer.engine.gguf.ollama import OllamaResult, send_to_ollama
 from slideformer.engine.gguf.ollama import default_name as ollama_model_name
 from slideformer.engine.validate import validate
-from slideformer.engine.events import (CheckpointSaved, EvalMetrics, Log, PairMetrics, Progress, RunState, Span,
+from slideformer.engine.events import (CheckpointSaved, EvalMetrics, Log, PairMetrics, Progress,
+                                      RolloutMetrics, RunState, Span,
                            StepMetrics, Timeline, from_json, read_events)
 from slideformer.engine.models.commands import format_count, model_report as inspect_model
 from slideformer.engine.models.discover import Fit, FoundModel, discover_models
@@ -71,7 +72,8 @@ __all__ = [
     # errors
     "UserError",
     # events
-    "CheckpointSaved", "EvalMetrics", "Log", "PairMetrics", "Progress", "RunState", "Span", "StepMetrics",
+    "CheckpointSaved", "EvalMetrics", "Log", "PairMetrics", "Progress", "RolloutMetrics", "RunState",
+    "Span", "StepMetrics",
     "Timeline", "from_json", "read_events",
     # plans and the machine
     "PRESETS", "REFERENCE", "Allocation", "Budgets", "Fix", "GpuMemory", "HardwareProfile",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.events import EvalMetrics, PairMetrics, StepMetrics
+from slideformer.engine.events import EvalMetrics, PairMetrics, RolloutMetrics, StepMetrics
 
 TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
 """output.report_to values."""
@@ -55,6 +55,9 @@ def metrics_of(ev) -> dict[str, float] | None:
     if isinstance(ev, PairMetrics):
         return {f"pairs/{k}": float(getattr(ev, k))
                 for k in ("accuracy", "chosen_reward", "rejected_reward", "margin")}
+    if isinstance(ev, RolloutMetrics):
+        return {f"grpo/{k}": float(getattr(ev, k))
+                for k in ("reward_mean", "reward_std", "reply_tokens", "rollout_s")}
     return None
 
 

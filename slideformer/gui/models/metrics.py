@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from slideformer.engine.api import EvalMetrics, PairMetrics, StepMetrics
+from slideformer.engine.api import EvalMetrics, PairMetrics, RolloutMetrics, StepMetrics
 
-COLUMNS = ("step", "loss", "smooth", "lr", "grad_norm", "tokens_per_s", "step_time",
-           "peak_vram", "peak_ram", "chosen_reward", "rejected_reward", "margin", "accuracy")
-PAIR_COLUMNS = COLUMNS[-4:]
+PAIR_COLUMNS = ("chosen_reward", "rejected_reward", "margin", "accuracy")
 """A preference run's columns (PairMetrics): NaN in a supervised run's rows."""
+COLUMNS = ("step", "loss", "smooth", "lr", "grad_norm", "tokens_per_s", "step_time",
+           "peak_vram", "peak_ram", *PAIR_COLUMNS, "reward_mean")
+"""``reward_mean``: a GRPO run's mean reward of the step's replies (RolloutMetrics)."""
 SMOOTHING = 0.9
 """Weight of the past in the smoothed loss (an exponential moving average, bias-corrected, as
 TensorBoard draws it)."""
@@ -55,6 +56,8 @@ class StepHistory:
         """Bumped on every change: the plots repaint only when it moved."""
         self.has_pairs = False
         """The run reports preference rewards (PairMetrics)."""
+        self.has_rollouts = False
+        """The run reports sampled replies' rewards (RolloutMetrics, GRPO)."""
 
     def __len__(self) -> int:
         return self._n
@@ -63,9 +66,15 @@ class StepHistory:
         return self._rows[:self._n, COLUMNS.index(name)]
 
     def add(self, ev) -> None:
-        """Take a StepMetrics, EvalMetrics or PairMetrics event (others are ignored)."""
+        """Take a StepMetrics, EvalMetrics, PairMetrics or RolloutMetrics event (others are
+        ignored)."""
         if isinstance(ev, StepMetrics):
             self._add_step(ev)
+        elif isinstance(ev, RolloutMetrics):
+            if self._n and self._rows[self._n - 1, 0] == ev.step:  # its step's row (kept)
+                self._rows[self._n - 1, COLUMNS.index("reward_mean")] = ev.reward_mean
+            self.has_rollouts = True
+            self.version += 1
         elif isinstance(ev, PairMetrics):
             if self._n and self._rows[self._n - 1, 0] == ev.step:  # its step's row (kept)
                 at = COLUMNS.index(PAIR_COLUMNS[0])
@@ -102,7 +111,7 @@ class StepHistory:
         smooth = ema / (1 - SMOOTHING ** n) if n else math.nan
         self._rows[self._n] = (ev.step, _nan(ev.loss), smooth, ev.lr, _nan(ev.grad_norm),
                                _nan(ev.tokens_per_s), ev.step_time, _nan(ev.peak_vram),
-                               _nan(ev.peak_ram), *[math.nan] * len(PAIR_COLUMNS))
+                               _nan(ev.peak_ram), *[math.nan] * (len(PAIR_COLUMNS) + 1))
         self._n += 1
 
     def _rewind(self, step: int) -> None:

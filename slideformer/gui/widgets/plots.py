@@ -63,6 +63,7 @@ METRICS = {
     "rewards": Metric("Rewards", (Line("chosen_reward", "", GREEN),
                                   Line("rejected_reward", "", RED),
                                   Line("margin", "margin", BLUE)), "{:.2f}", "implicit reward"),
+    "reward": Metric("Reward", (Line("reward_mean", "mean", GREEN),), "{:.3f}", "reward"),
     "memory": Metric("Peak memory", (Line("peak_vram", "VRAM", BLUE, scale=GIB),
                                      Line("peak_ram", "RAM", TEAL, scale=GIB)), "{:.2f}", "GiB",
                      "GiB"),

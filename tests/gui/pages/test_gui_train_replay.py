@@ -109,6 +109,19 @@ def test_a_preference_run_shows_its_rewards_in_place_of_the_learning_rate(qtbot,
     assert page.dashboard.corner.currentWidget() is page.dashboard.plots["lr"]
 
 
+def test_a_grpo_run_shows_its_mean_reward_in_place_of_the_learning_rate(qtbot, page):
+    from slideformer.engine.events import RolloutMetrics
+    rolls = [RolloutMetrics(n, 0.02 * n, 0.1, 8.0, 0.05, time=1000.0 + n) for n in range(1, 21)]
+    events = recorded_run()
+    page._on_events([e for ev in events for e in
+                     ([ev] + [rolls[ev.step - 1]] if isinstance(ev, StepMetrics) else [ev])])
+    page.dashboard.repaint_all()
+    assert page.dashboard.corner.currentWidget() is page.dashboard.plots["reward"]
+    x, mean = page.dashboard.plots["reward"].curves[0].getData()
+    assert list(x) == list(range(1, 21)) and list(mean) == pytest.approx([r.reward_mean for r in rolls])
+    assert "0.400" in page.dashboard.plots["reward"].value.text()
+
+
 def test_history_keeps_a_long_run_by_halving_and_restarts_after_a_rewind():
     h = StepHistory(capacity=16)
     for n in range(1, 101):

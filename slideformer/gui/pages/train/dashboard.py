@@ -16,8 +16,8 @@ from PySide6.QtGui import QFont
 from PySide6.QtWidgets import (QGridLayout, QLabel, QPlainTextEdit, QProgressBar, QStackedWidget,
                                QTabWidget, QVBoxLayout, QWidget)
 
-from slideformer.engine.api import CheckpointSaved, EvalMetrics, Log, PairMetrics, Progress, RunState, StepMetrics, \
-    Timeline
+from slideformer.engine.api import (CheckpointSaved, EvalMetrics, Log, PairMetrics, Progress,
+                                   RolloutMetrics, RunState, StepMetrics, Timeline)
 from slideformer.gui.models.formatting import short_path
 from slideformer.gui.models.runs import LOG_FILE
 from slideformer.gui.models.metrics import StepHistory, format_seconds, now, progress, \
@@ -82,9 +82,10 @@ class Dashboard(QWidget):
         grid = QGridLayout()
         grid.setSpacing(8)
         grid.addWidget(self.plots["loss"], 0, 0, 1, 2)
-        self.corner = QStackedWidget()  # learning rate; a preference run's rewards instead
+        self.corner = QStackedWidget()  # learning rate; a preference or GRPO run's rewards
         self.corner.addWidget(self.plots["lr"])
         self.corner.addWidget(self.plots["rewards"])
+        self.corner.addWidget(self.plots["reward"])
         grid.addWidget(self.corner, 0, 2)
         grid.addWidget(self.plots["grad_norm"], 1, 0)
         grid.addWidget(self.plots["tokens_per_s"], 1, 1)
@@ -135,9 +136,10 @@ class Dashboard(QWidget):
         """Take new events of the run (the page handles RunState; here it is only logged)."""
         self._last_event_at = now()
         for ev in events:
-            if isinstance(ev, (StepMetrics, EvalMetrics, PairMetrics)):
+            if isinstance(ev, (StepMetrics, EvalMetrics, PairMetrics, RolloutMetrics)):
                 self.history.add(ev)
-                self.corner.setCurrentIndex(int(self.history.has_pairs))
+                self.corner.setCurrentIndex(2 if self.history.has_rollouts
+                                            else int(self.history.has_pairs))
                 if isinstance(ev, StepMetrics):
                     self._step_times[ev.step] = ev.step_time
             elif isinstance(ev, Timeline):
