@@ -38,7 +38,8 @@ from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.budget import Budgets
 from slideformer.engine.plan.frozen import frozen_allocations, frozen_estimate
 from slideformer.engine.plan.hardware import HardwareProfile
-from slideformer.engine.plan.memory import Allocation, Precision, allocations, peak, peak_phase
+from slideformer.engine.plan.memory import (Allocation, Precision, allocations, peak, peak_phase,
+                                           rollout_allocations)
 from slideformer.engine.plan.speed import SpeedEstimate, estimate
 from slideformer.engine.runtime.shapes import ExecShape, speculative_layers
 
@@ -84,6 +85,9 @@ class Knobs:
     """The adapters' slideformer.engine.models.lora.LoraSpec (lora, qlora)."""
     regen: int | None = None
     """Regenerated layers with clipping (train.clip_regen); None: the planner's choice."""
+    rollout: bool = False
+    """GRPO (train.objective): the model is also held resident to sample replies between steps
+    (memory.rollout_allocations)."""
     speculate: bool = True
     """Speculative layers with clipping; False: a rank of a data-parallel run, which has none
     (slideformer.engine.dist.ranks.rank_shape)."""
@@ -185,6 +189,8 @@ class Evaluator:
         else:
             allocs = frozen_allocations(self.spec, shape, k.precision, self.device, k.packed,
                                         k.method, k.lora, disk_layers)
+        if k.rollout:
+            allocs = (*allocs, *rollout_allocations(self.spec, k.precision, k.seq_len))
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),

@@ -13,7 +13,9 @@ Phases say when memory is held, so peaks are not the plain sum of everything:
   step      allocated at the start of each step, freed at its end
   dequant, forward, head, backward   live only within that part of a step (dequant: an NF4
             layer's dequantisation, before its forward or recompute)
-peak = max(state + setup, state + run + step + max(dequant, forward, head, backward)).
+  rollout   GRPO's sampling between steps (:func:`rollout_allocations`)
+peak = max(state + setup, state + run + step + max(dequant, forward, head, backward),
+           state + run + rollout).
 
 The step's transient terms (slideformer.engine.plan.transients) were checked against allocator
 traces of the real functions (CPU: profiler memory events, tests/engine/plan/test_plan_memory.py
@@ -40,7 +42,7 @@ from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 
 MiB = 1 << 20
 TIERS = ("gpu", "host", "disk")
-PHASES = ("state", "setup", "run", "step", "dequant", "forward", "head", "backward")
+PHASES = ("state", "setup", "run", "step", "dequant", "forward", "head", "backward", "rollout")
 STEP_PARTS = ("forward", "head", "backward", "dequant")  # ties name the first
 
 # Measured on the reference GPU machine (torch 2.11, CUDA 13, H200), 2026-11-29:
@@ -309,12 +311,33 @@ def peak(allocs, tiers: tuple[str, ...], with_reclaimable: bool = False) -> int:
     s = _by_phase(allocs, tiers, with_reclaimable)
     loading_ = s["state"] + s["setup"]
     training = s["state"] + s["run"] + s["step"] + max(s[p] for p in STEP_PARTS)
-    return max(loading_, training)
+    return max(loading_, training, s["state"] + s["run"] + s["rollout"])
 
 
 def peak_phase(allocs, tiers: tuple[str, ...]) -> str:
-    """The phase at which ``tiers`` peak: setup, forward, head or backward."""
+    """The phase at which ``tiers`` peak: setup, forward, head, backward or rollout."""
     s = _by_phase(allocs, tiers, False)
-    if s["setup"] > s["run"] + s["step"] + max(s[p] for p in STEP_PARTS):
+    step = s["run"] + s["step"] + max(s[p] for p in STEP_PARTS)
+    if s["setup"] > step and s["setup"] >= s["run"] + s["rollout"]:
         return "setup"
+    if s["rollout"] > s["step"] + max(s[p] for p in STEP_PARTS):
+        return "rollout"
     return max(STEP_PARTS, key=lambda p: s[p])
+
+
+def rollout_allocations(spec: ModelSpec, prec: Precision, seq_len: int) -> list[Allocation]:
+    """GRPO's sampling between steps (slideformer.engine.train.grpo; train.trainer._sample): the
+    whole model resident on the device in the compute dtype (generate.window.ResidentWeights,
+    read from the host state one item at a time as fp32 masters: the largest item's copy, two
+    for a LoRA merge), and one reply's KV cache of at most ``seq_len`` tokens
+    (generate.cache.KVCache). Freed before the step trains."""
+    c, L = prec.c, spec.num_layers
+    item = max(spec.params_per_layer, spec.embed_layout.numel, spec.head_layout.numel)
+    kv = 2 * L * spec.num_kv_heads * spec.head_dim * seq_len * c
+    return [Allocation("gpu", "sampling: the weights resident", spec.num_params * c,
+                       f"{spec.num_params:,} parameters x {c} B", "rollout"),
+            Allocation("gpu", "sampling: one reply's KV cache", kv,
+                       f"2 x {L} layers x {spec.num_kv_heads} x {spec.head_dim} x {seq_len} "
+                       f"tokens x {c} B", "rollout"),
+            Allocation("host", "sampling: an item read as fp32", 2 * item * 4,
+                       f"the largest item ({item:,}) x 4 B, and its merged copy", "rollout")]

@@ -5,7 +5,8 @@ from slideformer.engine.plan.planner import Plan
 
 GiB = 1 << 30
 _PHASE = {"state": "held", "setup": "loading", "run": "held", "step": "step",
-          "dequant": "dequant", "forward": "forward", "head": "head", "backward": "backward"}
+          "dequant": "dequant", "forward": "forward", "head": "head", "backward": "backward",
+          "rollout": "sampling"}
 
 
 def _g(n: int | None) -> str:

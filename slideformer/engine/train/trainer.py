@@ -362,7 +362,6 @@ class Trainer:
         from slideformer.engine.train.grpo import PolicyReader, sample_reply
         step, weights = self._rollout
         if step != self.step:  # the weights of this step: the updates done, read once
-            self._rollout = (None, None)
             self.executor.drain()
             weights = ResidentWeights(self.spec, PolicyReader(self.host, self.lora), self.dtype,
                                       self.backend)
@@ -418,6 +417,7 @@ class Trainer:
         t0 = time.perf_counter()
         position = self.stream.state_dict()
         mbs = self.stream.next_step()
+        self._rollout = (None, None)  # GRPO's sampling weights: freed before the step trains
         lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
         self.ranks.start_step(mbs, self.hyper(1.0))
         try:

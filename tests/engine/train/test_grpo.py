@@ -222,3 +222,31 @@ def test_grpo_settings_that_cannot_work_are_refused(tiny_run, tmp_path, over, ke
     with pytest.raises(UserError) as e:
         validate(config_mod.override(grpo_run(tiny_run, tmp_path / "r", tmp_path, 1), over))
     assert str(e.value).startswith(key)
+
+
+def test_the_plan_counts_what_sampling_holds(tiny_model_factory, tiny_run, tmp_path):
+    """The planner's rollout rows are the bytes ResidentWeights and one KVCache allocate, and a
+    GRPO plan holds them (peak = state + run + rollout when sampling is the larger part)."""
+    from slideformer.engine.generate.cache import KVCache
+    from slideformer.engine.generate.window import ResidentWeights
+    from slideformer.engine.plan import plan_run
+    from slideformer.engine.plan.memory import Precision, rollout_allocations
+    from slideformer.engine.train.grpo import PolicyReader
+    spec = load_spec(tiny_model_factory("llama", TinyShape()))
+    rows = {a.purpose: a.bytes for a in rollout_allocations(
+        spec, Precision(torch.float32, torch.float32), T)}
+    host = build_host_state(spec, CpuBackend(), torch.float32, torch.float32)
+    w = ResidentWeights(spec, PolicyReader(host, None), torch.float32, CpuBackend())
+    held = sum(t.numel() * t.element_size() for t in (w.embed_w, *w.layer_w, w.head_w))
+    assert rows["sampling: the weights resident"] == held
+    assert rows["sampling: one reply's KV cache"] == KVCache(spec, T, torch.float32, "cpu").nbytes()
+    cfg = grpo_run(tiny_run, tmp_path / "r", tmp_path, 1)
+    plan = plan_run(cfg, load_spec(cfg.model.path), device="cpu")
+    sampling = [a for a in plan.allocations if a.phase == "rollout"]
+    assert {a.purpose for a in sampling} == set(rows)
+    held = sum(a.bytes for a in plan.allocations if a.phase in ("state", "run", "rollout")
+               and a.tier in ("gpu", "host") and not a.reclaimable)  # the CPU backend's RAM
+    assert plan.tier("host").peak >= held
+    sft = plan_run(config_mod.override(cfg, {"train.objective": "sft"}),
+                   load_spec(cfg.model.path), device="cpu")
+    assert not any(a.phase == "rollout" for a in sft.allocations)

@@ -85,12 +85,13 @@ OTHER = "Runtime"
 
 TIER_TITLES = {"gpu": "GPU memory", "host": "Host RAM", "disk": "NVMe disk"}
 PEAK_WHEN = {"setup": "loading weights", "dequant": "NF4 dequantisation", "forward": "forward", "head": "LM head",
-             "backward": "backward", "run": "training"}
+             "backward": "backward", "run": "training", "rollout": "sampling replies (GRPO)"}
 HELD = {"state": "held for the whole run", "run": "held while training",
         "step": "held during each step", "setup": "only while the weights load",
         "dequant": "only while an NF4 layer is dequantised",
         "forward": "only during a layer's forward", "head": "only during the LM head",
-        "backward": "only during a layer's backward"}
+        "backward": "only during a layer's backward",
+        "rollout": "only while GRPO samples the step's replies"}
 
 
 def category(purpose: str) -> str:
@@ -112,7 +113,8 @@ def held_at_peak(plan: Plan, use: TierUse) -> list[Allocation]:
     buffers; otherwise the state, the run's buffers, the step's and the peak part's transients.
     Clean page cache is not counted against the budget, so it is not drawn.
     """
-    phases = {"state", "setup"} if use.phase == "setup" else {"state", "run", "step", use.phase}
+    phases = ({"state", "setup"} if use.phase == "setup" else {"state", "run", "rollout"}
+              if use.phase == "rollout" else {"state", "run", "step", use.phase})
     tiers = allocation_tiers(plan, use.tier)
     return [a for a in plan.allocations
             if a.tier in tiers and a.phase in phases and not a.reclaimable and a.bytes > 0]
