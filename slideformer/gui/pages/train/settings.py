@@ -238,11 +238,14 @@ class RunSettings(QWidget):
         self.objective = QComboBox()
         for value, text in (("sft", "supervised (SFT)"), ("dpo", "DPO (pairs)"),
                             ("orpo", "ORPO (pairs)"), ("simpo", "SimPO (pairs)"),
-                            ("kto", "KTO (labelled)")):
+                            ("kto", "KTO (labelled)"), ("grpo", "GRPO (sampled replies)")):
             self.objective.addItem(text, value)
         self.objective.setToolTip("train.objective: the next-token loss, or a preference "
                                   "objective on {\"prompt\", \"chosen\", \"rejected\"} "
-                                  "records\n(the micro-batch then counts pairs)")
+                                  "records\n(the micro-batch then counts pairs), or GRPO on "
+                                  "prompts with an \"answer\" (replies sampled and checked;\n"
+                                  "the micro-batch counts replies, grpo.group_size of them a "
+                                  "prompt; a reward file is set in the run's TOML, [grpo])")
         self.beta = dspin(0.001, 1000.0, 0.05, 3)
         self.beta.setToolTip("preference.beta: DPO's, SimPO's and KTO's beta, ORPO's lambda")
         form.addRow("Objective", self.objective)
@@ -263,7 +266,7 @@ class RunSettings(QWidget):
         self._enable_lora(cfg.train.method)
         self.objective.setCurrentIndex(self.objective.findData(cfg.train.objective))
         self.beta.setValue(cfg.preference.beta)
-        self.beta.setEnabled(cfg.train.objective != "sft")
+        self.beta.setEnabled(cfg.train.objective not in ("sft", "grpo"))
 
     def _enable_lora(self, method: str) -> None:
         for w in (self.rank, self.alpha, self.dropout, self.targets, self.merged):
@@ -357,7 +360,7 @@ class RunSettings(QWidget):
         self.base = self.config()
         self.epochs.setEnabled(self.max_steps.value() == 0)
         self._enable_lora(self.base.train.method)
-        self.beta.setEnabled(self.base.train.objective != "sft")
+        self.beta.setEnabled(self.base.train.objective not in ("sft", "grpo"))
         if self.preset.currentData() is not None and not self._matches(self.preset.currentData()):
             self.preset.setCurrentIndex(0)
             self.preset_note.setText("")
