@@ -239,10 +239,42 @@ class PolicyReader:
         pass
 
 
+class Sampler:
+    """``policy(prompt_ids, seed) -> (reply ids, stopped)`` of a GRPO run: the weights being
+    trained, made resident once per step (:meth:`start`, after ``drain`` finished the updates)
+    and freed by :meth:`done` before the step trains; sampling stops at the tokenizer's eos or
+    the chat template's end-of-turn token."""
+
+    def __init__(self, spec, host: dict, lora, backend, dtype, tok, cfg: GrpoConfig,
+                 seq_len: int, drain: Callable[[], None]):
+        from slideformer.engine.generate.session import end_of_turn_ids
+        self.spec, self.host, self.lora, self.backend, self.dtype = spec, host, lora, backend, dtype
+        self.cfg, self.seq_len, self.drain = cfg, seq_len, drain
+        eos = {tok.eos_id} if tok.eos_id is not None else set()
+        self.stops = frozenset(eos | end_of_turn_ids(tok))
+        self.weights = None
+
+    def start(self) -> None:
+        from slideformer.engine.generate.window import ResidentWeights
+        self.drain()
+        self.weights = ResidentWeights(self.spec, PolicyReader(self.host, self.lora), self.dtype,
+                                       self.backend)
+
+    def done(self) -> None:
+        self.weights = None
+
+    def __call__(self, prompt: list[int], seed: int) -> tuple[list[int], bool]:
+        g = self.cfg
+        cfg = SamplingConfig(temperature=g.temperature, top_p=g.top_p, seed=seed,
+                             max_new_tokens=min(g.max_new_tokens, self.seq_len - len(prompt)))
+        return sample_reply(self.spec, self.weights, prompt, cfg, self.stops,
+                            self.backend.device, self.dtype)
+
+
 class GrpoStream:
     """Steps of P = micro_batch x grad_accum / G prompts, each sampled G times by ``policy``
-    (set by the trainer: ``policy(prompt_ids, seed) -> (reply ids, stopped)`` with the current
-    weights); the prompts reshuffled (seeded) every epoch. Its position is a checkpoint's
+    (a :class:`Sampler`: ``start()``, then ``policy(prompt_ids, seed) -> (reply ids, stopped)``
+    for each reply, then ``done()``); the prompts reshuffled (seeded) every epoch. Its position is a checkpoint's
     ``data`` entry, as the other streams'."""
 
     def __init__(self, prompts: list[Prompt], cfg: GrpoConfig, micro_batch: int,
@@ -258,7 +290,7 @@ class GrpoStream:
         self.steps_per_epoch = len(prompts) // self.P
         self.epoch, self.pos = 0, 0
         self.reward = reward_function(cfg, prompts)
-        self.policy: Callable | None = None
+        self.policy: Sampler | None = None
         self.last: RolloutStats | None = None
 
     def next_step(self) -> list[GrpoBatch]:
@@ -269,6 +301,7 @@ class GrpoStream:
         chosen = [self.prompts[i] for i in order[self.pos * self.P:(self.pos + 1) * self.P]]
         t0 = time.perf_counter()
         replies, scores = [], []
+        self.policy.start()
         for q, p in enumerate(chosen):
             for g in range(self.G):
                 seed = int(np.random.default_rng([self.seed, self.epoch, self.pos, q, g])
@@ -277,6 +310,7 @@ class GrpoStream:
                 replies.append(ids)
                 text = self.tok.decode(ids[:-1] if stopped else ids)
                 scores.append(self.reward(p, text))
+        self.policy.done()
         self.pos += 1
         rewards = torch.tensor(scores, dtype=torch.float64).view(self.P, self.G)
         adv = advantages(rewards).view(-1)

@@ -187,7 +187,10 @@ class Trainer:
                                         self.lora, cfg.train.seed, self.ranks.group, residual)
         if cfg.train.objective == "grpo":
             self.executor.objective = ("grpo", cfg.grpo)
-            self.stream.policy = self._sample
+            from slideformer.engine.train.grpo import Sampler
+            self.stream.policy = Sampler(self.spec, self.host, self.lora, self.backend, self.dtype,
+                                         self.tok, cfg.grpo, cfg.data.max_seq_len,
+                                         self.executor.drain)
         elif cfg.train.objective != "sft":
             self.executor.objective = (cfg.train.objective, cfg.preference)
         if cpu_adam.unavailable_reason() and self.lora is None:
@@ -351,31 +354,6 @@ class Trainer:
                                      grad_accum=t.grad_accum, seed=self.cfg.data.seed)
 
     # ---- training ---------------------------------------------------------------------------
-    _rollout = (None, None)
-    """(step, ResidentWeights) the replies of that step are sampled with."""
-
-    def _sample(self, prompt: list[int], seed: int) -> tuple[list[int], bool]:
-        """One GRPO reply to ``prompt`` from the weights being trained (train.grpo)."""
-        from slideformer.engine.generate.sampling import SamplingConfig
-        from slideformer.engine.generate.session import end_of_turn_ids
-        from slideformer.engine.generate.window import ResidentWeights
-        from slideformer.engine.train.grpo import PolicyReader, sample_reply
-        step, weights = self._rollout
-        if step != self.step:  # the weights of this step: the updates done, read once
-            self.executor.drain()
-            weights = ResidentWeights(self.spec, PolicyReader(self.host, self.lora), self.dtype,
-                                      self.backend)
-            self._rollout = (self.step, weights)
-            stops = {self.tok.eos_id} if self.tok.eos_id is not None else set()
-            self._stops = frozenset(stops | end_of_turn_ids(self.tok))
-        g = self.cfg.grpo
-        cfg = SamplingConfig(temperature=g.temperature, top_p=g.top_p,
-                             max_new_tokens=min(g.max_new_tokens,
-                                                self.cfg.data.max_seq_len - len(prompt)),
-                             seed=seed)
-        return sample_reply(self.spec, weights, prompt, cfg, self._stops, self.backend.device,
-                            self.dtype)
-
     def hyper(self, coef: float) -> AdamHyper:
         o = self.cfg.optim
         return AdamHyper(lr=lr_at(self.step + 1, self.total_steps, o), beta1=o.beta1,
@@ -417,7 +395,6 @@ class Trainer:
         t0 = time.perf_counter()
         position = self.stream.state_dict()
         mbs = self.stream.next_step()
-        self._rollout = (None, None)  # GRPO's sampling weights: freed before the step trains
         lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
         self.ranks.start_step(mbs, self.hyper(1.0))
         try:

@@ -52,18 +52,28 @@ def fixed_steps(folder: Path, tmp_path: Path) -> list:
     (tmp_path / "r.py").write_text(SEVENS)
     stream = GrpoStream(prompts, GrpoConfig(group_size=G, reward=str(tmp_path / "r.py")), MICRO,
                         ACCUM, 0, T, tok.pad_id or 0, tok)
-    rng = np.random.default_rng(5)
-    digits = tok.encode("7")
-
-    def policy(prompt, seed):
-        n = int(rng.integers(1, 9))
-        ids = [int(i) for i in rng.integers(10, 300, n)]
-        if rng.random() < 0.5:
-            ids = ids + digits * int(rng.integers(1, 4))
-        stopped = rng.random() < 0.5
-        return (ids + [tok.eos_id], True) if stopped else (ids, False)
-    stream.policy = policy
+    stream.policy = FixedReplies(tok)
     return [stream.next_step() for _ in range(STEPS)]
+
+
+class FixedReplies:
+    """A stand-in for grpo.Sampler: seeded random replies, some with "7"s, some stopped."""
+
+    def __init__(self, tok):
+        self.tok, self.rng, self.digits = tok, np.random.default_rng(5), tok.encode("7")
+
+    def start(self) -> None:
+        pass
+
+    def done(self) -> None:
+        pass
+
+    def __call__(self, prompt, seed):
+        rng = self.rng
+        ids = [int(i) for i in rng.integers(10, 300, int(rng.integers(1, 9)))]
+        if rng.random() < 0.5:
+            ids = ids + self.digits * int(rng.integers(1, 4))
+        return (ids + [self.tok.eos_id], True) if rng.random() < 0.5 else (ids, False)
 
 
 def dense_train(model, steps) -> list[float]:
