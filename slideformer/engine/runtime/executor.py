@@ -315,10 +315,10 @@ class SlidingExecutor(ResidentEnds):
             self.pool.invalidate_all()
         self.group.step_done(self.wait_updates)
         applied = guard.applied if skipped and guard is not None else 0
-        self.aux = []
+        self.aux = ()
         return StepOutput(float(loss), norm, tokens, skipped, tl, applied, pairs)
 
-    aux: list = []
+    aux: tuple | list = ()
     """The step's router losses, one per micro-batch (models.moe.RouterAux), while it runs."""
 
     def _router_aux(self, inp, n_micro: int) -> list:
@@ -328,7 +328,7 @@ class SlidingExecutor(ResidentEnds):
         counts them without an attention mask); [] otherwise."""
         moe = self.spec.moe
         if moe is None or not moe.aux_coef:
-            return []
+            return ()
         return [RouterAux(moe.experts, self.spec.num_layers, ids.numel(),
                           moe.aux_coef / n_micro, self.backend.device) for ids, *_ in inp]
 

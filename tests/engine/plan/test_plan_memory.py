@@ -137,7 +137,7 @@ def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk, res
     rope = rope_tables(spec, positions_for(ids, doc), res)
     mask = None if doc is None else packed_causal_mask(doc)
     x, gy = torch.randn(B, T, spec.hidden_size).to(res), torch.randn(B, T, spec.hidden_size).to(res)
-    holder = type("Holder", (), {"spec": spec, "lora": None, "aux": [], "_norm_views": lambda self, n, p: p})()
+    holder = type("Holder", (), {"spec": spec, "lora": None, "aux": (), "_norm_views": lambda self, n, p: p})()
     head_w = (0.02 * torch.randn(spec.vocab_size, spec.hidden_size)).to(dt)
     norm_w = torch.ones(spec.hidden_size, dtype=dt)
     head_g = torch.zeros(spec.vocab_size, spec.hidden_size)
