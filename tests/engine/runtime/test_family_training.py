@@ -49,18 +49,23 @@ ALT = {"gpt_oss": {"dtype": torch.float64, "attn_implementation": "eager"}}
 eager model in float64, whose distance from the fp32 run is fp32's rounding itself."""
 
 
-def hf_train(model, steps, optim):
-    """(losses, gradient norms) of transformers' model trained on ``steps``."""
+def reference_adamw(model, optim) -> tuple[list, torch.optim.AdamW]:
+    """(parameters, torch's AdamW over them) with the decay the engine applies: none on vectors,
+    norms and biases of any shape (GPT-OSS stacks its experts' biases as matrices)."""
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    # the engine's rule (models.spec.decayed): no decay on vectors, norms and biases of any
-    # shape (GPT-OSS stacks its experts' biases as matrices)
     decayed = [p.dim() > 1 and not (n.endswith("bias") or n.endswith("norm.weight"))
                for n, p in named]
     groups = [{"params": [p for p, d in zip(params, decayed) if d],
                "weight_decay": optim.weight_decay},
               {"params": [p for p, d in zip(params, decayed) if not d], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    return params, torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                                     eps=optim.eps)
+
+
+def hf_train(model, steps, optim):
+    """(losses, gradient norms) of transformers' model trained on ``steps``."""
+    params, opt = reference_adamw(model, optim)
     model.train()
     losses, norms = [], []
     for k, mbs in enumerate(steps, start=1):

@@ -25,6 +25,7 @@ from slideformer.engine.train.commands import run_training
 from slideformer.engine.train.grpo import GrpoStream, advantages, read_prompts
 from slideformer.engine.train.schedule import lr_at
 from slideformer.engine.train.state import build_host_state, load_weights
+from tests.engine.runtime.test_family_training import _weights, reference_adamw
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,15 +78,7 @@ class FixedReplies:
 
 
 def dense_train(model, steps) -> list[float]:
-    named = list(model.named_parameters())
-    decayed = [p.dim() > 1 and not (n.endswith("bias") or n.endswith("norm.weight"))
-               for n, p in named]
-    params = [p for _, p in named]
-    opt = torch.optim.AdamW([{"params": [p for p, d in zip(params, decayed) if d],
-                              "weight_decay": OPTIM.weight_decay},
-                             {"params": [p for p, d in zip(params, decayed) if not d],
-                              "weight_decay": 0.0}],
-                            lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps)
+    params, opt = reference_adamw(model, OPTIM)
     losses = []
     for k, mbs in enumerate(steps, start=1):
         opt.zero_grad()
@@ -131,7 +124,6 @@ def test_a_grpo_step_is_the_papers_loss(tiny_model_factory, load_hf, tmp_path):
     ex.close()
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4,
                                atol=1e-6)
-    from tests.engine.runtime.test_family_training import _weights
     final = _weights(spec, ref)
     for item in item_names(spec):
         for name, ours in stored_views(spec, item, item_layout(spec, item).views(host[item].master())):
