@@ -7,6 +7,7 @@ per invocation, every contender in a process of its own (fresh CUDA context, cle
     python3 benchmarks/lora_bench.py --table 123b   # Mistral-Large-2 shape, ours qlora
     python3 benchmarks/lora_bench.py --table 30b-a3b  # Qwen3-30B-A3B (MoE), ours lora, qlora
     python3 benchmarks/lora_bench.py --table 120b-oss # GPT-OSS-120B (MoE, sinks), ours qlora
+    python3 benchmarks/lora_bench.py --table 35b-a3b-q35  # Qwen3.5-35B-A3B (hybrid MoE), qlora
     add --tiny for a CPU dry run of the same table on a tiny shape
 
 Weights are random (N(0, 0.02)); ours quantises them layer by layer on the GPU into the host
@@ -45,6 +46,7 @@ TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 102
     # holds a 120B (20B) base of 233 (42) GB in bf16, beyond the cap, so no contender of it
     "120b-oss": ("gpt-oss-120b", ("ours-qlora",), ((4, 4),)),
     "20b-oss": ("gpt-oss-20b", ("ours-lora", "ours-qlora"), ((4, 4),)),
+    "35b-a3b-q35": ("qwen3.5-35b-a3b", ("ours-qlora",), ((4, 4),)),
 }
 GiB = 1 << 30
 MARK = "@@LORA "

@@ -72,6 +72,29 @@ SHAPES = {  # published config.json values of the public models
                          num_attention_heads=64, num_key_value_heads=8, head_dim=64,
                          vocab_size=201088, sliding_window=128, rope_theta=150000.0,
                          tie_word_embeddings=False),
+    # Qwen3.5 (hybrid: 3 gated DeltaNet layers of 4): transformers' Qwen3_5TextConfig and
+    # Qwen3_5MoeTextConfig defaults (5.25; the MoE's are Qwen3.5-35B-A3B's published sizes);
+    # the dense one cut to 16 layers (4.9 B parameters), a full fine-tune the host holds
+    "qwen3.5-16l": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288,
+                        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                        linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_conv_kernel_dim=4, vocab_size=248320, rope_theta=10000000.0,
+                        partial_rotary_factor=0.25, tie_word_embeddings=False),
+    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048,
+                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                            linear_key_head_dim=128, linear_value_head_dim=128,
+                            linear_conv_kernel_dim=4, moe_intermediate_size=512,
+                            shared_expert_intermediate_size=512, num_experts=256,
+                            num_experts_per_tok=8, vocab_size=248320, rope_theta=10000000.0,
+                            partial_rotary_factor=0.25, tie_word_embeddings=False),
+    "small-qwen3.5": dict(model_type="qwen3_5_text", hidden_size=256, intermediate_size=688,  # CPU
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                          linear_key_head_dim=32, linear_value_head_dim=32,
+                          linear_conv_kernel_dim=4, vocab_size=2048, partial_rotary_factor=0.25,
+                          tie_word_embeddings=False),
     "small-gpt-oss": dict(model_type="gpt_oss", hidden_size=256, intermediate_size=256,  # CPU
                           num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,

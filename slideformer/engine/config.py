@@ -146,7 +146,8 @@ class OptimConfig:
     max_grad_norm: float = 1.0
     """Exact global-norm clipping; 0 disables it (updates then overlap the backward)."""
     moments_dtype: str = "float32"
-    """float32 (exact) or bfloat16 (half the moment memory; slightly different numerics)."""
+    """float32 (exact), bfloat16 (half the moment memory) or int8 (8-bit blocks with a scale
+    each, a quarter of it); the last two change the numerics slightly."""
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 ``train.device`` is ``auto`` (a CUDA GPU when there is one), ``cpu``, ``cuda`` or ``cuda:N``;
 ``train.compute_dtype`` is ``auto`` (bfloat16 on a GPU, float32 on the CPU), ``bfloat16`` or
-``float32``; ``optim.moments_dtype`` is ``float32`` or ``bfloat16``; ``train.precision`` is
+``float32``; ``optim.moments_dtype`` is ``float32``, ``bfloat16`` or ``int8`` (8-bit blocks,
+slideformer.engine.runtime.moments8); ``train.precision`` is
 ``autocast`` (an fp32 residual stream under bf16 compute) or ``bf16``. The trainer, the planner and
 the backends all ask here, so a name one accepts is accepted by all.
 """
@@ -17,7 +18,9 @@ if TYPE_CHECKING:  # the checks need no torch (the planner runs without it)
     import torch
 
 TRAIN_DTYPES = ("float32", "bfloat16")
-"""Formats of compute and of AdamW moments."""
+"""Formats of compute."""
+MOMENTS_DTYPES = TRAIN_DTYPES + ("int8",)
+"""Formats of the AdamW moments."""
 PRECISIONS = ("autocast", "bf16")
 """train.precision values."""
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -58,10 +61,19 @@ def residual_dtype_name(precision: str, compute: str) -> str:
 
 def moments_dtype_name(name: str) -> str:
     """``optim.moments_dtype``, checked."""
-    if name not in TRAIN_DTYPES:
+    if name not in MOMENTS_DTYPES:
         raise UserError("optim.moments_dtype", f"{name!r} is not supported",
-                        "use \"float32\" (exact) or \"bfloat16\"")
+                        "use \"float32\" (exact), \"bfloat16\" or \"int8\" (8-bit blocks)")
     return name
+
+
+def moments_torch_dtype(name: str) -> torch.dtype:
+    """The dtype of the tensors that hold the moments ``optim.moments_dtype`` names (checked):
+    ``torch.int8`` stands for the 8-bit block format (codes and scales as bytes)."""
+    import torch
+
+    name = moments_dtype_name(name)
+    return torch.int8 if name == "int8" else torch_dtype(name)
 
 
 def torch_dtype(name: str) -> torch.dtype | None:

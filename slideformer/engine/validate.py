@@ -39,7 +39,7 @@ MAX_LR = 1.0
 """AdamW moves each weight by about lr per step: above 1 every run diverges."""
 
 COMPUTE_DTYPES = ("auto", "bfloat16", "float32")
-MOMENTS_DTYPES = ("float32", "bfloat16")
+MOMENTS_DTYPES = ("float32", "bfloat16", "int8")
 PLACEMENTS = ("auto", "gpu", "host")
 PURPOSES = {"train": ("model.path", "data.train"), "plan": ("model.path",), "values": ()}
 PATHS = ("model.path", "data.train", "data.validation", "output.run_dir", "budget.nvme_dir")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 
 from slideformer.engine.runtime.host_state import HostItem
+from slideformer.engine.runtime.moments8 import block_span
+from slideformer.engine.runtime.shapes import QBLOCK
 
 
 class Single:
@@ -56,8 +58,11 @@ class RankGroup:
         return micro_batches[self.rank * k:(self.rank + 1) * k]
 
     def span(self, numel: int) -> slice:
-        """The elements of an item whose update this rank owns."""
-        return slice(numel * self.rank // self.world, numel * (self.rank + 1) // self.world)
+        """The elements of an item whose update this rank owns: cut at multiples of QBLOCK, so
+        that 8-bit moments (slideformer.engine.runtime.moments8) split between whole blocks."""
+        def cut(r: int) -> int:
+            return numel if r == self.world else numel * r // self.world // QBLOCK * QBLOCK
+        return slice(cut(self.rank), cut(self.rank + 1))
 
     def owned(self, item: HostItem) -> "ItemPart":
         """The part of ``item`` this rank updates (a view: the shared tensors themselves)."""
@@ -87,8 +92,9 @@ class ItemPart:
         lo, hi = span.start, span.stop
         self.lo, self.numel, self.has_rem, self.disk = lo, hi - lo, item.has_rem, None
         cut = (lambda t: None if t is None else t[lo:hi])
-        self.w, self.rem, self.m, self.v, self.g = (cut(item.w), cut(item.rem), cut(item.m),
-                                                    cut(item.v), cut(item.g))
+        moment = (lambda t: block_span(t, lo, hi) if t.dtype == torch.int8 else t[lo:hi])
+        self.w, self.rem, self.m, self.v, self.g = (cut(item.w), cut(item.rem), moment(item.m),
+                                                    moment(item.v), cut(item.g))
         self.runs = [(max(s, lo) - lo, min(e, hi) - lo, decay) for s, e, decay in item.runs
                      if min(e, hi) > max(s, lo)]
 

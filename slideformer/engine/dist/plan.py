@@ -24,10 +24,9 @@ from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, format_bytes
 from slideformer.engine.models.spec import ModelSpec
 
-SHARED = ("weight remainders", "AdamW moments m, v", "gradient buffers",
-          "model files (page cache)", "load buffer")
-"""Host allocations held once for all ranks (besides the weights): the shared state, the page
-cache of the model files, and rank 0's load buffer (it alone reads the model)."""
+SHARED = ("weight remainders", "AdamW moments m, v", "gradient buffers", "load buffer")
+"""Host allocations held once for all ranks (besides the weights): the shared state and rank
+0's load buffer (it alone reads the model)."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class GpusPlan:
     per_gpu: object
     """The plan of one rank (slideformer.engine.plan.planner.Plan): its VRAM is per GPU."""
     host_shared: int
-    """Host bytes held once: the model state in shared memory (and the model's page cache)."""
+    """Host bytes held once: the model state in shared memory (and rank 0's load buffer)."""
     host_per_rank: int
     """Host bytes each rank holds on its own (runtime, scratch, pinned checkpoints)."""
     allreduce_s: float

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import lone_surrogate, read_json
-from slideformer.engine.models.lora import PROJECTIONS, LoraSpec
+from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, adaptable
 from slideformer.engine.models.spec import ModelSpec, load_spec
 from slideformer.engine.models.weights import hf_name
 from slideformer.engine.train.lora_export import PEFT_PREFIX
@@ -172,7 +172,7 @@ def _targets(cfg: dict, spec: ModelSpec, path: Path) -> tuple[str, ...]:
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise UserError(path, f"has target_modules = {names!r}, not a list of projection "
                         "names", _FIX)
-    present = set(spec.layer_layout.names())
+    present = adaptable(spec)
     for n in names:
         if n not in PROJECTIONS or PROJECTIONS[n] + ".weight" not in present:
             raise UserError(path, f"targets {n!r}, which a {spec.model_type} decoder layer does "
@@ -182,7 +182,7 @@ def _targets(cfg: dict, spec: ModelSpec, path: Path) -> tuple[str, ...]:
 
 
 def _projections(spec: ModelSpec) -> list[str]:
-    present = set(spec.layer_layout.names())
+    present = adaptable(spec)
     return [t for t, local in PROJECTIONS.items() if local + ".weight" in present]
 
 
@@ -208,8 +208,9 @@ def _expected(spec: ModelSpec, lora: LoraSpec) -> dict[str, tuple[int, int]]:
     """PEFT name -> shape of every tensor the adapter must hold."""
     want = {}
     for i in range(spec.num_layers):
-        for t in lora.targets:
-            out, inp = spec.layer_layout.shape(PROJECTIONS[t] + ".weight")
+        layout = spec.layout(i)
+        for t in (t for t in lora.targets if PROJECTIONS[t] + ".weight" in layout.names()):
+            out, inp = layout.shape(PROJECTIONS[t] + ".weight")
             name = PEFT_PREFIX + hf_name(f"layer{i}", PROJECTIONS[t])
             want[f"{name}.lora_A.weight"] = (lora.rank, inp)
             want[f"{name}.lora_B.weight"] = (out, lora.rank)

@@ -6,7 +6,8 @@ the start for the longest sequence the request can reach (prompt + max new token
 allocation while tokens stream. Per token the cache holds ``2 * layers * kv_heads * head_dim``
 values (SmolLM2-135M: 2 * 30 * 3 * 64 = 11,520, 45 KB in fp32). Sliding layers keep every
 position too and mask the ones outside their window (simple; a ring of ``window`` positions
-would save memory on long chats).
+would save memory on long chats). A gated DeltaNet layer (Qwen3.5) keeps no keys: its
+:class:`StateCache` holds the recurrence's state, the same size whatever the length.
 """
 from __future__ import annotations
 
@@ -34,6 +35,30 @@ class LayerCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
+class StateCache:
+    """A gated DeltaNet layer's state after the tokens seen so far (models.deltanet): its
+    causal convolution's last inputs and the recurrence's (key x value) memory per head."""
+
+    def __init__(self, spec: ModelSpec, batch: int, device):
+        self.shape, self.batch, self.device = spec.linear, batch, device
+        self.state = None
+
+    def begin(self, h: torch.Tensor):
+        """The state the new tokens continue from (zeros before the first)."""
+        if self.state is None:
+            s = self.shape
+            self.state = (torch.zeros(self.batch, s.conv_dim, s.conv_kernel - 1, dtype=h.dtype,
+                                      device=self.device),
+                          torch.zeros(self.batch, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+                                      dtype=torch.float32, device=self.device))
+        return self.state
+
+    def nbytes(self) -> int:
+        s = self.shape
+        return self.batch * (s.conv_dim * (s.conv_kernel - 1) * 2
+                             + s.num_v_heads * s.head_k_dim * s.head_v_dim * 4)
+
+
 class KVCache:
     """Every layer's cache and the number of positions they hold.
 
@@ -45,7 +70,8 @@ class KVCache:
         self.capacity = capacity
         self.length = 0
         shape = (batch, spec.num_kv_heads, capacity, spec.head_dim)
-        self.layers = [LayerCache(self, shape, dtype, device) for _ in range(spec.num_layers)]
+        self.layers = [StateCache(spec, batch, device) if spec.is_linear(i) else
+                       LayerCache(self, shape, dtype, device) for i in range(spec.num_layers)]
 
     def positions(self, t: int, device) -> torch.Tensor:
         """Positions (1, T) of the next ``t`` tokens."""
@@ -72,5 +98,5 @@ class KVCache:
         self.length += t
 
     def nbytes(self) -> int:
-        one = self.layers[0]
-        return 2 * len(self.layers) * one.k.numel() * one.k.element_size()
+        return sum(c.nbytes() if isinstance(c, StateCache) else 2 * c.k.numel() * c.k.element_size()
+                   for c in self.layers)

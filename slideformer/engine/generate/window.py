@@ -38,10 +38,10 @@ class ResidentWeights:
         self.spec = spec
         alloc = backend.alloc
         self.embed_w = _read(reader, spec, "embed", spec.embed_layout.numel, dtype, alloc)
-        self.layer_w = [_read(reader, spec, f"layer{i}", spec.params_per_layer, dtype, alloc)
+        self.layer_w = [_read(reader, spec, f"layer{i}", spec.layout(i).numel, dtype, alloc)
                         for i in range(spec.num_layers)]
         self.head_w = _read(reader, spec, "head", spec.head_layout.numel, dtype, alloc)
-        self._views = [spec.layer_layout.views(w) for w in self.layer_w]
+        self._views = [spec.layout(i).views(w) for i, w in enumerate(self.layer_w)]
 
     def layers(self) -> Iterator[dict]:
         """Each decoder layer's parameter views, layer 0 first."""
@@ -75,7 +75,8 @@ class StreamedWeights:
         r = layer % self.k
         if self.copied[r] is not None:
             self.copied[r].wait()
-        return self.reader.read_item(self.spec, f"layer{layer}", self.staging[r])
+        n = self.spec.layout(layer).numel
+        return self.reader.read_item(self.spec, f"layer{layer}", self.staging[r][:n])
 
     def _request(self, layer: int) -> None:
         if layer < self.spec.num_layers and layer not in self.reads and not self.pool.has(layer):
@@ -94,7 +95,7 @@ class StreamedWeights:
         A layer's slot is given back when the caller asks for the next layer, so the views are
         valid until then.
         """
-        spec, L, n = self.spec, self.spec.num_layers, self.spec.params_per_layer
+        spec, L = self.spec, self.spec.num_layers
         for j in range(min(self.k, L)):
             self._request(j)
         for i in range(L):
@@ -102,7 +103,7 @@ class StreamedWeights:
             # the next layer's copy goes into the free slot while layer i computes
             if i + 1 < L and self.reads.get(i + 1) is not None and self.reads[i + 1].done():
                 self._start_copy(i + 1)
-            yield spec.layer_layout.views(self.pool.acquire(i, n))
+            yield spec.layout(i).views(self.pool.acquire(i, spec.layout(i).numel))
             self.pool.release(i, evict=True)
             self._request(i + self.k)
 

@@ -121,3 +121,103 @@ void NAME(const uint16_t *w, const uint16_t *rem, const float *g, const CTYPE *m
 
 ADAMW_ENTRY(adamw_bf16_rem, float, f32)
 ADAMW_ENTRY(adamw_bf16_rem_bf16m, uint16_t, bf16)
+
+/* ---- 8-bit block-wise moments (slideformer.engine.runtime.moments8) ---------------------------
+   A moment is blocks of QBLOCK values, each QBLOCK one-byte codes then its fp32 scale (the
+   block's largest magnitude); a value is table[code] * scale. The tables come from Python
+   (moments8.TABLES: m magnitudes, m midpoints, v values, v midpoints: 128, 128, 256, 256;
+   moments8.BUCKETS: the first code of each bucket, m then v), so both paths encode against the
+   same float32 numbers. */
+#define QBLOCK 256
+#define QBLOCK_BYTES (QBLOCK + 4)
+#define BUCKET_SHIFT 15           /* moments8.BUCKET_SHIFT: sign, exponent, 8 mantissa bits */
+#define BUCKET_BASE (103 << 8)    /* moments8.BUCKET_BASE: bits(2^-24) >> BUCKET_SHIFT */
+#define BUCKETS 6400              /* moments8.BUCKETS.shape[1]: [2^-24, 2) */
+
+/* The nearest code of y >= 0: the number of midpoints below y (ties down). The bucket of y (the
+   top bits of its float) holds at most one midpoint (moments8 checks), and start[bucket]
+   counts those below the bucket: one comparison decides. */
+static inline uint32_t q8_code(const float *mid, const int32_t *start, float y) {
+    uint32_t bits;
+    memcpy(&bits, &y, 4);
+    int32_t q = (int32_t)(bits >> BUCKET_SHIFT) - BUCKET_BASE;
+    q = q < 0 ? 0 : (q >= BUCKETS ? BUCKETS - 1 : q);
+    uint32_t c = start[q];
+    return c + (mid[c] < y);
+}
+
+/* Requantise the k fp32 values x of one block into out (codes, unused codes 0, then scale);
+   signed: byte = sign << 7 | magnitude code. (restrict: without it GCC cannot vectorise the
+   table lookups, as a store to out might change the tables.) */
+static void q8_store(const float *restrict x, int64_t k, const float *restrict mid,
+                     const int32_t *restrict start, int is_signed, uint8_t *restrict out) {
+    uint32_t top = 0;  /* the largest magnitude's bits: integer order is float order for |x| */
+    for (int64_t i = 0; i < k; i++) {
+        uint32_t a;
+        memcpy(&a, &x[i], 4);
+        a &= 0x7FFFFFFFu;
+        top = a > top ? a : top;
+    }
+    float amax;
+    memcpy(&amax, &top, 4);
+    const float inv = amax > 0.0f ? 1.0f / amax : 0.0f;
+    for (int64_t i = 0; i < k; i++) {
+        float y = x[i] * inv;
+        uint32_t c = q8_code(mid, start, fabsf(y));
+        out[i] = (uint8_t)(is_signed && y < 0.0f && c ? c | 128u : c);
+    }
+    memset(out + k, 0, (size_t)(QBLOCK - k));
+    memcpy(out + QBLOCK, &amax, 4);
+}
+
+/* AdamW with 8-bit moments, one block per iteration: dequantise the block's m and v, update
+   its elements run by run (runs: start, end, decay triples in item order), requantise. The
+   master is bf16 w + remainder rem, or with rem = NULL fp32 w (the CPU backend's compute dtype;
+   the same arithmetic through u = bits(w) + 0x8000). Blocks are independent, so the threads
+   split them; a block reads all its input before writing, so the outputs may be the inputs (in
+   place) or other buffers of the same sizes (a speculative update). */
+void adamw_q8(const void *w, const uint16_t *rem, const float *g, const uint8_t *m,
+              const uint8_t *v, void *ow, uint16_t *orem, uint8_t *om, uint8_t *ov, int64_t n,
+              const int64_t *runs, int64_t nruns, const float *tables, const int32_t *buckets,
+              float lr, float b1, float b2, float omb1, float omb2, float eps, float wd, float bc1,
+              float bc2, float gscale, int threads) {
+    const float step = lr / bc1, bc2s = sqrtf(bc2);
+    const float *mmag = tables, *mmid = tables + 128, *vval = tables + 256, *vmid = tables + 512;
+    const uint16_t *w16 = w;
+    const uint32_t *w32 = w;
+    uint16_t *ow16 = ow;
+    uint32_t *ow32 = ow;
+    const int64_t nblocks = (n + QBLOCK - 1) / QBLOCK;
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t s = b * QBLOCK, k = n - s < QBLOCK ? n - s : QBLOCK;
+        const uint8_t *mb = m + b * QBLOCK_BYTES, *vb = v + b * QBLOCK_BYTES;
+        float ms, vs, mf[QBLOCK], vf[QBLOCK];
+        memcpy(&ms, mb + QBLOCK, 4);
+        memcpy(&vs, vb + QBLOCK, 4);
+        for (int64_t i = 0; i < k; i++) {
+            float a = mmag[mb[i] & 127u] * ms;
+            mf[i] = (mb[i] & 128u) ? -a : a;
+            vf[i] = vval[vb[i]] * vs;
+        }
+        for (int64_t r = 0; r < nruns; r++) {
+            const int64_t lo = runs[3 * r] > s ? runs[3 * r] : s;
+            const int64_t hi = runs[3 * r + 1] < s + k ? runs[3 * r + 1] : s + k;
+            const float decay = runs[3 * r + 2] ? 1.0f - lr * wd : 1.0f;
+            if (rem)
+                for (int64_t i = lo; i < hi; i++) {
+                    uint32_t u = adam1(((uint32_t)w16[i] << 16) | rem[i], g[i] * gscale,
+                                       &mf[i - s], &vf[i - s], b1, b2, omb1, omb2, step, bc2s,
+                                       eps, decay);
+                    ow16[i] = (uint16_t)(u >> 16);
+                    orem[i] = (uint16_t)u;
+                }
+            else
+                for (int64_t i = lo; i < hi; i++)
+                    ow32[i] = adam1(w32[i] + 0x8000u, g[i] * gscale, &mf[i - s], &vf[i - s], b1,
+                                    b2, omb1, omb2, step, bc2s, eps, decay) - 0x8000u;
+        }
+        q8_store(mf, k, mmid, buckets, 1, om + b * QBLOCK_BYTES);
+        q8_store(vf, k, vmid, buckets + BUCKETS, 0, ov + b * QBLOCK_BYTES);
+    }
+}

@@ -13,7 +13,9 @@ For each element, in one loop (OpenMP threads, compiler-vectorised):
 It reads 16 and writes 12 bytes per parameter, the same traffic as ``torch.optim.AdamW(fused=
 True)`` over fp32 parameters. With bf16 moments (``optim.moments_dtype = "bfloat16"``) a second
 entry point reads m and v as bf16, updates them in fp32 and stores them rounded to nearest even,
-as PyTorch's bf16 cast does (8 bytes fewer each way). The C source (``cpu_adam.c``) is compiled with
+as PyTorch's bf16 cast does (8 bytes fewer each way). With 8-bit moments (``"int8"``) a third
+entry point updates an item block by block (dequantise m and v, AdamW, requantise: see
+slideformer.engine.runtime.moments8; 10 bytes read and 6 written per parameter). The C source (``cpu_adam.c``) is compiled with
 the system C compiler into a private folder of the user cache (a fraction of a second), keyed by
 source, compiler, flags and CPU features; without a compiler the update falls back
 to the chain of PyTorch ops in ``slideformer.engine.runtime.host_state.adam_update`` (the reference: several
@@ -122,6 +124,9 @@ def _build() -> ctypes.CDLL | None:
     for f in (lib.adamw_bf16_rem, lib.adamw_bf16_rem_bf16m):
         f.restype = None
         f.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int64] + [ctypes.c_float] * 10 + [ctypes.c_int]
+    lib.adamw_q8.restype = None
+    lib.adamw_q8.argtypes = ([ctypes.c_void_p] * 9 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                             + [ctypes.c_void_p] * 2 + [ctypes.c_float] * 10 + [ctypes.c_int])
     return lib
 
 
@@ -153,6 +158,21 @@ def fused_update(w, rem, g, m, v, lr, b1, b2, eps, wd, step, gscale, out=None) -
     fn(w.data_ptr(), rem.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), ow.data_ptr(),
        orem.data_ptr(), om.data_ptr(), ov.data_ptr(), w.numel(), lr, b1, b2, 1 - b1, 1 - b2, eps,
        wd, 1 - b1 ** step, 1 - b2 ** step, gscale, THREADS)
+
+
+def fused_update_q8(w, rem, g, m, v, runs, lr, b1, b2, eps, wd, step, gscale, out=None) -> None:
+    """AdamW step of a whole item with 8-bit block-wise moments (slideformer.engine.runtime.moments8):
+    w bf16 with rem int16, or w fp32 with rem None; g fp32; m and v int8 blocks. ``runs``: the
+    item's (start, end, decay) runs, decay taking ``wd``. In place, or into ``out`` = (w, rem,
+    m, v) of the same sizes."""
+    from slideformer.engine.runtime.moments8 import BUCKETS, TABLES
+    ow, orem, om, ov = (w, rem, m, v) if out is None else out
+    r = torch.tensor([(s, e, int(d)) for s, e, d in runs], dtype=torch.int64).reshape(-1, 3)
+    ptr = (lambda t: 0 if t is None else t.data_ptr())
+    _lib.adamw_q8(w.data_ptr(), ptr(rem), g.data_ptr(), m.data_ptr(), v.data_ptr(), ow.data_ptr(),
+                  ptr(orem), om.data_ptr(), ov.data_ptr(), w.numel(), r.data_ptr(), len(r),
+                  TABLES.data_ptr(), BUCKETS.data_ptr(), lr, b1, b2, 1 - b1, 1 - b2, eps, wd,
+                  1 - b1 ** step, 1 - b2 ** step, gscale, THREADS)
 
 
 def _default_threads() -> int:

@@ -5,7 +5,9 @@ Layers of one type share them: the full-attention layers one mask (plain causal:
 flash path; packed documents: the document mask), the sliding layers one windowed mask
 (the same as the full layers' while the rows are no longer than the window), and the RoPE
 tables of the global or, for the sliding layers of a family with its own local RoPE (Gemma 3),
-the local frequencies; NoPE layers get no tables.
+the local frequencies; NoPE layers get no tables. A gated DeltaNet layer (Qwen3.5) has neither:
+in the mask's place it gets the rows' document ids (None: one document per row), where its
+recurrence restarts.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from slideformer.engine.models.families.base import SLIDING
+from slideformer.engine.models.families.base import LINEAR, SLIDING
 from slideformer.engine.models.spec import ModelSpec
 
 
@@ -34,14 +36,16 @@ class LayerInputs:
     """Per layer of one micro-batch: (rope, mask) for :func:`models.layers.decoder_layer`."""
 
     def __init__(self, spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype,
-                 full_mask, sliding_mask):
-        """``positions`` (B, T); the masks of the full and of the sliding layers."""
+                 full_mask, sliding_mask, doc_ids: torch.Tensor | None = None):
+        """``positions`` (B, T); the masks of the full and of the sliding layers; the rows'
+        document ids (packed rows) for the gated DeltaNet layers."""
         from slideformer.engine.models.layers import rope_tables  # layers imports this module
         L = spec.num_layers
         local = [spec.local_rope is not None and spec.layer_type(i) == SLIDING for i in range(L)]
         tables = {lo: rope_tables(spec, positions, dtype, lo) for lo in set(local)}
         masks = {False: full_mask, True: sliding_mask}
-        self.layers = [(tables[local[i]] if spec.has_rope(i) else None,
+        self.layers = [(None, doc_ids) if spec.layer_type(i) == LINEAR else
+                       (tables[local[i]] if spec.has_rope(i) else None,
                         masks[spec.layer_type(i) == SLIDING]) for i in range(L)]
 
     @staticmethod
@@ -54,7 +58,7 @@ class LayerInputs:
         sliding, w = full, spec.sliding_window
         if w is not None and ids.shape[1] > w:
             sliding = make_mask(doc_ids if doc_ids is not None else torch.zeros_like(ids), w)
-        return LayerInputs(spec, positions_for(ids, doc_ids), dtype, full, sliding)
+        return LayerInputs(spec, positions_for(ids, doc_ids), dtype, full, sliding, doc_ids)
 
     def at(self, i: int):
         """(rope, mask) of layer ``i``."""

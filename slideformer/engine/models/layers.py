@@ -121,10 +121,11 @@ def rope_attention_factor(scaling) -> float:
 
 def rope_tables(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype,
                 local: bool = False):
-    """cos, sin tables (B, 1, T, head_dim) for integer ``positions`` (B, T); ``local``: of the
-    sliding layers' own RoPE (:attr:`ModelSpec.local_rope`)."""
+    """cos, sin tables (B, 1, T, rotated dims) for integer ``positions`` (B, T); ``local``: of
+    the sliding layers' own RoPE (:attr:`ModelSpec.local_rope`). The rotated dimensions are
+    ``head_dim``, or the leading :attr:`ModelSpec.rotary_dim` of it (partial RoPE)."""
     theta, scaling = spec.local_rope if local else (spec.rope_theta, spec.rope_scaling)
-    inv = rope_inv_freq(spec.head_dim, theta, scaling).to(positions.device)
+    inv = rope_inv_freq(spec.rotary_dim or spec.head_dim, theta, scaling).to(positions.device)
     freqs = positions.float()[..., None] * inv  # (B, T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
     f = rope_attention_factor(scaling)
@@ -140,8 +141,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                out: torch.dtype | None = None) -> torch.Tensor:
-    """Rotate (B, heads, T, hd) by the tables (B, 1, T, hd), in the wider of the two dtypes;
-    the result in ``out`` (default: x's dtype)."""
+    """Rotate (B, heads, T, hd) by the tables (B, 1, T, r), in the wider of the two dtypes;
+    the result in ``out`` (default: x's dtype). r < hd (partial RoPE): the first r dimensions
+    rotate, the others pass unchanged."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin, out), x[..., r:].to(out or x.dtype)),
+                         dim=-1)
     if dispatch.use_triton(x):
         return dispatch.apply_rope(x, cos, sin, out)
     return (x * cos + _rotate_half(x) * sin).to(out or x.dtype)
@@ -200,8 +206,11 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     the new keys and values are appended to it and the queries attend to all of them.
     ``lora``: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
     """
+    if LINEAR_MIXER in p:  # a gated DeltaNet layer: ``mask`` holds its rows' document ids
+        return linear_mixer(spec, p, h, mask, cache, lora)
     B, T, _ = h.shape
     nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    gate = None
     if spec.family.fused:  # one projection, split after the matmul (Phi-3)
         q, k, v = linear(p, "self_attn.qkv_proj", h, lora).split(
             [nh * hd, nkv * hd, nkv * hd], dim=-1)
@@ -209,6 +218,9 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
         q = linear(p, "self_attn.q_proj", h, lora)
         k = linear(p, "self_attn.k_proj", h, lora)
         v = linear(p, "self_attn.v_proj", h, lora)
+    if spec.family.attn_gate:  # each head's [query | gate] (Qwen3.5)
+        q, gate = q.view(B, T, nh, 2 * hd).chunk(2, dim=-1)  # (B, T, nh, hd) each
+        q, gate = q.reshape(B, T, nh * hd), gate.reshape(B, T, nh * hd)
     tables = v.dtype if rope is None else rope[0].dtype
     if spec.qk_norm == "full":  # over all heads at once, before they split (OLMo 2)
         q, k = norm(spec, p, "self_attn.q_norm", q), norm(spec, p, "self_attn.k_norm", k)
@@ -231,7 +243,25 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     a = attend(q, k, v, mask, causal, nh != nkv, spec.attn_scale,
                p.get("self_attn.sinks"))  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
+    if gate is not None:
+        a = a * torch.sigmoid(gate)
     return linear(p, "self_attn.o_proj", a, lora)
+
+
+LINEAR_MIXER = "linear_attn.in_proj_qkv.weight"
+"""A tensor only gated DeltaNet layers have (ModelSpec.is_linear)."""
+
+
+def linear_mixer(spec: ModelSpec, p: dict, h: torch.Tensor, doc_ids, cache=None,
+                 lora=None) -> torch.Tensor:
+    """The gated DeltaNet of normed input h (B, T, H) -> (B, T, H) (models.deltanet); with a
+    ``cache`` (generation: slideformer.engine.generate.cache.StateCache) it continues from the
+    cache's state and leaves the new one there."""
+    from slideformer.engine.models.deltanet import gated_deltanet  # it builds on this module
+    if cache is None:
+        return gated_deltanet(spec.linear, p, h, doc_ids, lora=lora)
+    y, cache.state = gated_deltanet(spec.linear, p, h, doc_ids, state=cache.begin(h), lora=lora)
+    return y
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -260,7 +290,7 @@ def gated(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
 def feed_forward(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None, aux=None) -> torch.Tensor:
     """The feed-forward of normed input h: the gated MLP, or the mixture of experts (``aux``:
     its router loss, models.moe.RouterAux)."""
-    if spec.moe is not None:
+    if _experts(spec, p):
         return moe_ffn(spec, p, h, ACTIVATIONS[spec.family.act], aux)
     return linear(p, "mlp.down_proj", gated(spec, p, h, lora), lora)
 
@@ -285,7 +315,7 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
     if _plain(spec, p):
         x, z = layer_to_down(spec, p, x, rope, mask, cache, lora)
         return x + linear(p, "mlp.down_proj", z, lora)
-    style, c = spec.family.norm, p["self_attn.o_proj.weight"].dtype
+    style, c = spec.family.norm, _compute(p)
     h = x.to(c) if style == "post" else norm(spec, p, "input_layernorm", x, c)
     a = attention(spec, p, h, rope, mask, cache, lora)
     if style != "pre":
@@ -303,14 +333,26 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
 def _plain(spec: ModelSpec, p: dict) -> bool:
     """Llama's layer shape: pre-norm, a dense MLP whose down projection has no bias; its
     backward may skip the layer's output (:func:`layer_backward`)."""
-    return spec.family.norm == "pre" and spec.moe is None and "mlp.down_proj.bias" not in p
+    return spec.family.norm == "pre" and not _experts(spec, p) and "mlp.down_proj.bias" not in p
+
+
+def _compute(p: dict) -> torch.dtype:
+    """The dtype the layer's matmuls run in: its token mixer's output projection's (norm
+    weights may be wider: runtime.norms)."""
+    return p["linear_attn.out_proj.weight" if LINEAR_MIXER in p else "self_attn.o_proj.weight"].dtype
+
+
+def _experts(spec: ModelSpec, p: dict) -> bool:
+    """Whether the layer of views ``p`` computes its feed-forward with experts (a model's
+    layers may differ: ModelSpec.sparse)."""
+    return spec.family.moe is not None and spec.family.moe.router in p
 
 
 def layer_to_down(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None, cache=None,
                   lora=None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`decoder_layer` of a pre-norm dense layer short of its last projection: (the mid
     residual x + attention, the gated MLP activation z that the down projection reads)."""
-    c = p["self_attn.o_proj.weight"].dtype
+    c = _compute(p)
     x = x + attention(spec, p, norm(spec, p, "input_layernorm", x, c), rope, mask, cache, lora)
     return x, gated(spec, p, norm(spec, p, "post_attention_layernorm", x, c), lora)
 

@@ -73,8 +73,9 @@ def for_model(lora: LoraSpec, spec: ModelSpec) -> LoraSpec:
     """``lora`` with only the targets this model's layers have: in a mixture of experts the
     MLP names (gate_proj, up_proj, down_proj) match no tensor, so adapters train on attention
     and the experts and router stay frozen (PEFT's ``target_modules`` reaches no stacked
-    experts either)."""
-    present = set(spec.layer_layout.names())
+    experts either). Its dense layers (Qwen3-MoE's ``mlp_only_layers``) keep their MLP frozen
+    too (:func:`adaptable`)."""
+    present = adaptable(spec)
     wanted = set(lora.targets)
     wanted |= {f for f, parts in FUSED.items() if wanted & parts}  # Phi-3's fused projections
     kept = tuple(t for t in PROJECTIONS if t in wanted and PROJECTIONS[t] + ".weight" in present)
@@ -84,16 +85,30 @@ def for_model(lora: LoraSpec, spec: ModelSpec) -> LoraSpec:
     return replace(lora, targets=kept)
 
 
-def adapter_layout(spec: ModelSpec, lora: LoraSpec) -> Layout:
-    """The flat layout of one decoder layer's adapters: A then B of each target (of
-    :func:`for_model`), layer order."""
-    base = spec.layer_layout
-    shapes = []
-    for t in lora.targets:
+def adaptable(spec: ModelSpec) -> set[str]:
+    """The names of the layers' tensors an adapter may target: any layer's, but in a mixture
+    of experts no MLP's, even in its dense layers. PEFT (0.21) maps the MLP names of a
+    mixture-of-experts model onto the experts and adapts no dense layer's MLP (measured on
+    Qwen3-MoE with ``mlp_only_layers``), so an adapter written here loads there the same."""
+    return {n for lay in set(spec.layouts) for n in lay.names()
+            if spec.moe is None or not n.startswith("mlp.")}
+
+
+def adapter_layout(spec: ModelSpec, lora: LoraSpec, layer: int) -> Layout:
+    """The flat layout of decoder layer ``layer``'s adapters: A then B of each target (of
+    :func:`for_model`) the layer has (layers may differ: ModelSpec.layout), target order."""
+    base = spec.layout(layer)
+    shapes, present = [], set(base.names())
+    for t in (t for t in lora.targets if PROJECTIONS[t] + ".weight" in present):
         out, inp = base.shape(PROJECTIONS[t] + ".weight")
         shapes += [(f"{PROJECTIONS[t]}.lora_A.weight", (lora.rank, inp)),
                    (f"{PROJECTIONS[t]}.lora_B.weight", (out, lora.rank))]
     return Layout.build(shapes)
+
+
+def adapter_params(spec: ModelSpec, lora: LoraSpec) -> int:
+    """Every decoder layer's adapter parameters, all together."""
+    return sum(adapter_layout(spec, lora, i).numel for i in range(spec.num_layers))
 
 
 def init_adapter(layout: Layout, flat: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

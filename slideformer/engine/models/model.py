@@ -51,7 +51,7 @@ class DenseModel(nn.Module):
         self.spec = spec
         mk = lambda n: nn.Parameter(torch.zeros(n, dtype=dtype, device=device))  # noqa: E731
         self.embed = mk(spec.embed_layout.numel)
-        self.layers = nn.ParameterList([mk(spec.params_per_layer) for _ in range(spec.num_layers)])
+        self.layers = nn.ParameterList([mk(spec.layout(i).numel) for i in range(spec.num_layers)])
         self.head = mk(spec.head_layout.numel)
 
     def items(self):
@@ -59,7 +59,7 @@ class DenseModel(nn.Module):
         s = self.spec
         yield "embed", self.embed, s.embed_layout
         for i, p in enumerate(self.layers):
-            yield f"layer{i}", p, s.layer_layout
+            yield f"layer{i}", p, s.layout(i)
         yield "head", self.head, s.head_layout
 
     def hidden(self, ids, doc_ids=None):
@@ -69,7 +69,7 @@ class DenseModel(nn.Module):
         x = embed(s, emb, ids)
         inp = LayerInputs.of_rows(s, ids, doc_ids, x.dtype, packed_causal_mask)
         for i, p in enumerate(self.layers):
-            x = decoder_layer(s, s.layer_layout.views(p), x, *inp.at(i))
+            x = decoder_layer(s, s.layout(i).views(p), x, *inp.at(i))
         head = s.head_layout.views(self.head)
         return final_norm(s, head["norm.weight"], x), head_weight(s, head, emb)
 

@@ -140,4 +140,10 @@ def moe_ffn(spec, p: dict, h: torch.Tensor, act, aux: RouterAux | None = None) -
                 grouped_linear(xs, p[m.stacked(m.up)], counts, ends))  # (N*k, I)
         y = grouped_linear(z, p[m.stacked(m.down)], counts, ends)  # (N*k, H)
     y = (y.float() * w.reshape(-1)[order, None]).to(x.dtype)
-    return x.new_zeros(x.shape).index_add(0, token, y).view(B, T, H)
+    out = x.new_zeros(x.shape).index_add(0, token, y)  # (N, H)
+    if m.shared is not None:  # every token's shared expert, gated per token
+        sh = F.linear(act(F.linear(x, p[f"{m.shared}.gate_proj.weight"]),
+                          F.linear(x, p[f"{m.shared}.up_proj.weight"])),
+                      p[f"{m.shared}.down_proj.weight"])  # (N, H)
+        out = out + torch.sigmoid(F.linear(x, p[f"{m.shared}_gate.weight"])) * sh
+    return out.view(B, T, H)

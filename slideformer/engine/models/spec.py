@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING
 from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import read_json, surrogate_key
 from slideformer.engine.models.families import FAMILIES, SUPPORTED, TEXT_TOWERS
-from slideformer.engine.models.families.base import (FIX, FULL, SLIDING, Family, all_layers, flag,
+from slideformer.engine.models.families.base import (FIX, FULL, LINEAR, SLIDING, DeltaNetShape,
+                                                     Family, all_layers, flag,
                                                      positive_int, positive_real,
                                                      rope_of, window)
 
@@ -84,6 +85,8 @@ class MoeShape:
     alpha: float = 0.0
     limit: float = 0.0
     """GPT-OSS's clamped SwiGLU: ``swiglu_alpha`` and ``swiglu_limit`` (models.moe)."""
+    shared_width: int = 0
+    """The shared expert's intermediate size (Moe.shared; 0: none)."""
     aux_coef: float = 0.0
     """The router's load-balancing loss weight (``router_aux_loss_coef`` while
     ``output_router_logits`` is on, as transformers trains; 0: off; models.moe.RouterAux)."""
@@ -135,7 +138,16 @@ class ModelSpec:
     attn_scale: float | None = None
     """Softmax scale of the attention scores; None: 1/sqrt(head_dim)."""
     moe: MoeShape | None = None
-    """The experts of every layer's feed-forward, or None: a dense gated MLP."""
+    """The experts of the sparse layers' feed-forward, or None: a dense gated MLP everywhere."""
+    sparse: tuple[bool, ...] = ()
+    """Per layer of a mixture of experts, whether its feed-forward is the experts (False: a
+    dense gated MLP of ``intermediate_size``, Qwen3-MoE's ``mlp_only_layers``); all when empty."""
+    rotary_dim: int | None = None
+    """The leading dimensions of each head that RoPE rotates (Qwen3.5's
+    ``partial_rotary_factor``); None: all of ``head_dim``."""
+    linear: DeltaNetShape | None = None
+    """The sizes of the gated DeltaNet layers that :attr:`layer_types` marks "linear_attention"
+    (Qwen3.5; models.deltanet), or None."""
 
     def __post_init__(self):
         if self.family is None:  # specs made in code (tests, benchmarks) name only the type
@@ -147,20 +159,75 @@ class ModelSpec:
     def has_rope(self, i: int) -> bool:
         return self.rope_layers[i] if self.rope_layers else True
 
+    def is_sparse(self, i: int) -> bool:
+        """Whether layer ``i``'s feed-forward is the mixture of experts."""
+        return self.moe is not None and (self.sparse[i] if self.sparse else True)
+
+    def is_linear(self, i: int) -> bool:
+        """Whether layer ``i`` mixes tokens with gated DeltaNet instead of softmax attention."""
+        return self.layer_type(i) == LINEAR
+
+    def block(self, i: int) -> tuple:
+        """What decides layer ``i``'s tensors (layers of one block share a :class:`Layout`)."""
+        return (self.is_sparse(i), self.is_linear(i))
+
     # ---- layouts -------------------------------------------------------------------------
     @cached_property
-    def layer_layout(self) -> Layout:
-        """A decoder layer's tensors, in the order of its maths (norms as the family places
+    def layouts(self) -> tuple[Layout, ...]:
+        """Each decoder layer's tensors, in the order of its maths (norms as the family places
         them; a mixture of experts as its router and one stacked tensor per projection).
-        Built once: the planner reads it hundreds of times per plan (rebuilding it took 18% of
-        the time of planning a small model, measured)."""
-        h, hd, fam = self.hidden_size, self.head_dim, self.family
-        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        Layers of one :meth:`block` share one object, built once: the planner reads them
+        hundreds of times per plan (rebuilding took 18% of the time of planning a small model,
+        measured)."""
+        built: dict[tuple, Layout] = {}
+        for i in range(self.num_layers):
+            if self.block(i) not in built:
+                built[self.block(i)] = self._build_layout(*self.block(i))
+        return tuple(built[self.block(i)] for i in range(self.num_layers))
+
+    def layout(self, i: int) -> Layout:
+        """Decoder layer ``i``'s tensors."""
+        return self.layouts[i]
+
+    @property
+    def uniform(self) -> bool:
+        """Every decoder layer has the same tensors."""
+        return all(lay is self.layouts[0] for lay in self.layouts)
+
+    @property
+    def layer_layout(self) -> Layout:
+        """The one layout of a model whose layers all have the same tensors (runtime code of
+        models whose layers differ uses :meth:`layout`; the planner :attr:`largest_layout`)."""
+        if not self.uniform:
+            raise ValueError(f"the layers of this {self.model_type} model differ: use layout(i)")
+        return self.layouts[0]
+
+    @cached_property
+    def largest_layout(self) -> Layout:
+        """The largest decoder layer's layout: what a parameter slot holds, and the layer the
+        planner counts per-layer buffers by."""
+        return max(self.layouts, key=lambda lay: lay.numel)
+
+    def _build_layout(self, sparse: bool, linear: bool) -> Layout:
+        h, fam = self.hidden_size, self.family
         s: list[tuple[str, tuple[int, ...]]] = []
         if fam.norm != "post":
             s.append(("input_layernorm.weight", (h,)))
+        s += self.linear.shapes(h) if linear else self._attention_shapes()
+        s.append(("post_attention_layernorm.weight", (h,)))
+        if fam.norm == "sandwich":
+            s.append(("pre_feedforward_layernorm.weight", (h,)))
+        s += self._ffn_shapes(sparse)
+        if fam.norm != "pre":
+            s.append(("post_feedforward_layernorm.weight", (h,)))
+        return Layout.build(s)
+
+    def _attention_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        h, hd, fam = self.hidden_size, self.head_dim, self.family
+        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+        s: list[tuple[str, tuple[int, ...]]] = []
         qkv = ((("qkv_proj", q + 2 * kv),) if fam.fused else
-               (("q_proj", q), ("k_proj", kv), ("v_proj", kv)))
+               (("q_proj", 2 * q if fam.attn_gate else q), ("k_proj", kv), ("v_proj", kv)))
         for proj, out in qkv:
             s.append((f"self_attn.{proj}.weight", (out, h)))
             if self.qkv_bias:
@@ -173,25 +240,22 @@ class ModelSpec:
             s += [("self_attn.q_norm.weight", (wq,)), ("self_attn.k_norm.weight", (wk,))]
         if fam.sinks:
             s.append(("self_attn.sinks", (self.num_heads,)))
-        s.append(("post_attention_layernorm.weight", (h,)))
-        if fam.norm == "sandwich":
-            s.append(("pre_feedforward_layernorm.weight", (h,)))
-        s += self._ffn_shapes()
-        if fam.norm != "pre":
-            s.append(("post_feedforward_layernorm.weight", (h,)))
-        return Layout.build(s)
+        return s
 
-    def _ffn_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        h, m = self.hidden_size, self.family.moe
+    def _ffn_shapes(self, sparse: bool) -> list[tuple[str, tuple[int, ...]]]:
+        h, m = self.hidden_size, self.family.moe if sparse else None
         if m is not None and m.gpt_oss:  # (E, in, out), gate and up one projection, biases
             e, i = self.moe.experts, self.moe.width
             return [(m.router, (e, h)), (m.router_bias, (e,)),
                     (m.stacked(m.gate), (e, h, 2 * i)), (m.bias(m.gate), (e, 2 * i)),
                     (m.stacked(m.down), (e, i, h)), (m.bias(m.down), (e, h))]
         if m is not None:
-            e, i = self.moe.experts, self.moe.width
+            e, i, si = self.moe.experts, self.moe.width, self.moe.shared_width
+            shared = [] if m.shared is None else [
+                (f"{m.shared}.gate_proj.weight", (si, h)), (f"{m.shared}.up_proj.weight", (si, h)),
+                (f"{m.shared}.down_proj.weight", (h, si)), (f"{m.shared}_gate.weight", (1, h))]
             return [(m.router, (e, h)), (m.stacked(m.gate), (e, i, h)),
-                    (m.stacked(m.up), (e, i, h)), (m.stacked(m.down), (e, h, i))]
+                    (m.stacked(m.up), (e, i, h)), (m.stacked(m.down), (e, h, i)), *shared]
         i, s = self.intermediate_size, []
         mlp = ((("gate_up_proj", (2 * i, h)),) if self.family.fused else
                (("gate_proj", (i, h)), ("up_proj", (i, h))))
@@ -226,35 +290,52 @@ class ModelSpec:
     # ---- counts --------------------------------------------------------------------------
     @property
     def params_per_layer(self) -> int:
-        return self.layer_layout.numel
+        """The largest decoder layer's parameters (a slot's size; all of them when uniform)."""
+        return self.largest_layout.numel
+
+    @property
+    def layer_params(self) -> int:
+        """The decoder layers' parameters, all together."""
+        return sum(lay.numel for lay in self.layouts)
 
     @property
     def num_params(self) -> int:
         """Exact trainable parameter count (tied embeddings counted once)."""
-        return (self.num_layers * self.params_per_layer + self.embed_layout.numel
-                + self.head_layout.numel)
+        return self.layer_params + self.embed_layout.numel + self.head_layout.numel
+
+    def _active(self, layout: Layout) -> int:
+        """A layer's parameters one token computes with (all but the experts it is not
+        routed to)."""
+        m = self.family.moe
+        if self.moe is None or m.router not in layout.names():
+            return layout.numel
+        experts = sum(math.prod(sh) for n, _, sh in layout.entries
+                      if n.startswith(m.experts + "."))  # every expert's weights and biases
+        return layout.numel - experts // self.moe.experts * (self.moe.experts - self.moe.top_k)
 
     @property
-    def active_params_per_layer(self) -> int:
-        """A layer's parameters one token computes with (all but the experts it is not
-        routed to): what the FLOPs of a token count."""
-        if self.moe is None:
-            return self.params_per_layer
-        e, m = self.moe, self.family.moe
-        experts = sum(math.prod(sh) for n, _, sh in self.layer_layout.entries
-                      if n.startswith(m.experts + "."))  # every expert's weights and biases
-        return self.params_per_layer - experts // e.experts * (e.experts - e.top_k)
+    def active_params_per_layer(self) -> float:
+        """A decoder layer's parameters one token computes with, on average over the layers:
+        what the FLOPs of a token count."""
+        return sum(self._active(lay) for lay in self.layouts) / self.num_layers
 
     @property
     def ffn_width(self) -> int:
-        """Intermediate values a token's feed-forward forms: the MLP's width, or top-k times
-        one expert's (what the planner counts activation memory by)."""
-        return self.intermediate_size if self.moe is None else self.moe.top_k * self.moe.width
+        """Intermediate values a token's feed-forward forms, in the widest layer: the MLP's
+        width, or top-k times one expert's (what the planner counts activation memory by)."""
+        widths = {self.moe.top_k * self.moe.width if self.is_sparse(i) else self.intermediate_size
+                  for i in range(self.num_layers)}
+        return max(widths)
+
+    @property
+    def sparse_layers(self) -> int:
+        """Layers whose feed-forward is the mixture of experts."""
+        return sum(self.is_sparse(i) for i in range(self.num_layers))
 
     @property
     def active_params(self) -> int:
-        return self.num_params - self.num_layers * (self.params_per_layer
-                                                    - self.active_params_per_layer)
+        return (self.num_params - self.layer_params
+                + sum(self._active(lay) for lay in self.layouts))
 
     def summary(self) -> dict:
         """Plain figures for display (GUI model page, ``slideformer info``)."""
@@ -274,6 +355,7 @@ def _type_counts(spec: ModelSpec) -> str:
     """'24 full' or '20 sliding (window 512) + 4 full', NoPE layers counted apart."""
     types = [spec.layer_type(i) for i in range(spec.num_layers)]
     parts = [f"{types.count(SLIDING)} sliding (window {spec.sliding_window})"] if SLIDING in types else []
+    parts += [f"{types.count(LINEAR)} linear (gated DeltaNet)"] if LINEAR in types else []
     parts.append(f"{types.count(FULL)} full") if FULL in types else None
     nope = sum(not spec.has_rope(i) for i in range(spec.num_layers))
     return " + ".join(parts) + (f", {nope} without RoPE" if nope else "")
@@ -326,8 +408,9 @@ def _moe_shape(fam: Family, cfg: dict, path: Path) -> MoeShape | None:
         aux = 0.001 if cfg.get("router_aux_loss_coef") is None else cfg["router_aux_loss_coef"]
         if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0 <= aux < math.inf:
             raise UserError(path, f"'router_aux_loss_coef' is {aux!r}, not a number >= 0", _FIX)
+    shared = _need(cfg, "shared_expert_intermediate_size", path) if m.shared else 0
     return MoeShape(experts, k, _need(cfg, m.width_key, path), renorm, aux_coef=float(aux),
-                    **clamp)
+                    shared_width=shared, **clamp)
 
 
 def _refused(fam: Family, cfg: dict, path: Path) -> None:
@@ -410,7 +493,7 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
         if values["sliding_window"] is None:
             raise UserError(path, "'layer_types' marks sliding_attention layers, but "
                             "'sliding_window' is not set", _FIX)
-    else:
+    elif set(values["layer_types"]) == {FULL}:
         values["layer_types"] = ()  # all full: the plain causal path
     return ModelSpec(**values)
 

@@ -78,7 +78,9 @@ for reasoning and tools, and ends earlier replies with <|end|>)."""
 FAMILY_TOKENS["gpt_oss"] = FamilyTokens(
     ("<|endoftext|>", "<|start|>", "<|message|>", "<|end|>", "<|return|>", "<|channel|>"), None,
     "<|return|>", "<|endoftext|>", HARMONY_TEMPLATE)
-for _a, _b in (("qwen3", "qwen2"), ("qwen3_moe", "qwen2"), ("mixtral", "mistral"),
+for _a, _b in (("qwen3", "qwen2"), ("qwen3_moe", "qwen2"), ("qwen3_5_text", "qwen2"),
+               ("qwen3_5_moe_text", "qwen2"),
+               ("mixtral", "mistral"),
                ("olmo2", "llama"), ("olmo3", "llama"), ("smollm3", "llama"), ("phi3", "llama")):
     FAMILY_TOKENS[_a] = FAMILY_TOKENS[_b]
 
@@ -191,6 +193,20 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
                                     "beta_slow": 1.0, "truncate": False, "rope_theta": 10000.0,
                                     "original_max_position_embeddings": shape.max_positions // 4})
         del cfg["rope_theta"]
+    if arch == "qwen3_5_moe_text":  # experts top-2 of 4 and a shared expert
+        cfg.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=shape.intermediate // 2,
+                   shared_expert_intermediate_size=shape.intermediate // 4,
+                   output_router_logits=False)
+    if arch in ("qwen3_5_text", "qwen3_5_moe_text"):  # three gated DeltaNet layers of four; RoPE on a quarter of a head
+        cfg.update(head_dim=hd, attention_bias=False, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=12,
+                   linear_conv_kernel_dim=4,
+                   layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                for i in range(shape.layers)],
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.25, "mrope_interleaved": True,
+                                    "mrope_section": [hd // 8 - hd // 16, hd // 16, 0]})
+        del cfg["rope_theta"]
     if tok is not None:
         t = FAMILY_TOKENS[arch]
         cfg.update(bos_token_id=tok.token_to_id(t.bos) if t.bos else None,
@@ -204,8 +220,8 @@ def random_tensors(spec, seed: int):
     norm = 1.0 - spec.family.norm_offset  # Gemma stores weight - 1
     for item in item_names(spec):
         for name, shape in stored_shapes(spec, item):
-            if name.endswith("norm.weight"):
-                t = norm + 0.1 * torch.randn(shape, generator=g)
+            if name.endswith("norm.weight"):  # DeltaNet's gated norm scales by its weight
+                t = (1.0 if ".linear_attn." in name else norm) + 0.1 * torch.randn(shape, generator=g)
             else:
                 t = 0.02 * torch.randn(shape, generator=g)
             yield name, t

@@ -1,12 +1,18 @@
 """Safetensors weights: lazy per-item reading into flat buffers, and Hugging Face folder export.
 
 Only safetensors are read (never pickle: a model folder is untrusted input). Reading goes one
-tensor at a time through ``safe_open`` (memory-mapped), so loading a layer costs that layer's
-bytes, not the checkpoint's.
+tensor at a time with plain reads at the offsets of the file's header, straight into the
+destination buffer (a tensor of another dtype through a scratch of at most :data:`READ_CHUNK`
+bytes), so loading a layer costs that layer's bytes, not the checkpoint's. The files are never
+memory-mapped: safetensors' ``safe_open`` maps them, and every page a read touches then counts
+in the process's resident memory until the file is closed, which after a whole load is the
+whole checkpoint (286 GiB of "RSS" for a 123B model on a 64 GiB host). Read pages go to the
+page cache, which the OS drops under pressure and which is not the process's RSS.
 """
 from __future__ import annotations
 
 import errno
+import io
 import json
 import math
 import os
@@ -16,7 +22,7 @@ import struct
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 
 if TYPE_CHECKING:  # reading headers needs no torch (``info``); writing imports it
     import torch
@@ -33,6 +39,13 @@ TOWER_PREFIXES = (("language_model.model.", "model."), ("model.language_model.",
 writes ``language_model.model.*``; some conversions ``model.language_model.*``)."""
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 """Safetensors dtypes a master weight can be read from (quantized ints are not cast)."""
+READ_CHUNK = 64 << 20
+"""Bytes of a tensor read at a time when its stored dtype is not the destination's: the only
+copy of file data held beside the destination buffer."""
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "I16": 16,
+              "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "I64": 64,
+              "U64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+"""Bits per element of each safetensors dtype (those safetensors 0.8 accepts)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json", "chat_template.jinja")
 
@@ -76,7 +89,7 @@ def item_names(spec: ModelSpec) -> list[str]:
 def item_layout(spec: ModelSpec, item: str) -> Layout:
     if item == "embed":
         return spec.embed_layout
-    return spec.head_layout if item == "head" else spec.layer_layout
+    return spec.head_layout if item == "head" else spec.layout(int(item.removeprefix("layer")))
 
 
 def _read_header(path: Path) -> tuple[dict, int]:
@@ -101,13 +114,32 @@ def _read_header(path: Path) -> tuple[dict, int]:
                             fix) from None
     if not isinstance(header, dict):
         raise UserError(path, "has a corrupt safetensors header", fix)
-    header.pop("__metadata__", None)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise UserError(path, "has a corrupt safetensors header (__metadata__ is not a table "
+                        "of strings)", fix)
     if not all(_entry_ok(v) for v in header.values()):
         raise UserError(path, "has a corrupt safetensors header (bad tensor entries)", fix)
+    for name, v in header.items():
+        _check_extent(path, name, v, fix)
     end = max((v["data_offsets"][1] for v in header.values()), default=0)
     if 8 + n + end > size:
         raise UserError(path, f"is truncated ({size} bytes, header needs {8 + n + end})", fix)
     return header, 8 + n
+
+
+def _check_extent(path: Path, name: str, v: dict, fix: str) -> None:
+    """A tensor's bytes are those of its dtype and shape (as safe_open checked when it opened a
+    file), so every read stays inside the tensor."""
+    (begin, end), bits, shape = v["data_offsets"], DTYPE_BITS.get(v["dtype"]), v["shape"]
+    if bits is None:
+        raise UserError(path, f"stores tensor '{name}' as {v['dtype']!r}, not a safetensors "
+                        "dtype", fix)
+    if (not 0 <= begin <= end or min(shape, default=0) < 0
+            or math.prod(shape) * bits != 8 * (end - begin)):
+        raise UserError(path, f"has a corrupt safetensors header (tensor '{name}': shape "
+                        f"{shape} of {v['dtype']} in bytes {begin}..{end})", fix)
 
 
 def _index_files(index: Path) -> list[str]:
@@ -178,15 +210,11 @@ class Checkpoint:
             header, self._data[path] = _read_header(path)
             for name, info in header.items():
                 self.where[name], self.meta[name] = path, info
-        self.stored: dict[str, str] = {}
-        """Engine name -> the name in the files, for a text tower stored under its multimodal
-        model's prefix (:data:`TOWER_PREFIXES`)."""
-        for name in list(self.meta):
+        for name in list(self.meta):  # a text tower under its multimodal model's prefix
             for prefix, plain in TOWER_PREFIXES:
                 alias = plain + name[len(prefix):]
                 if name.startswith(prefix) and alias not in self.meta:
                     self.where[alias], self.meta[alias] = self.where[name], self.meta[name]
-                    self.stored[alias] = name
         self.quantized = any(bnb4.STATE in name for name in self.meta)
         """Whether some weights are pre-quantised 4-bit (slideformer.engine.models.bnb4)."""
         self.mxfp4 = {name: mxfp4.stored_shape(self.meta, name) for name in
@@ -196,7 +224,8 @@ class Checkpoint:
         (None: parts that do not fit together)."""
         for name in self.mxfp4:
             self.where[name] = self.where[mxfp4.parts(name)[0]]
-        self._open: dict[Path, object] = {}
+        self._files: dict[Path, io.FileIO] = {}
+        """Files opened for reading (unbuffered, never mapped), until :meth:`close`."""
 
     def size_on_disk(self) -> int:
         return sum(p.stat().st_size for p in set(self.where.values()))
@@ -209,14 +238,14 @@ class Checkpoint:
             return mxfp4.DESCRIPTION
         return next(iter(self.meta.values()))["dtype"] if self.meta else "?"
 
-    def _handle(self, path: Path):
-        if path not in self._open:
+    def _file(self, path: Path) -> io.FileIO:
+        if path not in self._files:
             try:
-                self._open[path] = safe_open(str(path), framework="pt")
-            except SafetensorError as e:
-                raise UserError(path, f"cannot be read as safetensors ({e})",
-                                "re-download or re-copy this file") from None
-        return self._open[path]
+                self._files[path] = open(path, "rb", buffering=0)
+            except OSError as e:
+                raise UserError(path, f"cannot be read ({e.strerror or e})",
+                                "check that the file is there and readable") from None
+        return self._files[path]
 
     def check(self, spec: ModelSpec) -> None:
         """Every tensor the spec needs is present with the right shape (headers only)."""
@@ -255,15 +284,48 @@ class Checkpoint:
                             "the weights do not match config.json; use the matching files")
 
     def tensor(self, name: str) -> torch.Tensor:
-        """One stored tensor as it is (memory-mapped); an MXFP4 one dequantised to bf16."""
+        """One stored tensor as it is, read into memory of its own; an MXFP4 one dequantised
+        to bf16."""
+        import torch
         if name in self.mxfp4:
-            import torch
             return self._mxfp4_into(name, torch.empty(self.mxfp4[name], dtype=torch.bfloat16))
-        return self._handle(self.where[name]).get_tensor(self.stored.get(name, name))
+        return self._read_into(name, torch.empty(self.meta[name]["shape"], dtype=self._dtype(name)))
+
+    def _dtype(self, name: str) -> torch.dtype:
+        import torch
+        code = self.meta[name]["dtype"]
+        dtype = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+                 "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+                 "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+                 "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}.get(code)
+        if dtype is None:
+            raise UserError(self.where[name], f"tensor '{name}' is stored as {code}, which "
+                            "cannot be read", "use a release of the model in bf16, fp16 or fp32")
+        return dtype
+
+    def _read_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out`` (contiguous, the stored tensor's number of elements) with the stored
+        tensor ``name``: read in place when the dtypes agree, else :data:`READ_CHUNK` bytes at
+        a time into a scratch and converted into ``out`` (``copy_``: the same rounding as a
+        copy of the whole tensor)."""
+        import torch
+        path, src = self.where[name], self._dtype(name)
+        start, flat = self._data[path] + self.meta[name]["data_offsets"][0], out.view(-1)
+        f = self._file(path)
+        if src == out.dtype:
+            _read_at(f, flat.view(torch.uint8), start, path)
+            return out
+        step = max(1, READ_CHUNK // src.itemsize)
+        scratch = torch.empty(min(step, flat.numel()), dtype=src)
+        for s in range(0, flat.numel(), step):
+            part = scratch[:min(step, flat.numel() - s)]
+            _read_at(f, part.view(torch.uint8), start + s * src.itemsize, path)
+            flat[s:s + part.numel()].copy_(part)
+        return out
 
     def _mxfp4_into(self, name: str, out: torch.Tensor) -> torch.Tensor:
-        blocks, scales = (self._handle(self.where[p]).get_tensor(self.stored.get(p, p))
-                          for p in mxfp4.parts(name))
+        blocks, scales = (self.tensor(p) for p in mxfp4.parts(name))
         return mxfp4.dequantize(blocks, scales, out)
 
     def raw_bytes(self, name: str) -> bytes:
@@ -283,7 +345,7 @@ class Checkpoint:
             elif name in self.mxfp4:
                 self._mxfp4_into(name, view)
             else:
-                view.copy_(self.tensor(name))
+                self._read_into(name, view)
         return out
 
     def read_nf4_item(self, spec: ModelSpec, item: str, quant, out: torch.Tensor) -> torch.Tensor:
@@ -321,14 +383,30 @@ class Checkpoint:
         """Refuse weights holding NaN or infinity (training from them only yields NaN losses)."""
         import torch
 
-        bad = int((~torch.isfinite(values)).sum())
-        if bad:
-            raise UserError(self.where[name], f"tensor '{name}' holds {bad:,} NaN or infinite "
-                            "values", "the weights are damaged: download or copy them again, or "
-                            "use another checkpoint of the model")
+        finite = torch.isfinite(values)  # one byte per value (plan: the load buffer)
+        if bool(finite.all()):
+            return
+        bad = finite.numel() - int(finite.sum())
+        raise UserError(self.where[name], f"tensor '{name}' holds {bad:,} NaN or infinite "
+                        "values", "the weights are damaged: download or copy them again, or "
+                        "use another checkpoint of the model")
 
     def close(self) -> None:
-        self._open.clear()
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def _read_at(f: io.FileIO, buf: torch.Tensor, offset: int, path: Path) -> None:
+    """Read ``buf.numel()`` bytes at ``offset`` of ``f`` into the uint8 tensor ``buf``."""
+    view, done = memoryview(buf.numpy()), 0
+    f.seek(offset)
+    while done < len(view):  # a read returns at most ~2 GiB on Linux, less at the file's end
+        n = f.readinto(view[done:])
+        if not n:
+            raise UserError(path, "is truncated (it ended inside a tensor)",
+                            "re-download or re-copy this file")
+        done += n
 
 
 def write_hf_folder(out_dir: Path | str, spec: ModelSpec, tensors: Iterable[tuple[str, torch.Tensor]],

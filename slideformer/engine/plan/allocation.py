@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from slideformer.engine.runtime.shapes import moment_numel
+
 
 @dataclass(frozen=True)
 class Allocation:
@@ -17,8 +19,6 @@ class Allocation:
     """How the size follows from the model and the settings."""
     phase: str = "run"
     """When it is held (see the module docstring)."""
-    reclaimable: bool = False
-    """Clean page cache (mapped model files): counted in RSS, not against the budget."""
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class Precision:
     compute: torch.dtype
     """Weights on the device and activations: bfloat16 (CUDA) or float32."""
     moments: torch.dtype
-    """AdamW m and v on the host: float32 or bfloat16."""
+    """AdamW m and v on the host: float32, bfloat16, or int8 for 8-bit blocks with a scale each
+    (slideformer.engine.runtime.moments8)."""
     file_bytes: int = 2
     """Bytes per parameter in the model's safetensors files."""
     residual: torch.dtype | None = None
@@ -50,7 +51,13 @@ class Precision:
 
     @property
     def mo(self) -> int:
+        """Bytes per moment value, a block's scale left out (:meth:`moment_bytes` has it)."""
         return self.moments.itemsize
+
+    def moment_bytes(self, numel: int) -> int:
+        """Bytes of one AdamW moment of an item of ``numel`` parameters (8-bit: whole blocks,
+        each with its fp32 scale)."""
+        return moment_numel(numel, self.moments) * self.moments.itemsize
 
 
 def _gib(n: int) -> str:

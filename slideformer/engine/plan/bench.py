@@ -13,8 +13,8 @@ What it measures (each a median of a few timed repeats after a warm-up):
   kernel path this machine can take (kernels.dispatch.kernel_path under each setting of
   SLIDEFORMER_TRITON / SLIDEFORMER_FLEX): its model FLOPs per second as a share of the measured
   matmul rate, which the speed model prefers to its reference figures.
-Whatever cannot be measured (no GPU) keeps what slideformer.engine.plan.targets.detected assumes and is
-named in the profile's notes.
+Whatever cannot be measured (no GPU) keeps what slideformer.engine.plan.targets.detected assumes,
+with its source (``HardwareProfile.sources``), and is named in the profile's notes.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import psutil
 import torch
 
 from slideformer.engine.kernels import attention, dispatch
@@ -37,7 +36,7 @@ from slideformer.engine.models.layers import decoder_layer, layer_backward, rope
 from slideformer.engine.models.model import positions_for
 from slideformer.engine.models.spec import Layout, ModelSpec, spec_from_config
 from slideformer.engine.plan.hardware import HardwareProfile
-from slideformer.engine.plan.machine import host_memory
+from slideformer.engine.plan.machine import cpu_cores, host_memory
 from slideformer.engine.plan.speed import layer_flops
 from slideformer.engine.plan.targets import detected
 from slideformer.engine.runtime.host_state import AdamHyper, AdamWorkspace, HostItem, adam_update
@@ -208,8 +207,7 @@ def measure(disk_folder: Path, log: Callable[[str], None] = print) -> HardwarePr
     """Measure what this machine allows; the rest keeps what slideformer.engine.plan.targets.detected
     assumes (and says so)."""
     vals: dict[str, object] = {"name": platform.node() or "this machine",
-                               "ram_total": host_memory().total,
-                               "cpu_cores": psutil.cpu_count(logical=False) or os.cpu_count() or 1}
+                               "ram_total": host_memory().total, "cpu_cores": cpu_cores()}
     notes: list[str] = []
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)

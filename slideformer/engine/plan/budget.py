@@ -4,8 +4,16 @@
 - VRAM: the GPU's free memory plus what this process holds already, less
   max(512 MiB, 3% of the GPU) for the display server, other programs and the driver's growth;
   when the plan is for a GPU preset (or no GPU is here), the profile's VRAM less the same margin.
-- RAM: available memory plus this process's resident memory, less max(2 GiB, 5% of RAM) for
-  the OS, the page cache of the data and the GUI.
+- RAM: available memory plus this process's resident memory, less max(1 GiB, 3% of RAM).
+  "Available" is the kernel's MemAvailable (psutil's ``available``; in a container, also no
+  more than its cgroup limit less what the cgroup holds, slideformer.engine.plan.machine): what
+  can be allocated without swapping, with the reclaimable page cache counted in and the kernel's
+  own reserves already left out, so the margin only covers what the plan cannot see: other
+  programs growing during the run and the planner's own error (its host peaks were 0.4-3% under
+  the runs' VmHWM on the H200, benchmarks/RESULTS.md). It was max(2 GiB, 5%), which on the
+  125.8 GiB H200 called the 70B QLoRA run (118.9 GiB planned) "does not fit", a verdict the
+  trainer refuses to start, while it ran at 119.3 GiB RSS; now that run is "tight" (over
+  TIGHT of the budget), which is what it was.
 - Disk (the NVMe tier): none unless a folder is given; a folder without a size gets its free
   space less 5%.
 A budget the user gives is taken as is, after checks: a readable size, positive, and no more
@@ -30,7 +38,7 @@ def vram_margin(total: int) -> int:
 
 
 def ram_margin(total: int) -> int:
-    return max(2 * GiB, int(0.05 * total))
+    return max(GiB, int(0.03 * total))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ def register(sub) -> None:
     p.add_argument("--method", choices=config_mod.METHODS,
                    help="full fine-tuning, or LoRA / QLoRA adapters over a frozen base")
     p.add_argument("--rank", type=int, help="LoRA rank (lora.rank)")
-    p.add_argument("--moments", choices=("float32", "bfloat16"), help="AdamW moment precision")
+    p.add_argument("--moments", choices=("float32", "bfloat16", "int8"),
+                   help="AdamW moment precision (int8: 8-bit blocks, not exact)")
     p.add_argument("--checkpoints", choices=("auto", "gpu", "host"),
                    help="activation checkpoint placement")
     p.add_argument("--slots", type=int, help="parameter slots on the GPU (0: the planner's choice)")

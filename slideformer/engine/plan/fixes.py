@@ -3,7 +3,8 @@
 Each fix changes one setting and is evaluated by the same memory model as the plan itself:
 smaller micro-batch; the same global batch through more accumulation; checkpoints to host;
 fewer parameter slots; regenerated gradients (with exact clipping and ``train.clip_regen`` set:
-the fewest lowest layers whose gradient a second backward pass regenerates); bf16 moments or a bf16 residual stream (change the numerics: opt-in);
+the fewest lowest layers whose gradient a second backward pass regenerates); bf16 moments (or
+8-bit ones where bf16 does not suffice) or a bf16 residual stream (change the numerics: opt-in);
 optimizer state on disk (the NVMe tier: the moments of the fewest layers that make host RAM
 fit), or with a frozen base the base of the fewest layers; another method (LoRA or QLoRA adapters over a frozen base). They come cheapest first: those that make the run fit, exact
 ones before numerics-changing ones, the chosen method before another, faster ones first.
@@ -17,6 +18,7 @@ import torch
 
 from slideformer.engine.config import format_bytes
 from slideformer.engine.plan.evaluate import Evaluation, Evaluator, Knobs
+from slideformer.engine.runtime.shapes import QBLOCK
 
 _NO_LIMIT = 1 << 62
 """A disk budget that holds anything (what the NVMe-tier fix would need)."""
@@ -122,13 +124,29 @@ def _regenerate_gradients(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal
                  f"{1 - after / before:.0%} fewer tokens/s)", {"train.clip_regen": n})]
 
 
-def _bf16_moments(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
-    if k.precision.moments == torch.bfloat16 or k.method != "full":
+_SMALLER_MOMENTS = ((torch.bfloat16, "bf16 moments", "bfloat16",
+                     "AdamW m and v in bfloat16 (slightly different numerics)"),
+                    (torch.int8, "int8 moments", "int8",
+                     "AdamW m and v in 8-bit blocks with a scale each, a quarter of fp32 "
+                     "(slightly different numerics)"))
+
+
+def _smaller_moments(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
+    """bf16 moments; 8-bit ones only where bf16 ones do not make the run fit (the larger change
+    of the numerics)."""
+    if k.method != "full":
         return []
-    kk = replace(k, precision=replace(k.precision, moments=torch.bfloat16))
-    return [_fix(ev, base, kk, goal, "bf16 moments",
-                 "AdamW m and v in bfloat16 (slightly different numerics)",
-                 {"optim.moments_dtype": "bfloat16"}, exact=False)]
+    fixes = []
+    for dtype, name, value, change in _SMALLER_MOMENTS:
+        if k.precision.moment_bytes(QBLOCK) <= replace(k.precision, moments=dtype).moment_bytes(QBLOCK):
+            continue  # not smaller than the moments already chosen
+        kk = replace(k, precision=replace(k.precision, moments=dtype))
+        fix = _fix(ev, base, kk, goal, name, change, {"optim.moments_dtype": value}, exact=False)
+        if fix is not None:
+            fixes.append(fix)
+            if fix.fits:
+                break
+    return fixes
 
 
 def _bf16_residual(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> list:
@@ -183,7 +201,7 @@ def find_fixes(ev: Evaluator, base: Evaluation, k: Knobs, tiers: tuple[str, ...]
     goal = _Goal(tiers, share)
     fixes = []
     for make in (_smaller_micro_batch, _checkpoints_to_host, _fewer_slots, _regenerate_gradients,
-                 _bf16_moments,
+                 _smaller_moments,
                  _bf16_residual, _states_to_disk, _frozen_base):
         fixes += [f for f in make(ev, base, k, goal) if f is not None]
     # another training method comes after every change within the chosen one
@@ -200,7 +218,7 @@ def floor_notes(ev: Evaluator, k: Knobs, tiers: tuple[str, ...]) -> tuple[str, .
     """When no setting can make a tier fit: the least it needs with every fix combined."""
     frozen = k.method != "full"
     least = replace(k, micro_batch=1, grad_accum=1, checkpoints="host", slots=min(2, ev.spec.num_layers), gpu_layers=0,
-                    precision=replace(k.precision, moments=torch.bfloat16),
+                    precision=replace(k.precision, moments=torch.int8),
                     disk_layers=ev.spec.num_layers if frozen else k.disk_layers)
     e = ev.choose(least)
     notes = []
@@ -211,13 +229,13 @@ def floor_notes(ev: Evaluator, k: Knobs, tiers: tuple[str, ...]) -> tuple[str, .
         if t.tier in tiers and t.budget is not None and need > t.budget:
             groups: dict[str, int] = {}
             for a in e.allocs:
-                if a.tier == t.tier and not a.reclaimable and a.purpose != "AdamW moments m, v":
+                if a.tier == t.tier and a.purpose != "AdamW moments m, v":
                     name = _RESIDENT if a.purpose in _RESIDENT_PARTS else a.purpose
                     groups[name] = groups.get(name, 0) + a.bytes
             big = ", ".join(f"{n} {format_bytes(b)}" for n, b in
                             sorted(groups.items(), key=lambda nb: -nb[1])[:3])
             fixes = ("2 slots and the base's layers on disk" if frozen else
-                     "2 slots, bf16 moments and the moments on disk")
+                     "2 slots, int8 moments and the moments on disk")
             notes.append(f"no setting makes {t.tier} fit: with micro-batch 1, host checkpoints, "
                          f"{fixes} it still needs {format_bytes(need)} of "
                          f"{format_bytes(t.budget)} ({big})")

@@ -32,12 +32,12 @@ import math
 
 import torch
 
-from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, adapter_layout
+from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, adapter_layout, adapter_params
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Allocation, Precision,
                                 allocator_reserve, checkpoint_store, cuda_fixed,
-                                device_optimizer_scratch, loading)
+                                device_optimizer_scratch, read_scratch)
 from slideformer.engine.plan.transients import FrozenBase, step_transients
 from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
                                HEAD_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
@@ -61,12 +61,9 @@ their launches: not matmul-bound work, so it does not scale with the layer's FLO
 def layer_bytes(spec: ModelSpec, prec: Precision, method: str) -> int:
     """One decoder layer's base as stored on the host and in a slot."""
     if method == "qlora":
-        return Nf4Layout.build(spec.layer_layout, prec.compute).nbytes
+        return Nf4Layout.build(spec.largest_layout, prec.compute).nbytes
     return spec.params_per_layer * prec.c
 
-
-def adapter_params(spec: ModelSpec, lora: LoraSpec) -> int:
-    return spec.num_layers * adapter_layout(spec, lora).numel
 
 
 def base_reads(num_layers: int, slots: int, disk: list[int], buffers: int = BUFFERS) -> int:
@@ -114,10 +111,7 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
            Allocation("host", "runtime baseline", HOST_RUNTIME[device], "Python, torch", "state"),
            Allocation("host", "runtime working memory", RUNTIME_WORKING,
                       "heap and library buffers kept across steps", "run")]
-    out += loading(spec, prec) + base_on_disk(spec, prec, method, disk_layers)
-    if method == "qlora":  # Nf4Layout.quantize: fp32 blocks, int64 indices per chunk
-        out.append(Allocation("host", "quantisation scratch", NF4_CHUNK * 24,
-                              f"chunks of {NF4_CHUNK:,} weights", "setup"))
+    out += [frozen_loading(spec, prec, method)] + base_on_disk(spec, prec, method, disk_layers)
     k = max(1, min(shape.slots, L))
     out += [Allocation("gpu", "parameter slots", k * lb, f"{k} slots x {lb:,} B"),  # SlotPool
             Allocation("gpu", "embedding weights", E * c, f"{E:,} params x {c} B"),
@@ -125,7 +119,7 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
             Allocation("gpu", "adapters and their optimizer state", A * (c + rem + 2 * prec.mo + 4),
                        f"{A:,} params x {c + rem + 2 * prec.mo + 4} B (weights, remainder, m, v, "
                        "fp32 grad)"),
-            device_optimizer_scratch(prec)]
+            device_optimizer_scratch(prec, device, _largest_adapter(spec, lora).numel)]
     if method == "qlora":
         out.append(Allocation("gpu", "dequantised layer", P * c, f"{P:,} params x {c} B"))
         out.append(dequant_scratch(spec))
@@ -141,10 +135,16 @@ def frozen_base(spec: ModelSpec, prec: Precision, lora: LoraSpec) -> FrozenBase:
     """A frozen layer's backward (slideformer.engine.models.lora.LoraForward under autograd): the
     adapters' grads in the compute dtype and their fp32 copy; saved per token, each A's output,
     and with dropout each target's keep mask (in the compute dtype) and its dropped input."""
-    layout = spec.layer_layout
-    ins = sum(layout.shape(PROJECTIONS[t] + ".weight")[1] for t in lora.targets)
-    saved = len(lora.targets) * lora.rank + (2 * ins if lora.dropout else 0)
-    return FrozenBase(adapter_layout(spec, lora).numel * (prec.c + 4), saved * prec.c)
+    layout = spec.largest_layout  # the layer with the most adapters (layers may differ)
+    targets = [t for t in lora.targets if PROJECTIONS[t] + ".weight" in layout.names()]
+    ins = sum(layout.shape(PROJECTIONS[t] + ".weight")[1] for t in targets)
+    saved = len(targets) * lora.rank + (2 * ins if lora.dropout else 0)
+    return FrozenBase(_largest_adapter(spec, lora).numel * (prec.c + 4), saved * prec.c)
+
+
+def _largest_adapter(spec: ModelSpec, lora: LoraSpec):
+    return max((adapter_layout(spec, lora, i) for i in range(spec.num_layers)),
+               key=lambda lay: lay.numel)
 
 
 def base_on_disk(spec: ModelSpec, prec: Precision, method: str, disk_layers: int) -> list[Allocation]:
@@ -158,11 +158,30 @@ def base_on_disk(spec: ModelSpec, prec: Precision, method: str, disk_layers: int
                        f"{spec.num_layers} layers ({b / (1 << 30):.2f} GiB each)")]
 
 
+def frozen_loading(spec: ModelSpec, prec: Precision, method: str) -> Allocation:
+    """load_weights of a frozen base: each item is read straight into its weights (in RAM, or
+    a staging buffer of its NVMe file), so beside them it holds only, for an item kept in the
+    compute dtype, its finiteness mask (1 B/param) or a tensor's read scratch; for a quantised
+    layer (Checkpoint.read_nf4_item), one matrix as stored (stacked experts: also their
+    separate parts), then its mask, or Nf4Layout.quantize_tensor's fp32 block scales and its
+    chunk temporaries (fp32 blocks, int64 indices: 24 B per weight of a chunk)."""
+    E, Hd, fb = spec.embed_layout.numel, spec.head_layout.numel, prec.file_bytes
+    floats = max(E, Hd) if method == "qlora" else max(E, Hd, spec.params_per_layer)
+    need = max(floats, read_scratch(spec, prec, prec.compute))
+    if method == "qlora":
+        for t in Nf4Layout.build(spec.largest_layout, prec.compute).tensors:
+            parts = 2 if len(spec.stored_names(t.name)) > 1 else 1
+            quantise = t.numel // 16 + 24 * min(NF4_CHUNK, t.numel)
+            need = max(need, parts * t.numel * fb + max(t.numel, quantise))
+    return Allocation("host", "load buffer", need,
+                      "a tensor as stored + its finiteness mask, or the quantiser's scratch", "setup")
+
+
 def dequant_scratch(spec: ModelSpec) -> Allocation:
     """Nf4Layout.dequantize: per chunk (at most the largest matrix) the int64 codes, the fp32
     pairs and their product; per matrix its absmax codes as int64 and three fp32 vectors. It
     runs before a layer's forward or recompute, when none of their scratch is held."""
-    biggest = max(math.prod(s) for _, _, s in spec.layer_layout.entries)
+    biggest = max(math.prod(s) for lay in set(spec.layouts) for _, _, s in lay.entries)
     b = min(NF4_CHUNK, biggest) * (4 + 4 + 4) + biggest // 64 * (8 + 12)
     return Allocation("gpu", "dequantisation temporaries", b,
                       f"chunks of {NF4_CHUNK:,} weights; {biggest // 64:,} block scales", "dequant")
@@ -191,7 +210,7 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     rate = hw.matmul_tflops * 1e12 * layer_efficiency(path, hw)[0]
     mem = DEVICE_MEMORY_GBS * 1e9
     dq = (lb + P * prec.c) / mem if method == "qlora" else 0.0  # read NF4, write the layer
-    io = adapter_layout(spec, lora).numel // max(lora.rank, 1)  # sum of in + out over targets
+    io = adapter_params(spec, lora) // spec.num_layers // max(lora.rank, 1)  # in + out, targets
     ad = n * B * T * io * ADAPTER_BYTES / mem  # one pass of a layer's adapters
     f, b = (lin + att) / rate + dq + ad, (2 * lin + 3 * att) / rate + dq + 2 * ad
     load = lb / (hw.h2d_gbs * 1e9)

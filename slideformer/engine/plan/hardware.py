@@ -69,16 +69,46 @@ class HardwareProfile:
     preset: str = ""
     """The GPU preset (slideformer.engine.plan.targets.PRESETS) this profile stands for; "" for a real
     machine."""
+    sources: tuple[tuple[str, str], ...] = ()
+    """Where the figures not in ``measured`` come from, as (field, words) pairs, e.g.
+    ``("matmul_tflops", "from the GPU model (...)")``; a figure in neither is a default."""
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def source(self, figure: str) -> str:
+        """Where the field ``figure`` comes from, in words."""
+        if figure in self.measured:
+            return "measured by `slideformer bench --hardware`"
+        return dict(self.sources).get(figure, "default")
+
+    def figure_lines(self) -> list[str]:
+        """Each speed figure and where it came from: what plans print under the machine."""
+        lines = []
+        if self.gpu is not None:
+            lines += [f"GPU bf16 matmul {self.matmul_tflops:.0f} TFLOP/s: {self.source('matmul_tflops')}",
+                      f"PCIe {self.h2d_gbs:.1f} GB/s one way, {self.duplex_gbs:.1f} each way both at "
+                      f"once: {self.source('h2d_gbs')}"]
+        else:
+            lines.append(f"CPU fp32 matmul {self.cpu_tflops:.2f} TFLOP/s: {self.source('cpu_tflops')}")
+        return lines + [
+            f"CPU AdamW {self.adam_params_per_s / 1e9:.2f} G params/s: "
+            f"{self.source('adam_params_per_s')}",
+            f"disk {self.disk_read_gbs:.1f} GB/s read, {self.disk_write_gbs:.1f} write: "
+            f"{self.source('disk_read_gbs')}"]
+
     def without_native_adam(self, reason: str) -> "HardwareProfile":
         """This profile as the planner must see it when the compiled CPU AdamW is unavailable."""
         rate = self.adam_fallback_params_per_s or FALLBACK_SHARE * self.adam_params_per_s
-        return dataclasses.replace(self, adam_params_per_s=rate, notes=self.notes + (
-            f"compiled CPU AdamW unavailable ({reason}): the PyTorch fallback's "
-            f"{rate / 1e9:.2f} G params/s is used",))
+        why = f"compiled CPU AdamW unavailable ({reason})"
+        how = ("measured here" if self.adam_fallback_params_per_s else
+               f"{FALLBACK_SHARE:.2f} of the compiled kernel's")
+        return dataclasses.replace(
+            self, adam_params_per_s=rate,
+            measured=tuple(f for f in self.measured if f != "adam_params_per_s"),
+            sources=self.sources + (("adam_params_per_s",
+                                     f"the PyTorch fallback's rate ({how}): {why}"),),
+            notes=self.notes + (f"{why}: the PyTorch fallback's {rate / 1e9:.2f} G params/s is used",))
 
     @staticmethod
     def from_dict(d: dict) -> "HardwareProfile":
@@ -90,6 +120,7 @@ class HardwareProfile:
         kw["measured"] = tuple(kw.get("measured", ()))
         kw["notes"] = tuple(kw.get("notes", ()))
         kw["layer_efficiency"] = _efficiencies(kw.get("layer_efficiency", ()))
+        kw["sources"] = _sources(kw.get("sources", ()))
         _check_figures(kw)
         return HardwareProfile(**kw)
 
@@ -119,6 +150,15 @@ def _efficiencies(pairs) -> tuple[tuple[str, float], ...]:
                              f"({', '.join(PATHS)}) and a share of the matmul rate")
         out.append((pair[0], float(v)))
     return tuple(out)
+
+
+def _sources(pairs) -> tuple[tuple[str, str], ...]:
+    """``sources`` from JSON (a list of [field, words] pairs); ValueError for anything else."""
+    if not isinstance(pairs, (list, tuple)) or not all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p)
+            for p in pairs):
+        raise ValueError(f"'sources' is {pairs!r}, not a list of [figure, source] pairs")
+    return tuple((a, b) for a, b in pairs)
 
 
 def _check_figures(kw: dict) -> None:

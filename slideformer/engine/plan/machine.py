@@ -1,6 +1,6 @@
-"""What this machine has right now: GPU memory through NVML, host memory through psutil and,
-inside a container, its cgroup's memory limit (a process past ``memory.max`` is killed, however
-much RAM the machine has).
+"""What this machine has right now: GPU memory and PCIe link through NVML, host memory and CPU
+cores through psutil and, inside a container, its cgroup's memory limit (a process past
+``memory.max`` is killed, however much RAM the machine has).
 
 NVML comes from the ``pynvml`` module (package nvidia-ml-py). Without it, or without an NVIDIA
 driver, the machine is reported as having no GPU; nothing here raises.
@@ -22,6 +22,11 @@ class GpuMemory:
     """Bytes no process holds."""
     own: int
     """Bytes this process holds already (its CUDA context, once created)."""
+    pcie_gen: int | None = None
+    """PCIe generation of the link, the most this GPU and its slot allow (NVML's max link
+    generation: the current one drops at idle to save power); None: NVML cannot tell."""
+    pcie_width: int | None = None
+    """Lanes of that link (NVML's max link width: an x16 card in an x8 slot says 8)."""
 
 
 CGROUP = "/sys/fs/cgroup"
@@ -54,7 +59,9 @@ def gpu_memory(index: int = 0) -> GpuMemory | None:
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
         name = pynvml.nvmlDeviceGetName(h)
         return GpuMemory(name.decode() if isinstance(name, bytes) else str(name),
-                         int(mem.total), int(mem.free), _own_gpu_bytes(pynvml, h))
+                         int(mem.total), int(mem.free), _own_gpu_bytes(pynvml, h),
+                         _query(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, h),
+                         _query(pynvml.nvmlDeviceGetMaxPcieLinkWidth, h))
     except Exception:
         return None
     finally:
@@ -62,6 +69,15 @@ def gpu_memory(index: int = 0) -> GpuMemory | None:
             pynvml.nvmlShutdown()
         except Exception:
             pass
+
+
+def _query(fn, handle) -> int | None:
+    """A positive integer NVML gives for ``handle``, or None (not supported here, e.g. a vGPU)."""
+    try:
+        value = int(fn(handle))
+    except Exception:
+        return None
+    return value if value > 0 else None
 
 
 def _own_gpu_bytes(pynvml, handle) -> int:
@@ -83,6 +99,16 @@ def host_memory() -> HostMemory:
     return HostMemory(total, available, int(psutil.Process().memory_info().rss))
 
 
+def cpu_cores() -> int:
+    """Physical cores this process may run on: psutil's count, no more than its CPU affinity
+    allows (a container pinned to 4 CPUs of a 32-core host has 4)."""
+    cores = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    try:
+        return max(1, min(cores, len(os.sched_getaffinity(0))))
+    except (AttributeError, OSError):  # no affinity on macOS / Windows
+        return cores
+
+
 def _read_int(*parts: str) -> int | None:
     """An integer cgroup file, or None (absent, unreadable, or "max": no limit)."""
     try:
@@ -99,5 +125,27 @@ def cgroup_limit() -> int | None:
 
 
 def cgroup_usage() -> int | None:
+    """Bytes the cgroup holds that it cannot give back: its usage less its inactive file cache
+    (which the kernel reclaims before it kills anything; what kubelet calls the working set).
+    Reading a model's files fills the cache up to the limit, and counting it would leave a
+    container's plan no memory at all."""
     v2 = _read_int("memory.current")
-    return v2 if v2 is not None else _read_int("memory", "memory.usage_in_bytes")
+    used = v2 if v2 is not None else _read_int("memory", "memory.usage_in_bytes")
+    if used is None:
+        return None
+    key = "inactive_file" if v2 is not None else "total_inactive_file"
+    stat = "memory.stat" if v2 is not None else os.path.join("memory", "memory.stat")
+    return max(0, used - _stat(stat, key))
+
+
+def _stat(name: str, key: str) -> int:
+    """One counter of a cgroup memory.stat file (0 when absent)."""
+    try:
+        with open(os.path.join(CGROUP, name), encoding="ascii") as f:
+            for line in f:
+                k, _, v = line.partition(" ")
+                if k == key and v.strip().isdigit():
+                    return int(v)
+    except OSError:
+        pass
+    return 0

@@ -34,10 +34,12 @@ import torch
 
 from slideformer.engine.kernels.dispatch import kernel_path
 from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.models.weights import READ_CHUNK
 from slideformer.engine.plan.allocation import Allocation, Precision, _dt, _gib
 from slideformer.engine.plan.transients import step_transients
-from slideformer.engine.runtime.shapes import (BUFFERS, CHUNK, DEVICE_CHUNK, ExecShape, file_bytes,
-                                  regen_layers, speculative_layers)
+from slideformer.engine.runtime.shapes import (BUFFERS, CHUNK, DEVICE_CHUNK, QBLOCK, QBLOCK_BYTES,
+                                                QCHUNK, QCHUNK_TEMP, ExecShape, file_bytes,
+                                                regen_layers, speculative_layers)
 from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 
 MiB = 1 << 20
@@ -109,14 +111,19 @@ def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
         grads = (ends + (ring + spec_n) * P) * 4
         grad_note = (f"{'embedding, head and ' if ends else ''}a ring of {ring} layers x 4 B "
                      "(fp32; no clipping)")
-    in_ram = n - disk_layers * spec.params_per_layer
+    on_disk = set(nvme_layers(L, disk_layers))
+    items = [spec.embed_layout.numel, spec.head_layout.numel]  # HostItem.m, .v in RAM
+    items += [lay.numel for i, lay in enumerate(spec.layouts) if i not in on_disk]
+    in_ram = sum(items)
     pinned = " (pinned)" if device == "cuda" else ""
     out = [Allocation("host", f"{_dt(prec.compute)} weights", n * c,  # HostItem.w
                       f"{n:,} params x {c} B{pinned}", "state")]
     if prec.compute == torch.bfloat16:  # HostItem.rem: the low 16 bits of the fp32 master
         out.append(Allocation("host", "weight remainders", n * 2, f"{n:,} params x 2 B (int16)", "state"))
-    out += [Allocation("host", "AdamW moments m, v", 2 * in_ram * prec.mo,  # HostItem.m, HostItem.v
-                       f"2 x {in_ram:,} params x {prec.mo} B ({_dt(prec.moments)})"
+    out += [Allocation("host", "AdamW moments m, v", 2 * sum(map(prec.moment_bytes, items)),
+                       f"2 x {in_ram:,} params x " + (
+                           f"{prec.mo} B ({_dt(prec.moments)})" if prec.moments != torch.int8 else
+                           f"{QBLOCK_BYTES / QBLOCK:.4f} B (8-bit blocks of {QBLOCK} and a scale)")
                        + (f"; {disk_layers} layers' moments on disk" if disk_layers else ""), "state"),
             Allocation("host", "gradient buffers", grads,  # HostItem.g, fp32
                        grad_note + pinned, "state"),
@@ -125,7 +132,7 @@ def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
             Allocation("host", "runtime working memory", RUNTIME_WORKING,
                        "heap and library buffers kept across steps", "run")]
     if spec_n:  # Speculation's snapshots: w, rem, m, v of each speculative layer
-        b = P * (c + (2 if prec.compute == torch.bfloat16 else 0) + 2 * prec.mo)
+        b = P * (c + (2 if prec.compute == torch.bfloat16 else 0)) + 2 * prec.moment_bytes(P)
         out.append(Allocation("host", "speculative update snapshots", spec_n * b,
                               f"{spec_n} layers' pre-update state ({_gib(b)} each)", "state"))
     if disk_layers:  # NvmeTier._take_buffer: at most BUFFERS, one per disk layer at most
@@ -136,21 +143,28 @@ def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
 
 
 def _largest_tensor(spec: ModelSpec) -> int:
-    layouts = (spec.embed_layout, spec.layer_layout, spec.head_layout)
+    layouts = (spec.embed_layout, *set(spec.layouts), spec.head_layout)
     return max(math.prod(s) for lay in layouts for _, _, s in lay.entries)
 
 
 def loading(spec: ModelSpec, prec: Precision) -> list[Allocation]:
-    """load_weights: an fp32 buffer per item (the next is allocated while the last is held),
-    one tensor as read from the file, and HostItem.set_master's split temporaries."""
-    sizes = [spec.embed_layout.numel] + [spec.params_per_layer] * spec.num_layers + [spec.head_layout.numel]
-    pair = max(a + b for a, b in zip(sizes, sizes[1:]))
+    """load_weights: the largest item's fp32 buffer (freed before the next is allocated), and
+    beside it the largest of: its finiteness mask (1 B/param), a tensor's read scratch
+    (read_scratch) and HostItem.set_master's split temporaries. The files are read, never
+    mapped (slideformer.engine.models.weights), so none of their pages count in RSS."""
+    item = max(spec.embed_layout.numel, spec.params_per_layer, spec.head_layout.numel)
     split = CHUNK * 4 if prec.compute == torch.bfloat16 else 0  # set_master's fp32 copy to split
-    buf = pair * 4 + _largest_tensor(spec) * prec.file_bytes + split
-    files = spec.num_params * prec.file_bytes
-    return [Allocation("host", "load buffer", buf, "two items in fp32 + one tensor as stored", "setup"),
-            Allocation("host", "model files (page cache)", files,
-                       "safetensors pages mapped while loading; the OS can drop them", "setup", True)]
+    buf = item * 4 + max(item, read_scratch(spec, prec, torch.float32), split)
+    return [Allocation("host", "load buffer", buf, "one item in fp32 + its finiteness mask (1 B/param)",
+                       "setup")]
+
+
+def read_scratch(spec: ModelSpec, prec: Precision, into: torch.dtype) -> int:
+    """Checkpoint._read_into: a tensor stored in another dtype than ``into`` is read through a
+    scratch of at most READ_CHUNK bytes (none when the files hold ``into``: read in place)."""
+    if prec.file_bytes == into.itemsize:
+        return 0
+    return min(READ_CHUNK, _largest_tensor(spec) * prec.file_bytes)
 
 
 # ---- executor buffers -----------------------------------------------------------------------
@@ -193,7 +207,7 @@ def norm_remainders(spec: ModelSpec, shape: ExecShape) -> list[Allocation]:
     """NormMasters: the remainders of the norm weights of the host-updated layers and head, on
     the device and in their pinned host staging (int16)."""
     G = min(shape.device_layers, spec.num_layers)
-    n = (spec.num_layers - G) * sum(k for _, _, k in spec.layer_layout.norms())
+    n = sum(k for i in range(G, spec.num_layers) for _, _, k in spec.layout(i).norms())
     n += 0 if shape.device_update else sum(k for _, _, k in spec.head_layout.norms())
     note = f"{n:,} norm weights x 2 B (int16)"
     return [Allocation("gpu", "norm weight remainders", 2 * n, note),
@@ -219,28 +233,43 @@ def device_optimizer(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list
     E, Hd, P = spec.embed_layout.numel, spec.head_layout.numel, spec.params_per_layer
     out = []
     if shape.device_update:  # weights and grads are the resident buffers already counted
-        out.append(Allocation("gpu", "embedding and head optimizer state", (E + Hd) * (rem + 2 * prec.mo),
+        out.append(Allocation("gpu", "embedding and head optimizer state",
+                              (E + Hd) * rem + 2 * (prec.moment_bytes(E) + prec.moment_bytes(Hd)),
                               f"{E + Hd:,} params x {rem + 2 * prec.mo} B (remainder, m, v)"))
     if G:
         b = prec.c + rem + 2 * prec.mo + 4
-        out.append(Allocation("gpu", "device layers", G * P * b,
+        out.append(Allocation("gpu", "device layers", G * (P * (b - 2 * prec.mo) + 2 * prec.moment_bytes(P)),
                               f"{G} layers x {P:,} params x {b} B (weights, remainder, m, v, fp32 grad)"))
     return out + [device_optimizer_scratch(prec)]
 
 
-def device_optimizer_scratch(prec: Precision) -> Allocation:
-    """The device update's AdamWorkspace (DEVICE_CHUNK fp32; upcast moments if bf16)."""
-    scratch = DEVICE_CHUNK * 4 * (1 if prec.moments == torch.float32 else 3)
+def device_optimizer_scratch(prec: Precision, device: str = "cuda",
+                             largest: int = DEVICE_CHUNK) -> Allocation:
+    """The device update's AdamWorkspace (DEVICE_CHUNK fp32; upcast moments if bf16). On the
+    CPU backend it is host memory allocated empty, so only what the update writes becomes
+    resident (as in optimizer_scratch): the joined master (bf16 compute) and the upcast moments,
+    over the ``largest`` item updated there (measured: tests/engine/plan/test_plan_rss.py)."""
+    if device == "cuda":
+        scratch = DEVICE_CHUNK * 4 * (1 if prec.moments == torch.float32 else 3)
+    else:
+        fields = (prec.compute == torch.bfloat16) + 2 * (prec.moments != torch.float32)
+        scratch = min(QCHUNK if prec.moments == torch.int8 else DEVICE_CHUNK, largest) * 4 * fields
+    if prec.moments == torch.int8:  # 8-bit moments: the requantise's temporaries
+        scratch += QCHUNK_TEMP * min(QCHUNK, largest)
     return Allocation("gpu", "device optimizer scratch", scratch, f"chunks of {DEVICE_CHUNK:,} params in fp32")
 
 
 def optimizer_scratch(prec: Precision) -> Allocation:
     """AdamWorkspace: 3 x CHUNK fp32 allocated empty, so only the parts the update writes become
     resident: the joined master (bf16 compute, PyTorch-op path; the compiled kernel needs none)
-    and the upcast moments (bf16 moments)."""
-    b = CHUNK * 4 if prec.compute == torch.bfloat16 else 0  # ws.p
+    and the upcast moments (bf16 moments); 8-bit moments on that path work QCHUNK values at a
+    time, with the requantise's temporaries."""
+    chunk = QCHUNK if prec.moments == torch.int8 else CHUNK
+    b = chunk * 4 if prec.compute == torch.bfloat16 else 0  # ws.p
     if prec.moments != torch.float32:
-        b += 2 * CHUNK * 4  # ws.m, ws.v
+        b += 2 * chunk * 4  # ws.m, ws.v
+    if prec.moments == torch.int8:
+        b += QCHUNK_TEMP * chunk
     return Allocation("host", "optimizer scratch", b, f"chunks of {CHUNK:,} params in fp32")
 
 
@@ -296,19 +325,19 @@ def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
     return tuple(out)
 
 
-def _by_phase(allocs, tiers: tuple[str, ...], with_reclaimable: bool) -> defaultdict[str, int]:
+def _by_phase(allocs, tiers: tuple[str, ...]) -> defaultdict[str, int]:
     """Bytes held in ``tiers`` per phase, in one pass (the planner sums thousands of times a
     plan: one pass per phase took a fifth of a plan's time, measured)."""
     sums: defaultdict[str, int] = defaultdict(int)
     for a in allocs:
-        if a.tier in tiers and (with_reclaimable or not a.reclaimable):
+        if a.tier in tiers:
             sums[a.phase] += a.bytes
     return sums
 
 
-def peak(allocs, tiers: tuple[str, ...], with_reclaimable: bool = False) -> int:
+def peak(allocs, tiers: tuple[str, ...]) -> int:
     """Peak bytes held in ``tiers`` together (phases as in the module docstring)."""
-    s = _by_phase(allocs, tiers, with_reclaimable)
+    s = _by_phase(allocs, tiers)
     loading_ = s["state"] + s["setup"]
     training = s["state"] + s["run"] + s["step"] + max(s[p] for p in STEP_PARTS)
     return max(loading_, training, s["state"] + s["run"] + s["rollout"])
@@ -316,7 +345,7 @@ def peak(allocs, tiers: tuple[str, ...], with_reclaimable: bool = False) -> int:
 
 def peak_phase(allocs, tiers: tuple[str, ...]) -> str:
     """The phase at which ``tiers`` peak: setup, forward, head, backward or rollout."""
-    s = _by_phase(allocs, tiers, False)
+    s = _by_phase(allocs, tiers)
     step = s["run"] + s["step"] + max(s[p] for p in STEP_PARTS)
     if s["setup"] > step and s["setup"] >= s["run"] + s["rollout"]:
         return "setup"

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, replace
 
 from slideformer.engine.config import RunConfig, format_bytes
-from slideformer.engine.devices import (compute_dtype_name, device_kind, moments_dtype_name,
+from slideformer.engine.devices import (compute_dtype_name, device_kind, moments_torch_dtype,
                                         residual_dtype_name, torch_dtype)
 from slideformer.engine.errors import UserError
 from slideformer.engine.kernels import cpu_adam
@@ -49,7 +49,9 @@ class Plan:
     tiers: tuple[TierUse, ...]
     """Peaks of gpu, host and disk; on the CPU backend host includes the device buffers."""
     peak_rss: int
-    """Predicted high-water resident memory of the process, mapped model files included."""
+    """Predicted high-water resident memory of the process (VmHWM): the host tier's peak (on
+    the CPU backend with the "device" buffers). The model files are read, never mapped, so no
+    page of them counts (slideformer.engine.models.weights)."""
     budgets: Budgets
     verdict: str
     """fits, tight or does not fit."""
@@ -134,7 +136,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
                 compute_dtype=str(p.compute).removeprefix("torch."),
                 moments_dtype=str(p.moments).removeprefix("torch."), exec_shape=base.shape,
                 allocations=base.allocs, tiers=base.tiers,
-                peak_rss=peak(base.allocs, rss_tiers, with_reclaimable=True), budgets=budgets,
+                peak_rss=peak(base.allocs, rss_tiers), budgets=budgets,
                 verdict=verdict, reason=reason, fixes=fixes, max_micro_batch=m_max,
                 max_global_batch=g_max, speed=ev.speed(knobs, base), hardware=hardware,
                 tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
@@ -170,7 +172,7 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     t, o, b = cfg.train, cfg.optim, cfg.budget
     compute_name = compute_dtype_name(t.compute_dtype, device)
     compute = torch_dtype(compute_name)
-    moments = torch_dtype(moments_dtype_name(o.moments_dtype))
+    moments = moments_torch_dtype(o.moments_dtype)
     residual = torch_dtype(residual_dtype_name(t.precision, compute_name))
     prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2), residual)
     pairs = t.objective not in ("sft", "grpo")  # a preference micro-batch: 2 rows a pair

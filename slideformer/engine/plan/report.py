@@ -24,6 +24,7 @@ def format_plan(plan: Plan) -> str:
              f"micro-batch {s.micro_batch} x {s.seq_len} tokens x {s.n_micro} accumulated "
              f"= {plan.tokens_per_step:,} tokens/step",
              f"hardware: {plan.hardware.name}",
+             *(f"  {line}" for line in plan.hardware.figure_lines() + list(plan.hardware.notes)),
              f"executor: {s.slots} parameter slots ({L.detail}), checkpoints on "
              f"{'the GPU' if s.checkpoints == 'gpu' else 'the host'}, LM-head chunks of "
              f"{s.head_chunk} tokens"
@@ -39,7 +40,7 @@ def format_plan(plan: Plan) -> str:
         source = {"gpu": plan.budgets.vram_source, "host": plan.budgets.ram_source,
                   "disk": plan.budgets.disk_source}[t.tier]
         lines.append(f"  {t.tier:<5} {_g(t.peak):>8} GiB of {_g(t.budget):>8} GiB{share}; budget {source}")
-    lines.append(f"  predicted peak RSS (mapped model files included): {_g(plan.peak_rss)} GiB")
+    lines.append(f"  predicted peak RSS: {_g(plan.peak_rss)} GiB")
     lines += ["", f"verdict: {plan.verdict.upper()}: {plan.reason}"]
     if plan.fixes:
         lines.append("fixes, cheapest first:")
@@ -63,7 +64,6 @@ def format_plan(plan: Plan) -> str:
 def _table(plan: Plan) -> list[str]:
     rows = [("tier", "purpose", "GiB", "when", "detail")]
     for a in plan.allocations:
-        when = _PHASE[a.phase] + (", reclaimable" if a.reclaimable else "")
-        rows.append((a.tier, a.purpose, _g(a.bytes), when, a.detail))
+        rows.append((a.tier, a.purpose, _g(a.bytes), _PHASE[a.phase], a.detail))
     w = [max(len(r[i]) for r in rows) for i in range(4)]
     return [f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]:<{w[3]}}  {r[4]}" for r in rows]

@@ -44,6 +44,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from slideformer.engine.kernels.dispatch import KernelPath, kernel_path
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.hardware import HardwareProfile
@@ -78,6 +80,19 @@ UPDATE_CONTENTION = 1.38
 share its memory bandwidth. The median of six runs on the H200 (Llama-3.2-3B shape, 8K / 32K /
 64K tokens under 24 and 8 GiB caps; benchmarks/RESULTS.md, 2026-12-02 second session: the
 optimizer lane's busy time over the host-updated parameters, 1.31-1.63x)."""
+
+INT8_UPDATE_COST = 3.1
+"""How many times longer the compiled CPU update takes a parameter with 8-bit moments than with
+fp32 ones (``optim.moments_dtype = "int8"``: table look-ups and a requantise per block, where the
+fp32 update only streams memory): 2.03 against 0.65 G params/s on the 2-core development machine
+(AVX-512, gathers vectorised; benchmarks/moments_int8.py --update-speed, 2026-12-07)."""
+
+
+def update_s(prec: Precision, hw: HardwareProfile) -> float:
+    """Seconds of the CPU update per parameter, alone (``hw.adam_params_per_s`` is measured with
+    fp32 moments)."""
+    return (INT8_UPDATE_COST if prec.moments == torch.int8 else 1.0) / hw.adam_params_per_s
+
 
 HEAD_EFFICIENCY = 0.55
 """The LM head's chunked GEMMs and loss, of the matmul rate: the executor's compute spans of
@@ -183,7 +198,7 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     one, both = hw.h2d_gbs * 1e9, hw.duplex_gbs * 1e9
     host_ck = shape.checkpoints == "host"
     ck = tokens * spec.hidden_size * prec.r if host_ck else 0  # one layer's checkpoints
-    u = UPDATE_CONTENTION / hw.adam_params_per_s
+    u = UPDATE_CONTENTION * update_s(prec, hw)
     head_rate = hw.matmul_tflops * 1e12 * HEAD_EFFICIENCY
     head = 6.0 * tokens * spec.vocab_size * spec.hidden_size / head_rate
     return _Times(f=f_fwd / rate, b=f_bwd / rate, head=head,
@@ -270,7 +285,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
             "pcie h2d": (L - G) * (t.load_f + t.load_b) + R * t.reload
                         + t.refresh_e + t.refresh_h,
             "pcie d2h": (L - G) * t.grad + L * t.ck_d2h + t.grads_eh,
-            "cpu optimizer": (spec.num_params - on_device) * UPDATE_CONTENTION / hw.adam_params_per_s,
+            "cpu optimizer": (spec.num_params - on_device) * UPDATE_CONTENTION * update_s(prec, hw),
             "disk": disk}
     note = ""
     if step > SERIAL * max(busy.values()):
@@ -289,7 +304,7 @@ def _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk, regen: int = 0) ->
     compute = (flops / (hw.cpu_tflops * 1e12) + cpu_dispatch_s(L, shape.n_micro)
                + 2 * cpu_dispatch_s(regen, shape.n_micro) / 3)
     busy = {"gpu compute": compute, "pcie h2d": copies, "pcie d2h": 0.0,
-            "cpu optimizer": spec.num_params / hw.adam_params_per_s, "disk": disk}
+            "cpu optimizer": spec.num_params * update_s(prec, hw), "disk": disk}
     return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")
 
 

@@ -174,7 +174,7 @@ def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int
     fp32 slot inside their matmuls (executor.grads_into), so only the norms' and biases' exist
     in the compute dtype."""
     c, H, P = prec.c, spec.hidden_size, spec.params_per_layer
-    rest = [math.prod(s) for n, _, s in spec.layer_layout.entries if not n.endswith("_proj.weight")]
+    rest = [math.prod(s) for n, _, s in spec.largest_layout.entries if not n.endswith("_proj.weight")]
     if into:
         mlp, norm1, P = (mlp[0], 0), (norm1[0], sum(rest) * c), sum(rest)
     largest = max(rest) if into else _largest_layer_tensor(spec)
@@ -247,4 +247,4 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
 
 
 def _largest_layer_tensor(spec: ModelSpec) -> int:
-    return max(math.prod(s) for _, _, s in spec.layer_layout.entries)
+    return max(math.prod(s) for lay in set(spec.layouts) for _, _, s in lay.entries)

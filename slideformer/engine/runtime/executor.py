@@ -56,7 +56,7 @@ from slideformer.engine.models.layers import decoder_layer, layer_backward
 from slideformer.engine.models.moe import RouterAux
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
 from slideformer.engine.models.model import embed
-from slideformer.engine.models.spec import ModelSpec
+from slideformer.engine.models.spec import Layout, ModelSpec
 from slideformer.engine.runtime.activations import DeviceStore, HostStore
 from slideformer.engine.runtime.ends import ResidentEnds
 from slideformer.engine.runtime.grad_ring import GradRing, Speculation
@@ -87,13 +87,13 @@ class StepOutput:
     """A preference objective's PairStats of the step (train.objectives); None for SFT."""
 
 
-def grads_into(spec: ModelSpec, g: torch.Tensor, dtype: torch.dtype) -> dict:
-    """The fp32 views of a layer's gradient buffer ``g`` that its projection weights' backward
+def grads_into(layout: Layout, g: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The fp32 views of a layer's gradient buffer ``g`` (of ``layout``) that its projection weights' backward
     matmuls add to directly (kernels.dispatch.fp32_accumulate: CUDA, ``dtype`` 16-bit); {}
     elsewhere, where autograd returns those gradients and they are added afterwards."""
     if not (g.is_cuda and dtype != torch.float32 and fp32_accumulate("cuda")):
         return {}
-    return {n: g[o:o + math.prod(sh)].view(sh) for n, o, sh in spec.layer_layout.entries
+    return {n: g[o:o + math.prod(sh)].view(sh) for n, o, sh in layout.entries
             if n.endswith("_proj.weight") and len(sh) == 2}  # stacked experts: autograd's
 
 
@@ -117,9 +117,10 @@ class SlidingExecutor(ResidentEnds):
         L, n = spec.num_layers, spec.params_per_layer
         self.k = max(1, min(shape.slots, L))
         self.G = min(shape.device_layers, L)
-        self.quant = getattr(host["layer0"], "quant", None)
-        """NF4 byte layout of the decoder layers (qlora): a slot holds a layer's NF4 bytes,
-        dequantised on the device into ``scratch`` when used; None: slots hold the weights."""
+        self.quant = getattr(host["layer0"], "quant", None) is not None
+        """The decoder layers are NF4 (qlora): a slot holds a layer's NF4 bytes (its host
+        item's ``quant`` layout), dequantised on the device into ``scratch`` when used; else
+        slots hold the weights."""
         trained = lora is None  # a frozen base needs no gradient buffers of its own
         self._alloc_device_buffers(trained)
         disk = [i for i in range(L) if host[f"layer{i}"].disk is not None]
@@ -145,7 +146,7 @@ class SlidingExecutor(ResidentEnds):
         """Every item in update order: the embedding, the decoder layers, the head."""
         self.embed, *self.layers, self.head = self.items
         dev = self.dev
-        wide = self.act != compute_dtype and self.quant is None and lora is None
+        wide = self.act != compute_dtype and not self.quant and lora is None
         self.norms = NormMasters(backend, spec, host, dev) if wide else None
         """With a wider residual stream, the norm weights in fp32 (engine.runtime.norms)."""
         self.dev_ws = None if not dev else AdamWorkspace(
@@ -157,12 +158,11 @@ class SlidingExecutor(ResidentEnds):
         """Slots, the resident embedding and head, gradient slots, checkpoints, norms."""
         spec, backend, shape, dtype = self.spec, self.backend, self.shape, self.dtype
         L, n = spec.num_layers, spec.params_per_layer
-        if self.quant is None:
-            self.slot_numel = n
+        if not self.quant:  # n: the largest layer's parameters (layers may differ: spec.layout)
             self.pool = SlotPool(backend, self.k, n, dtype, L)
         else:
-            self.slot_numel = self.quant.nbytes
-            self.pool = SlotPool(backend, self.k, self.quant.nbytes, torch.uint8, L)
+            nbytes = max(self.host[f"layer{i}"].quant.nbytes for i in range(L))
+            self.pool = SlotPool(backend, self.k, nbytes, torch.uint8, L)
             self.scratch = backend.alloc(n, dtype)
         self.embed_w = backend.alloc(spec.embed_layout.numel, dtype)
         self.head_w = backend.alloc(spec.head_layout.numel, dtype)
@@ -217,9 +217,12 @@ class SlidingExecutor(ResidentEnds):
     def _weights(self, layer: int) -> torch.Tensor:
         if layer < self.G:
             return self.layers[layer].device.w
-        w = self.pool.acquire(layer, self.slot_numel)
+        host = self.layers[layer].host
+        if not self.quant:
+            return self.pool.acquire(layer, host.numel)
         # one scratch serves every layer: each use is queued on the compute stream after the last
-        return w if self.quant is None else self.quant.dequantize(w, self.scratch)
+        return host.quant.dequantize(self.pool.acquire(layer, host.quant.nbytes),
+                                     self.scratch[:host.numel])
 
     def _refresh(self, item: WindowItem, tl: StepTimeline) -> None:
         """Bring an always-resident item up to date after its update."""
@@ -329,7 +332,7 @@ class SlidingExecutor(ResidentEnds):
         moe = self.spec.moe
         if moe is None or not moe.aux_coef:
             return ()
-        return [RouterAux(moe.experts, self.spec.num_layers, ids.numel(),
+        return [RouterAux(moe.experts, self.spec.sparse_layers, ids.numel(),
                           moe.aux_coef / n_micro, self.backend.device) for ids, *_ in inp]
 
     def _barrier_updates(self, hp: AdamHyper, coef: float, clip: bool, tl: StepTimeline) -> None:
@@ -375,7 +378,7 @@ class SlidingExecutor(ResidentEnds):
                 ahead = max(i + 1, self.G)  # the device layers need no slot
                 for j in range(ahead, min(ahead + k - 1, L)):
                     self._prefetch(j, tl)
-                p = self._norm_views(f"layer{i}", spec.layer_layout.views(self._weights(i)))
+                p = self._norm_views(f"layer{i}", spec.layout(i).views(self._weights(i)))
                 t0 = self.backend.mark()
                 for mb, (_, _, layers) in enumerate(inp):
                     if save:
@@ -466,14 +469,14 @@ class SlidingExecutor(ResidentEnds):
         slot = layer % len(self.gslots)
         for h in self.gslot_free[slot]:
             self.backend.compute_waits(h)
-        return self.gslots[slot][:self.spec.params_per_layer], slot
+        return self.gslots[slot][:self.spec.layout(layer).numel], slot
 
     def _send_grad(self, item: WindowItem, g: torch.Tensor, t1, tl: StepTimeline, hyper_now,
                    guard, hyper_spec, watched: bool) -> list:
         """Copy a layer's gradient (and, if ``watched``, its squared norm) to the host and submit
         the update it may start now; returns the copy's handle (the gradient slot is free once
         it is done)."""
-        i, n = item.layer, self.spec.params_per_layer
+        i, n = item.layer, self.spec.layout(item.layer).numel
         dest, r = item.host.g, None
         if i in self.snapshots:
             dest = self.snapshots.grad(i, n)
@@ -498,14 +501,14 @@ class SlidingExecutor(ResidentEnds):
         """Recompute one layer for one micro-batch, add its trained parameters' grads (the
         layer's, or with a frozen base its adapters') to g; return dL/dx."""
         spec = self.spec
-        base = self._norm_views(f"layer{layer}", spec.layer_layout.views(w))
+        base = self._norm_views(f"layer{layer}", spec.layout(layer).views(w))
         aux = self.aux[mb] if self.aux else None
         if self.lora is None:  # the recompute skips the layer's output (layer_backward)
-            into = grads_into(spec, g, w.dtype)
+            into = grads_into(spec.layout(layer), g, w.dtype)
             leaves = {k: v.detach() if k in into else v.detach().requires_grad_()
                       for k, v in base.items()}
             gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, into, aux)
-            layout = spec.layer_layout.only(grads)
+            layout = spec.layout(layer).only(grads)
             grads = list(grads.values())
         else:
             item = self.layers[layer].adapter

@@ -69,7 +69,7 @@ class _Snapshot:
         self.g = host_alloc(item.numel, torch.float32)
         self.w = host_alloc(item.numel, item.w.dtype)  # the layer's weights when the sets trade
         self.rem = None if item.rem is None else alloc(item.numel, item.rem.dtype)
-        self.m, self.v = alloc(item.numel, item.m.dtype), alloc(item.numel, item.v.dtype)
+        self.m, self.v = alloc(item.m.numel(), item.m.dtype), alloc(item.v.numel(), item.v.dtype)
         self.saved = False
         """This step's speculative update ran (the snapshot holds its pre-update state)."""
 

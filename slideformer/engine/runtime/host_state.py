@@ -4,7 +4,8 @@ Per parameter, for bf16 compute (DESIGN §3.2):
   w    bf16, the copy sent to the GPU (pinned under CUDA)
   rem  16-bit remainder: w and rem are the high and low halves of bits(master) + 0x8000, so the
        fp32 master is exact and w is the master rounded to nearest
-  m, v AdamW moments, fp32 (or bf16 as a named option)
+  m, v AdamW moments, fp32 (or as named options bf16, or 8-bit blocks of codes and scales:
+       slideformer.engine.runtime.moments8, 1.016 bytes a value)
   g    fp32 gradient, written by the device->host copy of the item's accumulated gradient;
        None for decoder layers trained without clipping: their gradients pass through the
        executor's small ring of host buffers instead (a layer's gradient is dead once its update
@@ -34,7 +35,8 @@ import torch
 
 from slideformer.engine.kernels import cpu_adam
 from slideformer.engine.models.spec import Layout, decayed
-from slideformer.engine.runtime.shapes import CHUNK
+from slideformer.engine.runtime import moments8
+from slideformer.engine.runtime.shapes import CHUNK, QBLOCK, QCHUNK, moment_numel
 
 assert sys.byteorder == "little", "the bf16/remainder split assumes a little-endian CPU"
 
@@ -84,7 +86,7 @@ class HostItem:
         """The item's file in the NVMe tier, holding the fields it names; None: all in RAM."""
         on_disk = () if self.disk is None else self.disk.fields
         self.w = alloc_pinned(self.numel, compute_dtype)
-        ram = {k: alloc(self.numel, d) for k, d in fields.items() if k not in on_disk}
+        ram = {k: alloc(moment_numel(self.numel, d), d) for k, d in fields.items() if k not in on_disk}
         self.rem, self.m, self.v = ram.get("rem"), ram.get("m"), ram.get("v")
         self.g = alloc_pinned(self.numel, torch.float32) if grad else None
         self.runs = decay_runs(layout)
@@ -188,7 +190,7 @@ class DeviceItem:
         self.has_rem, self.runs, self.disk = host.has_rem, host.runs, None
         self.w = alloc(host.numel, host.w.dtype) if w is None else w
         self.rem = alloc(host.numel, torch.int16) if host.has_rem else None
-        self.m, self.v = alloc(host.numel, host.m.dtype), alloc(host.numel, host.v.dtype)
+        self.m, self.v = alloc(host.m.numel(), host.m.dtype), alloc(host.v.numel(), host.v.dtype)
         self.g = alloc(host.numel, torch.float32) if g is None else g
 
     def fields(self, staged=None):
@@ -215,9 +217,9 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
     """One AdamW step on the item's master weights from ``grad`` (default ``item.g``);
     refreshes ``item.w``.
 
-    bf16 weights with fp32 or bf16 moments go through the one-pass compiled kernel when it is
-    available (``native``: None = when available); everything else, and the reference, through
-    a chunked chain of PyTorch ops. ``staged``: the item's disk fields in a tier buffer.
+    bf16 weights, and any CPU weights with 8-bit moments, go through the one-pass compiled
+    kernel when it is available (``native``: None = when available); everything else, and the
+    reference, through a chunked chain of PyTorch ops (on the tensors' device). ``staged``: the item's disk fields in a tier buffer.
     ``out``: an object with ``w``, ``rem``, ``m``, ``v`` shaped as the item's (RAM fields only):
     the new state goes there and the item's own stays as it was (the speculative updates of
     runtime.grad_ring); the same values as an update in place.
@@ -226,9 +228,12 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
     g = item.g if grad is None else grad
     chunk = ws.p.numel()
     native = cpu_adam.native_available() if native is None else native and cpu_adam.native_available()
-    if native and rem is not None and mom1.dtype in (torch.float32, torch.bfloat16) \
-            and g.device.type == "cpu":
-        to = (item.w, rem, mom1, mom2) if out is None else (out.w, out.rem, out.m, out.v)
+    to = (item.w, rem, mom1, mom2) if out is None else (out.w, out.rem, out.m, out.v)
+    if native and mom1.dtype == torch.int8 and g.device.type == "cpu":
+        cpu_adam.fused_update_q8(item.w, rem, g, mom1, mom2, item.runs, hp.lr, hp.beta1, hp.beta2,
+                                 hp.eps, hp.weight_decay, hp.step, hp.grad_scale, out=to)
+        return
+    if native and rem is not None and g.device.type == "cpu":
         for start, end, decay in item.runs:
             cpu_adam.fused_update(item.w[start:end], rem[start:end], g[start:end],
                                   mom1[start:end], mom2[start:end], hp.lr, hp.beta1,
@@ -241,10 +246,13 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
         for src, dst in ((item.w, out.w), (rem, out.rem), (mom1, out.m), (mom2, out.v)):
             if src is not None:
                 dst.copy_(src)
-        item = _Fields(out, item.runs)
+        item = _Fields(out, item.runs, item.numel)
         rem, mom1, mom2 = out.rem, out.m, out.v
     step = torch.tensor(float(hp.step), device=g.device)
     scale = None if hp.grad_scale == 1.0 else torch.tensor(1.0 / hp.grad_scale, device=g.device)
+    if mom1.dtype == torch.int8:
+        _update_int8(item, rem, mom1, mom2, g, hp, ws, step, scale)
+        return
     exact_moments = mom1.dtype == torch.float32
     for start, end, decay in item.runs:
         for s in range(start, end, chunk):
@@ -263,8 +271,33 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
                 mom2[s:e].copy_(v)
 
 
+def _update_int8(item, rem, mom1, mom2, g, hp: AdamHyper, ws: AdamWorkspace, step, scale) -> None:
+    """adam_update's reference with 8-bit moments (slideformer.engine.runtime.moments8): chunks
+    of whole blocks (QCHUNK at most: the requantise's temporaries), each dequantised into the
+    workspace, updated run by run, requantised."""
+    chunk = min(ws.p.numel(), QCHUNK) // QBLOCK * QBLOCK
+    for s in range(0, item.numel, chunk):
+        e = min(s + chunk, item.numel)
+        qm, qv = moments8.block_span(mom1, s, e), moments8.block_span(mom2, s, e)
+        m = moments8.dequantise(qm, e - s, True, ws.m)  # (blocks x QBLOCK,) zeros past e
+        v = moments8.dequantise(qv, e - s, False, ws.v)
+        p = item.w[s:e] if rem is None else join_master(item.w[s:e], rem[s:e], ws.p[:e - s])
+        for start, end, decay in item.runs:
+            a, b = max(start, s) - s, min(end, e) - s
+            if a < b:
+                torch._fused_adamw_([p[a:b]], [g[s + a:s + b]], [m[a:b]], [v[a:b]], [], [step],
+                                    lr=hp.lr, beta1=hp.beta1, beta2=hp.beta2,
+                                    weight_decay=hp.weight_decay if decay else 0.0, eps=hp.eps,
+                                    amsgrad=False, maximize=False, grad_scale=scale)
+        if rem is not None:
+            split_master(p, item.w[s:e], rem[s:e])
+        moments8.quantise(m, True, qm)
+        moments8.quantise(v, False, qv)
+
+
 class _Fields:
     """Another buffer set (w, rem, m, v) seen as an item, for adam_update's ``out``."""
 
-    def __init__(self, out, runs):
+    def __init__(self, out, runs, numel):
         self.w, self.rem, self.m, self.v, self.runs = out.w, out.rem, out.m, out.v, runs
+        self.numel = numel

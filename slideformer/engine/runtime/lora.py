@@ -133,8 +133,8 @@ def is_adapter(name: str) -> bool:
 def build_adapters(spec: ModelSpec, lora: LoraSpec, backend, compute_dtype: torch.dtype,
                    moments_dtype: torch.dtype) -> dict[str, HostItem]:
     """One trained item per decoder layer (zero moments; weights from :func:`init_adapters`)."""
-    layout = adapter_layout(spec, lora)
-    return {adapter_name(i): HostItem(adapter_name(i), layout, compute_dtype, moments_dtype,
+    return {adapter_name(i): HostItem(adapter_name(i), adapter_layout(spec, lora, i),
+                                      compute_dtype, moments_dtype,
                                       backend.host_alloc, _zeros, grad=False)
             for i in range(spec.num_layers)}
 

@@ -218,8 +218,11 @@ def _tables(device) -> tuple[torch.Tensor, torch.Tensor]:
 def _quantised(name: str, shape: tuple[int, ...]) -> bool:
     """Which of an item's tensors are stored in NF4: the weight matrices (stacked experts too),
     not the vectors, nor biases of any shape (GPT-OSS's experts stack theirs as (E, out)), as
-    bitsandbytes quantises a Linear's weight and keeps its bias."""
-    return len(shape) > 1 and not name.endswith("bias")
+    bitsandbytes quantises a Linear's weight and keeps its bias; nor a convolution's taps
+    (Qwen3.5's ``conv1d``, not a Linear), nor a matrix of fewer than a block's weights per
+    row (Qwen3.5-MoE's (1, H) shared-expert gate): those stay in the compute dtype."""
+    return (len(shape) > 1 and not name.endswith("bias") and "conv1d" not in name
+            and math.prod(shape) % BLOCK == 0 and shape[0] > 1)
 
 
 def _align(n: int, a: int) -> int:

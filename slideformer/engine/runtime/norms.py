@@ -25,9 +25,8 @@ class NormMasters:
         are there already)."""
         self.backend, self.host, self.dev = backend, host, dev
         self.entries = {"head": spec.head_layout.norms()}
-        layer = spec.layer_layout.norms()
         names = [f"layer{i}" for i in range(spec.num_layers)] + ["head"]
-        self.entries.update({n: layer for n in names[:-1]})
+        self.entries.update({f"layer{i}": spec.layout(i).norms() for i in range(spec.num_layers)})
         self.staging: dict[str, torch.Tensor] = {}
         self.rem: dict[str, torch.Tensor] = {}
         """Per item, its norm weights' remainders on the device, one after the other."""

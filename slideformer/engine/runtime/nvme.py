@@ -62,7 +62,7 @@ from typing import Iterable, Iterator
 import torch
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.runtime.shapes import ALIGN, BUFFERS, padded
+from slideformer.engine.runtime.shapes import ALIGN, BUFFERS, moment_numel, padded
 
 GiB = 1 << 30
 IO_CHUNK = 16 << 20
@@ -90,11 +90,12 @@ class DiskItem:
         self.tier, self.name, self.numel = tier, name, numel
         self.fields = tuple(fields)
         self.buffers = tier.n_buffers
-        self.offsets: dict[str, tuple[int, torch.dtype]] = {}
+        self.offsets: dict[str, tuple[int, torch.dtype, int]] = {}
         off = 0
-        for key, dtype in fields.items():
-            self.offsets[key] = (off, dtype)
-            off += padded(numel * dtype.itemsize)
+        for key, dtype in fields.items():  # int8 fields: 8-bit moments, their blocks' bytes
+            count = moment_numel(numel, dtype)
+            self.offsets[key] = (off, dtype, count)
+            off += padded(count * dtype.itemsize)
         self.nbytes = off
         self.fd = -1
         # residency, guarded by the tier's lock
@@ -112,8 +113,8 @@ class DiskItem:
         """Threads in :meth:`NvmeTier.acquire` for it (its READY buffer is not taken back)."""
 
     def views(self, buf) -> dict[str, torch.Tensor]:
-        return {k: torch.frombuffer(buf, dtype=dt, count=self.numel, offset=off)
-                for k, (off, dt) in self.offsets.items()}
+        return {k: torch.frombuffer(buf, dtype=dt, count=count, offset=off)
+                for k, (off, dt, count) in self.offsets.items()}
 
     def prefetch(self, tl=None) -> None:
         self.tier.prefetch(self, tl)

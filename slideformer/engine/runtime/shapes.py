@@ -102,10 +102,28 @@ def padded(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
+QBLOCK = 256
+"""Values per block of the 8-bit AdamW moments (``optim.moments_dtype = "int8"``,
+slideformer.engine.runtime.moments8)."""
+QBLOCK_BYTES = QBLOCK + 4
+"""One such block as stored: its QBLOCK one-byte codes, then its fp32 scale."""
+QCHUNK = 1 << 20
+"""Values per chunk of the PyTorch-op update with 8-bit moments (the fallback, and items updated
+on the device): its requantise holds QCHUNK_TEMP bytes of temporaries a value, 14 MiB."""
+QCHUNK_TEMP = 14
+"""Peak temporaries of moments8.quantise, bytes a value (profiler, tests/engine/runtime/
+test_moments_int8.py)."""
+
+
+def moment_numel(numel: int, dtype: torch.dtype) -> int:
+    """Elements of the tensor that holds one AdamW moment of ``numel`` values: ``numel`` for
+    float moments; for ``torch.int8`` (the 8-bit block format) the bytes of its blocks."""
+    return -(-numel // QBLOCK) * QBLOCK_BYTES if dtype == torch.int8 else numel
+
+
 def file_bytes(numel: int, compute_dtype: torch.dtype, moments_dtype: torch.dtype,
                remainders: bool = False) -> int:
     """Bytes of one item's file in the NVMe tier, and of one staging buffer (fields padded)."""
-    sizes = {"m": moments_dtype.itemsize, "v": moments_dtype.itemsize}
-    if remainders and compute_dtype == torch.bfloat16:
-        sizes["rem"] = 2
-    return sum(padded(numel * b) for b in sizes.values())
+    mo = moment_numel(numel, moments_dtype) * moments_dtype.itemsize
+    sizes = [mo, mo] + ([numel * 2] if remainders and compute_dtype == torch.bfloat16 else [])
+    return sum(padded(b) for b in sizes)

@@ -63,7 +63,7 @@ FORMAT = 1
 CHUNK = 64 << 20
 _NAME = re.compile(r"step-(\d+)")
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-              torch.int16: "I16"}
+              torch.int16: "I16", torch.int8: "I8"}  # I8: 8-bit moments (runtime.moments8)
 _MAX_HEADER = 100 << 20
 
 

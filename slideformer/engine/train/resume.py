@@ -71,8 +71,9 @@ RULES: dict[str, Rule] = {
     "optim.warmup_steps": Rule(False, _SAFE_OPTIM),
     "optim.min_lr_ratio": Rule(False, _SAFE_OPTIM),
     "optim.max_grad_norm": Rule(False, _SAFE_OPTIM),
-    "optim.moments_dtype": Rule(True, "decides the dtype of the AdamW moments the checkpoint "
-                                         "holds"),
+    "optim.moments_dtype": Rule(True, "decides the format of the AdamW moments the checkpoint "
+                                         "holds (float32, bfloat16 or 8-bit blocks: other "
+                                         "dtypes and sizes)"),
     "train.micro_batch": Rule(True, "decides, with train.grad_accum, the rows of each step, "
                                     + _DATA_ROWS),
     "train.grad_accum": Rule(True, "decides, with train.micro_batch, the rows of each step, "

@@ -68,9 +68,11 @@ def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | s
     """Fill every model item's master from the model folder (one item in memory at a time);
     returns once the items in the NVMe tier are written (a failed write is raised here).
 
-    A quantised frozen layer is filled straight from the files (Checkpoint.read_nf4_item: the
-    4-bit weights of a bitsandbytes folder are copied, float ones quantised tensor by tensor),
-    into its RAM bytes or its NVMe file's staging buffer."""
+    A frozen item is filled straight from the files, into its RAM bytes or its NVMe file's
+    staging buffer: in its dtype (Checkpoint.read_item converts tensor by tensor), or quantised
+    (Checkpoint.read_nf4_item: the 4-bit weights of a bitsandbytes folder are copied, float ones
+    quantised tensor by tensor). A trained item is read into an fp32 buffer, freed before the
+    next item's is allocated (slideformer.engine.plan.memory.loading counts one)."""
     from slideformer.engine.events import Log, Progress
     ckpt = Checkpoint(model_dir)
     ckpt.check(spec)
@@ -80,13 +82,17 @@ def load_weights(host: dict[str, HostItem], spec: ModelSpec, model_dir: Path | s
         emit(Log("info", load_note(ckpt, nf4)))
     for k, name in enumerate(names):
         item = host[name]
-        if isinstance(item, FrozenItem) and item.quant is not None:
+        if isinstance(item, FrozenItem):
             with item.stored(write=True) as w:
-                ckpt.read_nf4_item(spec, name, item.quant, w)
+                if item.quant is not None:
+                    ckpt.read_nf4_item(spec, name, item.quant, w)
+                else:
+                    _check_finite(ckpt, spec, name, ckpt.read_item(spec, name, w))
         else:
-            buf = torch.empty(item.numel, dtype=torch.float32)
-            _check_finite(ckpt, spec, name, ckpt.read_item(spec, name, buf))
+            buf = ckpt.read_item(spec, name, torch.empty(item.numel, dtype=torch.float32))
+            _check_finite(ckpt, spec, name, buf)
             item.set_master(buf)
+            del buf
         if emit is not None:
             emit(Progress("loading weights", k + 1, len(names)))
     ckpt.close()

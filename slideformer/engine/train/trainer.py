@@ -26,7 +26,7 @@ import torch
 from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, parse_bytes
 from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shape, start_ranks
-from slideformer.engine.devices import (compute_dtype_name, device_kind, moments_dtype_name,
+from slideformer.engine.devices import (compute_dtype_name, device_kind, moments_torch_dtype,
                                         residual_dtype_name, torch_dtype)
 from slideformer.engine.errors import UserError
 from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, PairMetrics,
@@ -168,7 +168,7 @@ class Trainer:
         compute = compute_dtype_name(cfg.train.compute_dtype, "cuda" if self.backend.is_cuda else "cpu")
         self.dtype = torch_dtype(compute)
         residual = torch_dtype(residual_dtype_name(cfg.train.precision, compute))
-        moments = torch_dtype(moments_dtype_name(cfg.optim.moments_dtype))
+        moments = moments_torch_dtype(cfg.optim.moments_dtype)
         self.world = gpu_count(cfg)
         shape = rank_shape(self.make_plan().exec_shape, self.world)
         self._check_host_memory()

@@ -82,11 +82,14 @@ def test_streamed_window_gives_the_resident_tokens(tiny_model_factory):
 
 
 @pytest.mark.parametrize("arch,extra", [("mistral", None), ("mistral", {"sliding_window": 4}),
-                                        ("gemma3_text", None), ("gpt_oss", {"sliding_window": 4})],
-                         ids=["full", "window4", "gemma3", "gpt_oss-sinks-window4"])
+                                        ("gemma3_text", None), ("gpt_oss", {"sliding_window": 4}),
+                                        ("qwen3_5_text", None)],
+                         ids=["full", "window4", "gemma3", "gpt_oss-sinks-window4",
+                              "qwen3_5-deltanet_state"])
 def test_cached_chunks_give_the_dense_models_logits(tiny_model_factory, load_dense, arch, extra):
     """Prompt in three chunks (the mask path for several new tokens over cached ones; with a
-    window shorter than the chunks, the windowed cache mask too)."""
+    window shorter than the chunks, the windowed cache mask too; a gated DeltaNet's state
+    carried from chunk to chunk, one of them a single token)."""
     folder = tiny_model_factory(arch, TinyShape(), extra)
     model = ChatModel(folder, mode="resident", device="cpu")
     prompt = model.prompt_ids(QUESTION)

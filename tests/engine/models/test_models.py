@@ -52,12 +52,20 @@ VARIANTS = [
     pytest.param("mixtral", TinyShape(), {"sliding_window": 8}, id="mixtral-window8"),
     pytest.param("qwen3_moe", TinyShape(), None, id="qwen3_moe"),
     pytest.param("qwen3_moe", TinyShape(), {"norm_topk_prob": False}, id="qwen3_moe-unnormed"),
+    # layers of two shapes: dense MLPs (layer 0 named, every other by the step) among experts
+    pytest.param("qwen3_moe", TinyShape(), {"mlp_only_layers": [0], "decoder_sparse_step": 2},
+                 id="qwen3_moe-dense_layers"),
     pytest.param("olmo2", TinyShape(), None, id="olmo2"),
     pytest.param("olmo3", TinyShape(), None, id="olmo3"),
     pytest.param("smollm3", TinyShape(), None, id="smollm3"),
     pytest.param("phi3", TinyShape(), None, id="phi3"),
     pytest.param("phi3", TinyShape(), {"sliding_window": 8}, id="phi3-window8"),
     pytest.param("gemma3_text", TinyShape(), None, id="gemma3"),
+    # three gated DeltaNet layers and a gated full-attention layer with RoPE on 4 of 16 dims
+    pytest.param("qwen3_5_text", TinyShape(), None, id="qwen3_5"),
+    pytest.param("qwen3_5_text", TinyShape(layers=2), {"layer_types": [
+        "full_attention", "linear_attention"], "attention_bias": True}, id="qwen3_5-full_first-bias"),
+    pytest.param("qwen3_5_moe_text", TinyShape(), None, id="qwen3_5_moe"),
     # sinks, alternating window 8, YaRN, experts with biases and the clamped SwiGLU
     pytest.param("gpt_oss", TinyShape(), None, id="gpt_oss-rope_yarn"),
     pytest.param("gpt_oss", TinyShape(kv_heads=6), {"attention_bias": False,

@@ -83,6 +83,48 @@ def test_bf16_export_reads_back_rounded(tiny_model_factory, tmp_path, load_dense
         assert torch.equal(got, flat.detach().to(torch.bfloat16).float())
 
 
+def test_pieces_convert_as_whole_tensors_and_no_file_is_mapped(tiny_model_factory, tmp_path,
+                                                                load_dense, monkeypatch):
+    """bf16 shards read into fp32 buffers a few hundred values at a time (an odd piece size, so
+    pieces end inside rows) give the whole-tensor conversion, and the stored tensors bit for bit
+    as safetensors reads them; the files are read, never memory-mapped (mapped pages would
+    count in the process's RSS: docs/design/lora.md)."""
+    from slideformer.engine.models import weights
+    model = load_dense(tiny_model_factory("qwen2"))
+    out = write_hf_folder(tmp_path / "out", model.spec, named_tensors(model), max_shard_bytes=64 << 10)
+    monkeypatch.setattr(weights, "READ_CHUNK", 2 * 251)
+    ckpt = Checkpoint(out)
+    for item, flat, _ in model.items():
+        got = ckpt.read_item(model.spec, item, torch.empty_like(flat))
+        assert torch.equal(got, flat.detach().to(torch.bfloat16).float())
+    for shard in sorted(out.glob("*.safetensors"))[:3]:
+        with safe_open(str(shard), framework="pt") as f:
+            for k in f.keys():
+                assert torch.equal(ckpt.tensor(k).view(torch.int16), f.get_tensor(k).view(torch.int16))
+    if Path("/proc/self/maps").exists():
+        assert str(out) not in Path("/proc/self/maps").read_text()
+    ckpt.close()
+
+
+def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_refused(tiny_model_factory, tmp_path):
+    """safe_open checked this when it opened a file; the reader checks it from the header."""
+    import shutil
+    import struct
+    from slideformer.engine.errors import UserError
+    d = tmp_path / "m"
+    shutil.copytree(tiny_model_factory("llama"), d)
+    raw = (d / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [header[name]["shape"][0] + 1, *header[name]["shape"][1:]]
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (d / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+    with pytest.raises(UserError, match=f"corrupt safetensors header \\(tensor '{name}': shape"):
+        Checkpoint(d)
+
+
 def test_export_replaces_existing_folder(tiny_model_factory, tmp_path, load_dense):
     model = load_dense(tiny_model_factory("llama"))
     out = tmp_path / "out"

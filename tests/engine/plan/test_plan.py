@@ -203,7 +203,7 @@ def test_bad_budgets_are_one_clear_error(tmp_path, capsys, args, message):
 def test_auto_budgets_leave_a_margin():
     host = HostMemory(total=64 * GiB, available=40 * GiB, own=2 * GiB)
     b = resolve_budgets(BudgetConfig(), "cuda", REFERENCE, None, host)
-    assert b.ram == 42 * GiB - int(0.05 * 64 * GiB)  # 5% of 64 GiB > 2 GiB
+    assert b.ram == 42 * GiB - int(0.03 * 64 * GiB)  # 3% of 64 GiB > 1 GiB
     assert 0 < REFERENCE.vram_total - b.vram == int(0.03 * REFERENCE.vram_total)
     assert resolve_budgets(BudgetConfig(), "cpu", REFERENCE, None, host).vram is None
     with pytest.raises(UserError, match="fewer|nothing"):

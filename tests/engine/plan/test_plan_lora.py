@@ -95,7 +95,7 @@ def test_plan_mirrors_what_the_executor_allocates(tmp_path, method):
     assert by["parameter slots"] == slots
     base = sum(it.w.numel() * it.w.element_size() for n, it in host.items() if not n.startswith("lora"))
     assert by["frozen base weights"] == base
-    A = spec.num_layers * adapter_layout(spec, lora).numel
+    A = spec.num_layers * adapter_layout(spec, lora, 0).numel
     dev = sum(t.numel() * t.element_size() for item in ex.dev.values()
               for t in (item.w, item.m, item.v, item.g))
     assert by["adapters and their optimizer state"] == dev == A * 16

@@ -36,7 +36,7 @@ from tests.engine.models.test_models import hf_as_ours
 from tests.engine.runtime.test_sliding_equivalence import make_batches
 
 FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "olmo3", "phi3", "smollm3", "gemma3_text",
-            "gpt_oss"]
+            "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text"]
 STEPS = 3
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=1,
                     max_grad_norm=0.5)
@@ -113,7 +113,8 @@ AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 gradient of it shows in the weights."""
 CASES = [pytest.param(a, EXTRA.get(a), id=a) for a in FAMILIES] + [
     pytest.param(a, {**EXTRA.get(a, {}), **AUX}, id=f"{a}-router_aux")
-    for a in ("mixtral", "qwen3_moe", "gpt_oss")]
+    for a in ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text")] + [
+    pytest.param("qwen3_moe", {"mlp_only_layers": [0], **AUX}, id="qwen3_moe-dense_layer-router_aux")]
 
 
 @pytest.mark.parametrize("arch,extra", CASES)

@@ -24,8 +24,8 @@ from typing import Callable
 from slideformer.engine.errors import UserError
 
 FIX = "use the config.json that came with the model's weights"
-FULL, SLIDING = "full_attention", "sliding_attention"
-"""The layer types of transformers' ``layer_types``."""
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+"""The layer types of transformers' ``layer_types`` (LINEAR: Qwen3.5's gated DeltaNet)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,11 @@ class Moe:
     clamped SwiGLU of :func:`slideformer.engine.models.moe.clamped_swiglu` (``swiglu_alpha``,
     ``swiglu_limit``)."""
 
+    shared: str | None = None
+    """The prefix of a shared expert every token goes through beside its routed ones, a gated
+    MLP of ``shared_expert_intermediate_size`` scaled per token by sigmoid of
+    ``{shared}_gate.weight`` (1, H) (Qwen3.5-MoE: "mlp.shared_expert"); None: none."""
+
     def stacked(self, proj: str) -> str:
         return f"{self.experts}.{proj}" + ("" if self.gpt_oss else ".weight")
 
@@ -71,6 +76,43 @@ class Moe:
     @property
     def router_bias(self) -> str | None:
         return self.router.removesuffix("weight") + "bias" if self.gpt_oss else None
+
+
+@dataclass(frozen=True)
+class DeltaNetShape:
+    """The sizes of a gated DeltaNet layer (Qwen3.5's ``linear_*`` keys of config.json)."""
+
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    eps: float
+    """The gated output norm's epsilon (``rms_norm_eps``)."""
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the causal convolution: q, k and v."""
+        return 2 * self.key_dim + self.value_dim
+
+    def shapes(self, h: int) -> list[tuple[str, tuple[int, ...]]]:
+        """The layer's token-mixer tensors (transformers' ``linear_attn`` names)."""
+        a, nv = "linear_attn.", self.num_v_heads
+        return [(a + "in_proj_qkv.weight", (self.conv_dim, h)),
+                (a + "in_proj_z.weight", (self.value_dim, h)),
+                (a + "in_proj_b.weight", (nv, h)), (a + "in_proj_a.weight", (nv, h)),
+                (a + "conv1d.weight", (self.conv_dim, 1, self.conv_kernel)),
+                (a + "dt_bias", (nv,)), (a + "A_log", (nv,)),
+                (a + "norm.weight", (self.head_v_dim,)),
+                (a + "out_proj.weight", (h, self.value_dim))]
 
 
 @dataclass(frozen=True)
@@ -114,6 +156,12 @@ class Family:
     sinks: bool = False
     """Each attention head has a learnt sink logit ``self_attn.sinks`` (GPT-OSS): one more
     entry of the softmax's denominator whose value is zero (kernels.attention.attend)."""
+    attn_gate: bool = False
+    """``q_proj`` also gives a per-head output gate (Qwen3.5: each head's [query | gate]);
+    the attention's output is multiplied by sigmoid(gate) before ``o_proj``."""
+    linear: bool = False
+    """``layer_types`` may mark layers "linear_attention": gated DeltaNet instead of softmax
+    attention (Qwen3.5; models.deltanet)."""
 
 
 # ---- config.json readers shared by the families --------------------------------------------
@@ -152,8 +200,10 @@ def count(cfg: dict, key: str, path: Path) -> int:
     return v
 
 
-def layer_types(cfg: dict, path: Path, num_layers: int) -> tuple[str, ...] | None:
-    """config.json's ``layer_types`` checked (one known type per layer), or None if absent."""
+def layer_types(cfg: dict, path: Path, num_layers: int,
+                known: tuple[str, ...] = (FULL, SLIDING)) -> tuple[str, ...] | None:
+    """config.json's ``layer_types`` checked (one of the ``known`` types per layer), or None
+    if absent."""
     types = cfg.get("layer_types")
     if types is None:
         return None
@@ -163,11 +213,11 @@ def layer_types(cfg: dict, path: Path, num_layers: int) -> tuple[str, ...] | Non
     if len(types) != num_layers:
         raise UserError(path, f"'layer_types' names {len(types)} layers, but "
                         f"num_hidden_layers is {num_layers}", FIX)
-    unknown = sorted(set(types) - {FULL, SLIDING})
+    unknown = sorted(set(types) - set(known))
     if unknown:
         raise UserError(path, f"'layer_types' holds {', '.join(map(repr, unknown))}, a layer "
-                        "type this engine does not train (it knows full_attention and "
-                        "sliding_attention)", "use a model of a supported family")
+                        "type this engine does not train for this family (it knows "
+                        f"{' and '.join(known)})", "use a model of a supported family")
     return tuple(types)
 
 

@@ -25,6 +25,8 @@ from slideformer.gui.models.formatting import human_bytes
 GiB = 1 << 30
 CHECKPOINTS = (("auto", "auto (fastest that fits)"), ("gpu", "on the GPU"),
                ("host", "in host RAM (pinned)"))
+MOMENTS = (("float32", "float32 (exact)"), ("bfloat16", "bfloat16 (half the memory)"),
+           ("int8", "8-bit blocks (a quarter of the memory)"))
 
 
 @dataclass(frozen=True)
@@ -199,15 +201,18 @@ class PlanInputs(QWidget):
         self.gpu_layers.setToolTip("Decoder layers whose master weights and moments stay on the GPU "
                                    "and are updated there, with the embedding and head (0: all "
                                    "optimizer work on the CPU)")
-        self.bf16_moments = QCheckBox("bf16 AdamW moments")
-        self.bf16_moments.setToolTip("Half the moments' memory; slightly different numerics")
+        self.moments = QComboBox()
+        for key, text in MOMENTS:
+            self.moments.addItem(text, key)
+        self.moments.setToolTip("Format of the AdamW moments m and v: bfloat16 and 8-bit blocks "
+                                "(6 bytes a parameter with the weights) change the numerics "
+                                "slightly")
         self.clip = QCheckBox("Gradient clipping")
         self.clip.setToolTip("Exact global-norm clipping. Off: the CPU updates overlap the "
                              "backward instead of the next forward")
         for box in (self.seq_len, self.micro_batch, self.grad_accum, self.slots, self.gpu_layers):
             box.setKeyboardTracking(False)
         precision = QHBoxLayout()
-        precision.addWidget(self.bf16_moments)
         precision.addWidget(self.clip)
         precision.addStretch(1)
 
@@ -225,6 +230,7 @@ class PlanInputs(QWidget):
         run.addRow("Checkpoints", self.checkpoints)
         run.addRow("Layer slots", self.slots)
         run.addRow("GPU-updated layers", self.gpu_layers)
+        run.addRow("AdamW moments", self.moments)
         run.addRow(precision)
         return run_box
 
@@ -247,8 +253,8 @@ class PlanInputs(QWidget):
                                        self.checkpoints.findData(v))),
             "budget.slots": (self.slots.value, self.slots.setValue),
             "budget.gpu_layers": (self.gpu_layers.value, self.gpu_layers.setValue),
-            "optim.moments_dtype": (lambda: "bfloat16" if self.bf16_moments.isChecked() else "float32",
-                                    lambda v: self.bf16_moments.setChecked(v == "bfloat16")),
+            "optim.moments_dtype": (self.moments.currentData,
+                                    lambda v: self.moments.setCurrentIndex(self.moments.findData(v))),
             "optim.max_grad_norm": (lambda: self._clip_norm if self.clip.isChecked() else 0.0,
                                     lambda v: self.clip.setChecked(float(v) > 0)),
         }
@@ -263,7 +269,8 @@ class PlanInputs(QWidget):
                        self.seq_len.valueChanged,
                        self.micro_batch.valueChanged, self.grad_accum.valueChanged,
                        self.checkpoints.currentIndexChanged, self.slots.valueChanged,
-                       self.gpu_layers.valueChanged, self.bf16_moments.toggled, self.clip.toggled):
+                       self.gpu_layers.valueChanged, self.moments.currentIndexChanged,
+                       self.clip.toggled):
             signal.connect(self.changed)
 
     def set_stacked(self, stacked: bool) -> None:
@@ -298,7 +305,7 @@ class PlanInputs(QWidget):
     def _signalling(self) -> list[QWidget]:
         return [self.vram, self.ram, self.nvme_dir, self.nvme_size, self.method, self.seq_len,
                 self.micro_batch, self.grad_accum, self.checkpoints, self.slots, self.gpu_layers,
-                self.bf16_moments, self.clip]
+                self.moments, self.clip]
 
     def _vram_text(self) -> str:
         if self.machine is not None and self.machine.device != "cuda":

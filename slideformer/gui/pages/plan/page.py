@@ -260,10 +260,7 @@ class PlanPage(QWidget):
         measured = "measured on this machine" if profile.measured else (
             "not measured here: `slideformer bench --hardware` measures this machine")
         self.speeds.setText(f"Speeds of: {profile.name}, {measured}.")
-        self.speeds.setToolTip(f"GPU matmul {profile.matmul_tflops:g} TFLOP/s, PCIe "
-                               f"{profile.h2d_gbs:g} / {profile.d2h_gbs:g} GB/s, CPU AdamW "
-                               f"{profile.adam_params_per_s / 1e9:.2f} G params/s, disk "
-                               f"{profile.disk_read_gbs:g} GB/s read")
+        self.speeds.setToolTip("\n".join(profile.figure_lines() + list(profile.notes)))
         self._edited()
         self.debounce.stop()
         self._start()

@@ -74,7 +74,7 @@ _PURPOSES = {
     "Activations": ("activation checkpoints", "pinned activation checkpoints", "checkpoint staging",
                     "hidden states and their grads", "inputs and RoPE tables", "attention masks"),
     "Step scratch": ("layer forward scratch", "LM-head chunk and loss", "recompute activations"),
-    "Loading": ("load buffer", "model files (page cache)"),
+    "Loading": ("load buffer",),
     "Runtime": ("runtime baseline", "runtime working memory", "CUDA context", "cuBLAS workspaces",
                 "allocator reserve"),
 }
@@ -111,13 +111,12 @@ def held_at_peak(plan: Plan, use: TierUse) -> list[Allocation]:
 
     The phase rule of slideformer.engine.plan.memory.peak: at a "setup" peak the state and the loading
     buffers; otherwise the state, the run's buffers, the step's and the peak part's transients.
-    Clean page cache is not counted against the budget, so it is not drawn.
     """
     phases = ({"state", "setup"} if use.phase == "setup" else {"state", "run", "rollout"}
               if use.phase == "rollout" else {"state", "run", "step", use.phase})
     tiers = allocation_tiers(plan, use.tier)
     return [a for a in plan.allocations
-            if a.tier in tiers and a.phase in phases and not a.reclaimable and a.bytes > 0]
+            if a.tier in tiers and a.phase in phases and a.bytes > 0]
 
 
 def _share_state(use: TierUse) -> str:
