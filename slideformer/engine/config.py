@@ -269,8 +269,8 @@ class GrpoConfig:
     in the reply, equals the record's "answer" (both stripped), else 0.0. The default compares
     the whole reply; e.g. r"answer is (\S+)" takes the word after "answer is"."""
     kl_beta: float = 0.0
-    """The weight of the KL penalty to the initial model (0: none, the GRPO of DAPO and Dr.
-    GRPO; only 0 is supported so far)."""
+    """The weight of the KL penalty to the reference model (0: none, the GRPO of DAPO and Dr.
+    GRPO; DeepSeekMath used 0.04). LoRA and QLoRA runs only: their base is the reference."""
 
 
 @dataclass(frozen=True)

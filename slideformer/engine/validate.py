@@ -211,7 +211,12 @@ def _check_grpo(cfg: RunConfig) -> None:
     _int("grpo.max_new_tokens", g.max_new_tokens, 1, 1 << 16)
     _real("grpo.temperature", g.temperature, lambda x: 0 < x <= 100, "above 0 (at most 100)")
     _real("grpo.top_p", g.top_p, lambda x: 0 < x <= 1, "in (0, 1]")
-    _real("grpo.kl_beta", g.kl_beta, lambda x: x == 0, "0 (the KL penalty is not built yet)")
+    _real("grpo.kl_beta", g.kl_beta, lambda x: 0 <= x <= 100, "at least 0 (at most 100)")
+    if g.kl_beta and t.objective == "grpo" and t.method == "full":
+        raise UserError("grpo.kl_beta", f"is {g.kl_beta:g}, but a full fine-tune has no "
+                        "reference model here (the initial weights would need a second copy "
+                        "of the model)", "set grpo.kl_beta = 0, or train.method = \"lora\" or "
+                        "\"qlora\" (the base with the adapters off is the reference)")
     if not isinstance(g.answer_regex, str) or not isinstance(g.reward, str):
         raise UserError("grpo.answer_regex", "and grpo.reward must be text", "quote them")
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from slideformer.engine.models.deltanet import zero_state
 from slideformer.engine.models.spec import ModelSpec
 
 
@@ -46,11 +47,7 @@ class StateCache:
     def begin(self, h: torch.Tensor):
         """The state the new tokens continue from (zeros before the first)."""
         if self.state is None:
-            s = self.shape
-            self.state = (torch.zeros(self.batch, s.conv_dim, s.conv_kernel - 1, dtype=h.dtype,
-                                      device=self.device),
-                          torch.zeros(self.batch, s.num_v_heads, s.head_k_dim, s.head_v_dim,
-                                      dtype=torch.float32, device=self.device))
+            self.state = zero_state(self.shape, self.batch, h.dtype, self.device)
         return self.state
 
     def nbytes(self) -> int:

@@ -1,45 +1,23 @@
-"""Qwen3.5's hybrid decoder layers on flat parameter views: gated DeltaNet and gated attention.
+"""Gated DeltaNet, Qwen3.5's "linear_attention" token mixer, on flat parameter views.
 
-Qwen3.5 (``qwen3_5`` / text ``qwen3_5_text``, ``qwen3_5_moe``) marks each layer in
-``layer_types``: "linear_attention" (:func:`gated_deltanet`, a gated delta rule recurrence,
-Yang et al. 2024, "Gated Delta Networks") or "full_attention" (:func:`gated_attention`,
-softmax attention with an output gate). Both sit in a pre-norm layer whose RMSNorms scale by
-``1 + w`` (zero-centred weights, layers.rms_norm's ``offset`` 1)::
+Yang et al. 2024, "Gated Delta Networks": a recurrence over a (d_k x d_v) memory per value
+head, S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T, o_t = S_t^T q_t,
+after a depthwise causal convolution of q, k, v and before a gated RMSNorm and the output
+projection (:func:`gated_deltanet`). The layer around it (norms scaling by 1 + w, the MLP or
+the experts), the family's gated full-attention layers and the shared expert of Qwen3.5-MoE
+are the shared blocks of models.layers and models.moe (families/qwen3_5.py).
 
-    h = x + mixer(norm(x)),   y = h + ffn(norm(h))                   (:func:`qwen35_layer`)
-
-The released checkpoints are multimodal (``Qwen3_5ForConditionalGeneration``): the text
-config sits under "text_config" (``from_config`` reads either), the text layers under
-``model.language_model.layers.{i}.``, beside ``model.visual.*`` and ``mtp.*`` (a multi-token
-prediction head that transformers drops on load).
-
-The MoE variant (``qwen3_5_moe``, transformers' ``Qwen3_5MoeSparseMoeBlock``) has the same
-two mixers; its feed-forward, in every layer (no dense layers), is:
-
-- router ``mlp.gate.weight`` (E, H): softmax over the E = ``num_experts`` logits in fp32, the
-  top ``num_experts_per_tok``, always renormalised (no ``norm_topk_prob`` key): Qwen3-MoE's
-  routing, so models.moe.moe_ffn with ``renormalise`` True;
-- experts of width ``moe_intermediate_size``: transformers 5 holds them fused,
-  ``mlp.experts.gate_up_proj`` (E, 2I, H) (gate rows, then up rows) and
-  ``mlp.experts.down_proj`` (E, H, I); its checkpoint conversion (qwen2_moe's) also reads
-  per-expert ``mlp.experts.{e}.{gate,up,down}_proj.weight``: check the checkpoint's index;
-- a shared expert every token takes, a SwiGLU MLP ``mlp.shared_expert.{gate,up,down}_proj``
-  of width ``shared_expert_intermediate_size``, scaled per token by
-  sigmoid(``mlp.shared_expert_gate.weight`` (1, H) . h): :func:`shared_expert`;
-- output = routed + shared; the router loss (``router_aux_loss_coef``, 0.001) is transformers'
-  load_balancing_loss_func over all layers (models.moe.RouterAux's).
-transformers' defaults: hidden 2048, 40 layers, 16 heads / 2 KV heads of 256, DeltaNet 16 key /
-32 value heads of 128, 256 experts, top 8, widths 512 (routed and shared).
+On the CPU (and in fp32) a chunked PyTorch form; the token-by-token recurrence is its test
+oracle and the decode step; on CUDA in 16-bit, flash-linear-attention's kernels when ``fla``
+is installed (kernels.deltanet_gpu).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from slideformer.engine.kernels.attention import attend
 from slideformer.engine.kernels.deltanet_gpu import fla_gated_delta_rule, fla_usable
+from slideformer.engine.models.families.base import DeltaNetShape
 
 CHUNK = 64
 """Tokens per chunk of :func:`chunked_rule` (transformers' and fla's size)."""
@@ -54,97 +32,11 @@ def _layers():
     return layers
 
 
-def _text(cfg: dict) -> dict:
-    """A config.json's text part: its "text_config" (the multimodal checkpoints), else itself."""
-    return cfg.get("text_config") or cfg
-
-
-@dataclass(frozen=True)
-class DeltaNetShape:
-    """The sizes of a gated DeltaNet layer ("linear_attention")."""
-
-    num_k_heads: int
-    """Query and key heads (``linear_num_key_heads``)."""
-    num_v_heads: int
-    """Value heads (``linear_num_value_heads``), a multiple of the key heads: key head i serves
-    value heads i*r .. i*r + r - 1."""
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int
-    """Taps of the causal depthwise convolution (``linear_conv_kernel_dim``)."""
-    eps: float
-    """Of the gated RMSNorm (``rms_norm_eps``)."""
-
-    @property
-    def key_dim(self) -> int:
-        return self.num_k_heads * self.head_k_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.num_v_heads * self.head_v_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the convolution: q, k and v of in_proj_qkv."""
-        return 2 * self.key_dim + self.value_dim
-
-    @staticmethod
-    def from_config(cfg: dict) -> "DeltaNetShape":
-        c = _text(cfg)
-        return DeltaNetShape(c["linear_num_key_heads"], c["linear_num_value_heads"],
-                             c["linear_key_head_dim"], c["linear_value_head_dim"],
-                             c["linear_conv_kernel_dim"], c["rms_norm_eps"])
-
-    def zero_state(self, batch: int, dtype: torch.dtype, device) -> tuple:
-        """The state before a sequence's first token: (conv inputs (B, conv_dim, kernel - 1)
-        in ``dtype``, recurrent state (B, num_v_heads, head_k_dim, head_v_dim) in fp32)."""
-        return (torch.zeros(batch, self.conv_dim, self.conv_kernel - 1, dtype=dtype,
-                            device=device),
-                torch.zeros(batch, self.num_v_heads, self.head_k_dim, self.head_v_dim,
-                            device=device))
-
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """The sizes of a gated attention layer ("full_attention")."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rotary_dim: int
-    """Leading dimensions of each head that RoPE rotates: int(head_dim * partial_rotary_factor)."""
-    rope_theta: float
-    eps: float
-    """Of the q and k RMSNorms (``rms_norm_eps``)."""
-
-    @staticmethod
-    def from_config(cfg: dict) -> "AttentionShape":
-        c = _text(cfg)
-        rope = c.get("rope_parameters") or {}
-        kind = rope.get("rope_type", "default")
-        if kind != "default":
-            raise ValueError(f"Qwen3.5 rope_type {kind!r} in config.json: only 'default' is "
-                             "supported (remove the scaling or use the model's own config)")
-        hd = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-        # transformers' default of 0.25 for configs that omit it (Qwen3_5TextConfig)
-        partial = rope.get("partial_rotary_factor", c.get("partial_rotary_factor", 0.25))
-        return AttentionShape(c["num_attention_heads"], c["num_key_value_heads"], hd,
-                              int(hd * partial), rope.get("rope_theta", c.get("rope_theta")),
-                              c["rms_norm_eps"])
-
-
-@dataclass(frozen=True)
-class Qwen35Shape:
-    """Both mixers' sizes and the layers' norm epsilon, for :func:`qwen35_layer`."""
-
-    deltanet: DeltaNetShape
-    attention: AttentionShape
-    eps: float
-
-    @staticmethod
-    def from_config(cfg: dict) -> "Qwen35Shape":
-        return Qwen35Shape(DeltaNetShape.from_config(cfg), AttentionShape.from_config(cfg),
-                           _text(cfg)["rms_norm_eps"])
+def zero_state(cfg: DeltaNetShape, batch: int, dtype: torch.dtype, device) -> tuple:
+    """The state before a sequence's first token: (conv inputs (B, conv_dim, kernel - 1) in
+    ``dtype``, recurrent state (B, num_v_heads, head_k_dim, head_v_dim) in fp32)."""
+    return (torch.zeros(batch, cfg.conv_dim, cfg.conv_kernel - 1, dtype=dtype, device=device),
+            torch.zeros(batch, cfg.num_v_heads, cfg.head_k_dim, cfg.head_v_dim, device=device))
 
 
 # ---- the gated delta rule -----------------------------------------------------------------------
@@ -318,7 +210,7 @@ def gated_deltanet(cfg: DeltaNetShape, p: dict, x: torch.Tensor, doc_ids=None, s
         doc_ids: (B, T) document ids of packed rows, or None: the convolution and the
             recurrence restart where the id changes.
         state: (conv inputs (B, conv_dim, kernel - 1), recurrent state (B, num_v_heads,
-            head_k_dim, head_v_dim)), e.g. :meth:`DeltaNetShape.zero_state` before a prompt;
+            head_k_dim, head_v_dim)), e.g. :func:`zero_state` before a prompt;
             None in training (no state returned).
         lora: the layer's adapters (models.lora.LoraForward), or None; in_proj_qkv, in_proj_z
             and out_proj (any projection) can carry one.
@@ -343,88 +235,3 @@ def gated_deltanet(cfg: DeltaNetShape, p: dict, x: torch.Tensor, doc_ids=None, s
                        p["linear_attn.norm.weight"], cfg.eps)  # (B, T, Hv, dv)
     y = linear(p, "linear_attn.out_proj", o.reshape(B, T, cfg.value_dim), lora)  # (B, T, H)
     return y if state is None else (y, (conv_state, S))
-
-
-# ---- the gated attention layer ------------------------------------------------------------------
-def rotary_tables(cfg: AttentionShape, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin (B, 1, T, rotary_dim) for integer positions (B, T). Text alone gives transformers'
-    multimodal RoPE (mrope) the same position in its three sections, which makes it this plain
-    RoPE over the rotated dimensions (the tests check it against transformers' tables)."""
-    inv = _layers().rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, None).to(positions.device)
-    freqs = positions.float()[..., None] * inv  # (B, T, rd/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, rd)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-
-
-def gated_attention(cfg: AttentionShape, p: dict, h: torch.Tensor, rope, mask=None, cache=None,
-                    lora=None) -> torch.Tensor:
-    """Qwen3.5's "full_attention" mixer of normed input h (B, T, H) -> (B, T, H).
-
-    q_proj gives each head [query | gate] (2 head_dim); q and k get a per-head RMSNorm scaled by
-    1 + w, then RoPE on their first rotary_dim dimensions; the attention output is multiplied by
-    sigmoid(gate) before o_proj:
-
-        a = attend(rope(norm(q)), rope(norm(k)), v);   y = o_proj(a * sigmoid(gate))
-
-    Args:
-        p: "self_attn." + q_proj.weight (2 heads head_dim, H), k_proj.weight and v_proj.weight
-            (kv_heads head_dim, H), o_proj.weight (H, heads head_dim), q_norm.weight and
-            k_norm.weight (head_dim,).
-        rope: (cos, sin) of :func:`rotary_tables`; their dtype is that of the normed q and k
-            (fp32 tables rotate fp32 values), as in layers.attention.
-        mask, cache: as layers.attention's (None: plainly causal; a boolean or BlockMask of
-            packed documents; a KV cache when generating).
-        lora: the layer's adapters, or None.
-    """
-    B, T, _ = h.shape
-    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    L = _layers()
-    linear, rms_norm = L.linear, L.rms_norm
-    qg = linear(p, "self_attn.q_proj", h, lora).view(B, T, nh, 2 * hd)
-    q, gate = qg.split(hd, dim=-1)  # (B, T, nh, hd) each
-    k = linear(p, "self_attn.k_proj", h, lora).view(B, T, nkv, hd)
-    v = linear(p, "self_attn.v_proj", h, lora).view(B, T, nkv, hd).transpose(1, 2)
-    cos, sin = rope
-    q = rms_norm(q, p["self_attn.q_norm.weight"], cfg.eps, cos.dtype, offset=1.0).transpose(1, 2)
-    k = rms_norm(k, p["self_attn.k_norm.weight"], cfg.eps, cos.dtype, offset=1.0).transpose(1, 2)
-    q, k = L.apply_rope(q, cos, sin, v.dtype), L.apply_rope(k, cos, sin, v.dtype)  # partial
-    if cache is not None:
-        k, v = cache.extend(k, v)  # (B, nkv, past + T, hd)
-    causal = mask is None and k.shape[2] == T and T > 1
-    a = attend(q, k, v, mask, causal, nh != nkv)  # (B, nh, T, hd)
-    a = a.transpose(1, 2).reshape(B, T, nh * hd) * torch.sigmoid(gate.reshape(B, T, nh * hd))
-    return linear(p, "self_attn.o_proj", a, lora)
-
-
-# ---- feed-forward and the whole layer -----------------------------------------------------------
-def mlp(p: dict, prefix: str, h: torch.Tensor, lora=None) -> torch.Tensor:
-    """The SwiGLU MLP ``prefix`` ("mlp", "mlp.shared_expert"): down(silu(gate h) * up h)."""
-    L = _layers()
-    z = L.swiglu(L.linear(p, prefix + ".gate_proj", h, lora),
-                 L.linear(p, prefix + ".up_proj", h, lora))
-    return L.linear(p, prefix + ".down_proj", z, lora)
-
-
-def shared_expert(p: dict, h: torch.Tensor, lora=None) -> torch.Tensor:
-    """Qwen3.5-MoE's shared expert of normed h (B, T, H), added to the routed experts' output:
-    sigmoid(shared_expert_gate h) * mlp.shared_expert(h)."""
-    gate = _layers().linear(p, "mlp.shared_expert_gate", h)  # (B, T, 1)
-    return torch.sigmoid(gate) * mlp(p, "mlp.shared_expert", h, lora)
-
-
-def qwen35_layer(cfg: Qwen35Shape, p: dict, x: torch.Tensor, rope=None, mask=None, doc_ids=None,
-                 lora=None) -> torch.Tensor:
-    """One dense Qwen3.5 decoder layer in training: x (B, T, H) -> (B, T, H), its mixer the
-    DeltaNet where ``p`` has "linear_attn.A_log", else gated attention (``rope``, ``mask``).
-    ``doc_ids`` packs documents for the DeltaNet (the attention's ``mask`` does for it).
-    x may be wider than the weights (an fp32 residual stream): the norms round once to the
-    weights' dtype and the residual additions stay in x's."""
-    rms_norm = _layers().rms_norm
-    c = p["mlp.down_proj.weight"].dtype
-    h = rms_norm(x, p["input_layernorm.weight"], cfg.eps, c, offset=1.0)
-    if "linear_attn.A_log" in p:
-        x = x + gated_deltanet(cfg.deltanet, p, h, doc_ids, lora=lora)
-    else:
-        x = x + gated_attention(cfg.attention, p, h, rope, mask, lora=lora)
-    h = rms_norm(x, p["post_attention_layernorm.weight"], cfg.eps, c, offset=1.0)
-    return x + mlp(p, "mlp", h, lora)

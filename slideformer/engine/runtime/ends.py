@@ -64,21 +64,37 @@ class ResidentEnds:
         tl.device_span("compute", "head", t0, self.backend.mark())
         return loss, gys
 
-    def weighted_step(self, xs, inp, weights, tl: StepTimeline):
+    def weighted_step(self, xs, inp, weights, tl: StepTimeline, kl=None):
         """(loss, dL/dx of every micro-batch) when each row's target tokens count with the
         row's weight (GRPO, train.grpo: ``weights`` one (rows,) tensor per micro-batch): the
         loss is the sum over rows of weight x the row's summed cross-entropy (its value from a
-        forward pass over the head, the gradient from one weighted backward)."""
+        forward pass over the head, the gradient from one weighted backward).
+
+        ``kl``: (beta, [(norm (rows,), reference log-probs (rows, T)) per micro-batch]) adds
+        GRPO's KL penalty to the reference, beta * sum_t norm_r * D_t with DeepSeekMath's
+        estimator D_t = exp(r_t - l_t) - (r_t - l_t) - 1 (l_t the token's log-probability
+        now, r_t the reference's). dD_t/dl_t = 1 - exp(r_t - l_t), so the penalty moves each
+        token's cross-entropy weight by -beta * norm_r * (1 - exp(r_t - l_t)): the same one
+        weighted backward gives the exact gradient."""
         t0 = self.backend.mark()
         w, gw, nw, gnorm = self._head_weights()
         loss = torch.zeros((), dtype=torch.float32, device=self.backend.device)
         gys = []
-        for x, (_, labels, _), row_w in zip(xs, inp, weights):
+        for k, (x, (_, labels, _), row_w) in enumerate(zip(xs, inp, weights)):
             row_w = row_w.to(self.backend.device, torch.float32)
             with torch.no_grad():
                 h = final_norm(self.spec, nw, x, self.dtype)
-                loss += (linear_ce_rows(h, w, labels, self.shape.head_chunk).sum(1) * row_w).sum()
+                ce = linear_ce_rows(h, w, labels, self.shape.head_chunk)  # (rows, T)
+                loss += (ce.sum(1) * row_w).sum()
             scale = row_w[:, None].expand(labels.shape).contiguous()  # (rows, T)
+            if kl is not None:
+                beta, (norm, ref) = kl[0], kl[1][k]
+                norm = norm.to(ce.device, torch.float32)[:, None]  # (rows, 1)
+                on = labels != IGNORE
+                d = torch.where(on, ref.to(ce.device, torch.float32) + ce, 0.0)  # r - l
+                e = torch.exp(d)
+                loss += beta * (norm * torch.where(on, e - d - 1, 0.0)).sum()
+                scale = scale - beta * norm * torch.where(on, 1 - e, 0.0)
             gys.append(self._head_backward(x, labels, w, gw, nw, gnorm, scale)[1])
         tl.device_span("compute", "head", t0, self.backend.mark())
         return loss, gys
@@ -162,8 +178,20 @@ class ResidentEnds:
     def row_logps(self, mb) -> torch.Tensor:
         """(B,) fp32 on the host: each row's summed log-probability of its labelled tokens
         (the reference pass of a preference objective), forward only."""
-        h, w, labels = self._eval_hidden(mb)
-        return -linear_ce_rows(h, w, labels, self.shape.head_chunk).sum(1).cpu()
+        return self.token_logps(mb).sum(1).cpu()
+
+    def token_logps(self, mb, base: bool = False) -> torch.Tensor:
+        """(B, T) fp32: each labelled token's log-probability (0 elsewhere), forward only;
+        ``base``: a LoRA run's base with its adapters off (GRPO's KL reference)."""
+        self.base_only = base
+        try:
+            h, w, labels = self._eval_hidden(mb)
+        finally:
+            self.base_only = False
+        return -linear_ce_rows(h, w, labels, self.shape.head_chunk)
+
+    base_only: bool = False
+    """The forward runs without the LoRA adapters (:meth:`token_logps`)."""
 
     def _eval_hidden(self, mb):
         """(final hidden states, head weight, labels) of one micro-batch, forward only."""

@@ -280,6 +280,7 @@ class SlidingExecutor(ResidentEnds):
         self.updates.start_step(max_grad_norm)
         tokens = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
         scale = 1.0 / max(tokens, 1)  # of the whole step: the ranks' gradients are summed
+        kl = self._kl_references(micro_batches)
         inp = [self._inputs(mb) for mb in self.group.mine(micro_batches)]
         self.aux = self._router_aux(inp, len(micro_batches))
         self._refresh(self.embed, tl)
@@ -289,8 +290,8 @@ class SlidingExecutor(ResidentEnds):
         if self.objective is None:
             loss, gys = self.head_step(xs, inp, scale, tl)
         elif self.objective[0] == "grpo":
-            loss, gys = self.weighted_step(
-                xs, inp, [mb.weights for mb in self.group.mine(micro_batches)], tl)
+            mine = self.group.mine(micro_batches)
+            loss, gys = self.weighted_step(xs, inp, [mb.weights for mb in mine], tl, kl)
         else:
             mine = self.group.mine(micro_batches)
             loss, gys, pairs = self.preference_step(
@@ -323,6 +324,17 @@ class SlidingExecutor(ResidentEnds):
 
     aux: tuple | list = ()
     """The step's router losses, one per micro-batch (models.moe.RouterAux), while it runs."""
+
+    def _kl_references(self, micro_batches):
+        """GRPO with a KL penalty (grpo.kl_beta > 0): (beta, [(norm, the base's token
+        log-probabilities)] of this rank's micro-batches), the reference being the base with
+        the adapters off (a forward pass each before the step's own); else None."""
+        if self.objective is None or self.objective[0] != "grpo" or not self.objective[1].kl_beta:
+            return None
+        if self.lora is None:
+            raise ValueError("GRPO's KL penalty needs a LoRA run: the base is its reference")
+        return (self.objective[1].kl_beta,
+                [(mb.norm, self.token_logps(mb, base=True)) for mb in self.group.mine(micro_batches)])
 
     def _router_aux(self, inp, n_micro: int) -> list:
         """A mixture of experts trained with its router loss: one RouterAux per micro-batch,
@@ -531,8 +543,9 @@ class SlidingExecutor(ResidentEnds):
         return dropout_seed(self.seed, self.step_no, layer, mb)
 
     def _adapters(self, layer: int, mb: int, train: bool) -> LoraForward | None:
-        """The forward's view of a layer's adapters (None when the base is trained)."""
-        if self.lora is None:
+        """The forward's view of a layer's adapters (None when the base is trained, or while
+        the base alone runs: ends.token_logps)."""
+        if self.lora is None or self.base_only:
             return None
         item = self.layers[layer].adapter
         return LoraForward(self.lora, item.layout.views(item.w), self._dropout_seed(layer, mb, train))

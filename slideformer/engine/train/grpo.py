@@ -14,9 +14,14 @@ clipped surrogate is 1, its gradient A_i grad log pi), the loss over the step's 
 so every reply token's cross-entropy is weighted A_i / (P G |o_i|): one weighted cross-entropy
 backward over the head gives the exact gradient (runtime.ends). A reply's tokens are the sampled
 ids themselves (never re-tokenised text), its stop token included when it stopped: the model
-learns to end its replies. The KL penalty to the initial model (grpo.kl_beta) is not built:
-only 0 is accepted. The loss's value is near zero by construction (a group's advantages sum to
-zero); the run reports the rewards (RolloutMetrics).
+learns to end its replies. The loss's value is near zero by construction (a group's
+advantages sum to zero); the run reports the rewards (RolloutMetrics).
+
+KL penalty (grpo.kl_beta = beta > 0, LoRA and QLoRA runs): DeepSeekMath's per-token estimator
+D_t = pi_ref/pi - log(pi_ref/pi) - 1 to the base model (the adapters off: no second copy),
+added to the loss as beta / (P G |o_i|) * sum_t D_t (runtime.ends.weighted_step); the base's
+token log-probabilities come from one forward pass of the replies before the step. A full
+fine-tune's reference would be the initial weights beside the trained ones: refused.
 
 Prompts (``data.train``): ``{"prompt": str or messages, "answer": str, ...}``, or a chat record
 ``{"messages": [..., assistant]}`` whose last reply is the answer and the rest the prompt (the
@@ -73,9 +78,11 @@ class Prompt:
 
 @dataclass
 class GrpoBatch(MicroBatch):
-    """Sampled replies, one a row after its prompt; ``weights`` (rows,) A_i / (P G |o_i|)."""
+    """Sampled replies, one a row after its prompt; ``weights`` (rows,) A_i / (P G |o_i|),
+    ``norm`` (rows,) 1 / (P G |o_i|)."""
 
     weights: torch.Tensor = None
+    norm: torch.Tensor = None
 
 
 @dataclass(frozen=True)
@@ -211,14 +218,15 @@ def replies_batch(prompts: list[Prompt], replies: list[list[int]], adv: torch.Te
     targets, weighted ``adv[r]`` / (P G |o_r|)."""
     ids = np.full((len(replies), seq_len), pad_id, np.int64)
     labels = np.full((len(replies), seq_len), IGNORE, np.int64)
-    weights = torch.zeros(len(replies))
+    norm = torch.zeros(len(replies))
     for r, (prompt, reply) in enumerate(zip(prompts, replies)):
         start = len(prompt.ids)
         row = (prompt.ids + reply)[:seq_len]
         ids[r, :len(row)] = row
         labels[r, start - 1:len(row) - 1] = row[start:]
-        weights[r] = float(adv[r]) / (P * G * max(len(row) - start, 1))
-    return GrpoBatch(torch.from_numpy(ids), torch.from_numpy(labels), None, weights=weights)
+        norm[r] = 1.0 / (P * G * max(len(row) - start, 1))
+    return GrpoBatch(torch.from_numpy(ids), torch.from_numpy(labels), None,
+                     weights=adv.float() * norm, norm=norm)
 
 
 class PolicyReader:

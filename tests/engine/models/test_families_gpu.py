@@ -99,19 +99,22 @@ def test_sinks_through_flex_lse_match_the_scores(T, window, gqa):
 
 @pytest.mark.parametrize("arch", SUPPORTED)
 def test_layer_in_bf16_on_the_gpu_matches_fp32(arch):
-    """One decoder layer per family on the GPU's kernels (fused norms, RoPE, grouped experts,
-    the window) in bf16, against the same layer in fp32 on the CPU reference path."""
+    """One decoder layer of each kind a family has (e.g. Qwen3.5's gated DeltaNet, through
+    fla where installed, and its gated attention) on the GPU's kernels (fused norms, RoPE,
+    grouped experts, the window) in bf16, against the same layer in fp32 on the CPU."""
     spec = spec_from_config(tiny_config(arch, TinyShape(hidden=256, heads=4, kv_heads=2,
                                                         intermediate=512)))
-    layout = item_layout(spec, "layer0")
-    flat = torch.cat([t.reshape(-1) for name, t in random_tensors(spec, 0)
-                      if ".layers.0." in name])  # the layer's tensors, one expert at a time
-    assert flat.numel() == layout.numel
+    kinds = {spec.block(i): i for i in reversed(range(spec.num_layers))}  # first of each kind
     x = torch.randn(2, 40, spec.hidden_size, generator=torch.Generator().manual_seed(2))
     pos = torch.arange(40).expand(2, 40)
-    outs = []
-    for dev, dt in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
-        p = layout.views(flat.to(dev, dt))
-        rope = rope_tables(spec, pos.to(dev), dt) if spec.has_rope(0) else None
-        outs.append(decoder_layer(spec, p, x.to(dev, dt), rope).cpu())
-    assert rel(outs[1], outs[0]) < 3e-2
+    for i in sorted(kinds.values()):
+        layout = item_layout(spec, f"layer{i}")
+        flat = torch.cat([t.reshape(-1) for name, t in random_tensors(spec, 0)
+                          if f".layers.{i}." in name])  # the layer's tensors, experts one by one
+        assert flat.numel() == layout.numel
+        outs = []
+        for dev, dt in (("cpu", torch.float32), ("cuda", torch.bfloat16)):
+            p = layout.views(flat.to(dev, dt))
+            rope = rope_tables(spec, pos.to(dev), dt) if spec.has_rope(i) else None
+            outs.append(decoder_layer(spec, p, x.to(dev, dt), rope).cpu())
+        assert rel(outs[1], outs[0]) < 3e-2, f"layer {i}"

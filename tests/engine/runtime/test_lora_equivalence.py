@@ -25,7 +25,7 @@ from slideformer.engine.runtime.lora import adapter_name, init_adapters  # noqa:
 from slideformer.engine.train.schedule import lr_at  # noqa: E402
 from slideformer.engine.models.weights import write_hf_folder  # noqa: E402
 from slideformer.engine.train.state import build_frozen_state, load_weights, master_tensors  # noqa: E402
-from test_sliding_equivalence import STEPS, make_batches  # noqa: E402
+from tests.engine.runtime.test_sliding_equivalence import STEPS, make_batches  # noqa: E402
 
 ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 

@@ -131,6 +131,58 @@ def test_a_grpo_step_is_the_papers_loss(tiny_model_factory, load_hf, tmp_path):
             assert rel < 1e-4, f"{name}: relative difference {rel:.2e}"
 
 
+def test_a_lora_grpo_step_with_the_kl_penalty_is_the_papers_loss(tiny_model_factory, tmp_path):
+    """KL to the base (adapters off) at beta 0.5 against PEFT trained on the paper's loss with
+    DeepSeekMath's estimator exp(r - l) - (r - l) - 1 per reply token, weighted 1 / (P G |o|)."""
+    from slideformer.engine.config import LoraConfig
+    from slideformer.engine.models.lora import for_model, lora_spec
+    from tests.engine.runtime.test_lora_equivalence import assert_same, lora_host, peft_model
+    folder = tiny_model_factory("llama", TinyShape(layers=3), seed=1)
+    spec, beta = load_spec(folder), 0.5
+    steps = fixed_steps(folder, tmp_path)
+    lora = for_model(lora_spec(LoraConfig(rank=4, alpha=8.0)), spec)
+    host = lora_host(spec, folder, lora)
+    model = peft_model(folder, lora, host, spec)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=OPTIM.lr, betas=(OPTIM.beta1, OPTIM.beta2),
+                            eps=OPTIM.eps, weight_decay=OPTIM.weight_decay)
+    ref_losses, kls = [], []
+    for k, mbs in enumerate(steps, start=1):
+        opt.zero_grad()
+        total = 0.0
+        for mb in mbs:
+            def token_logps():
+                z = model(input_ids=mb.input_ids).logits.float()
+                return -torch.nn.functional.cross_entropy(z.transpose(1, 2), mb.labels,
+                                                          ignore_index=-100, reduction="none")
+            with torch.no_grad(), model.disable_adapter():
+                r = token_logps()
+            lp, on = token_logps(), mb.labels != -100
+            d = torch.where(on, r - lp, 0.0)
+            kl = (mb.norm[:, None] * torch.where(on, d.exp() - d - 1, 0.0)).sum()
+            part = (-lp.sum(1) * mb.weights).sum() + beta * kl
+            part.backward()
+            total += part.item()
+            kls.append(kl.item())
+        torch.nn.utils.clip_grad_norm_(trained, OPTIM.max_grad_norm)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(k, STEPS, OPTIM)
+        opt.step()
+        ref_losses.append(total)
+    assert max(kls) > 1e-4  # the adapters move the policy away from the base: the term acts
+    ex = SlidingExecutor(spec, CpuBackend(), host, ExecShape(micro_batch=MICRO, seq_len=T,
+                                                             n_micro=ACCUM, slots=2),
+                         torch.float32, lora=lora)
+    ex.objective = ("grpo", GrpoConfig(kl_beta=beta))
+    losses = []
+    for k, mbs in enumerate(steps, start=1):
+        hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, OPTIM), OPTIM.beta1, OPTIM.beta2,  # noqa: E731
+                                            OPTIM.eps, OPTIM.weight_decay, k, coef)
+        losses.append(ex.train_step(mbs, hyper, OPTIM.max_grad_norm).loss)
+    ex.close()
+    assert_same(spec, lora, host, model, losses, ref_losses)
+
+
 def test_advantages_are_normalised_within_each_group():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
     a = advantages(r)
@@ -216,7 +268,7 @@ def test_a_broken_reward_file_is_named(tiny_run, tmp_path, body, says):
 
 @pytest.mark.parametrize("over, key", [({"grpo.group_size": 1}, "grpo.group_size"),
                                        ({"grpo.group_size": 5}, "train.micro_batch"),
-                                       ({"grpo.kl_beta": 0.1}, "grpo.kl_beta"),
+                                       ({"grpo.kl_beta": 0.1}, "grpo.kl_beta"),  # full FT
                                        ({"grpo.answer_regex": "(("}, "grpo.answer_regex"),
                                        ({"grpo.temperature": 0.0}, "grpo.temperature")])
 def test_grpo_settings_that_cannot_work_are_refused(tiny_run, tmp_path, over, key):
