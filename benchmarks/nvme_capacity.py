@@ -49,25 +49,15 @@ from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
 from slideformer.engine.runtime.nvme import NvmeTier
 from slideformer.engine.runtime.shapes import disk_layers  # noqa: E402
 from slideformer.engine.train.state import build_host_state  # noqa: E402
+from benchmarks.shapes import shape_config  # noqa: E402
 
 GiB = 1 << 30
-WIDTHS = {  # published config.json values; the layer count is what the search varies
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                         head_dim=128),
-    "llama-2-13b": dict(hidden_size=5120, intermediate_size=13824, num_attention_heads=40,
-                        num_key_value_heads=40, vocab_size=32000, tie_word_embeddings=False,
-                        head_dim=128),
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64,
-                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-                          head_dim=128),
-}
+WIDTHS = ("llama-3.1-8b", "llama-2-13b", "llama-3.1-70b")
+"""Shapes of benchmarks.shapes whose layer count the search varies."""
 
 
 def make_spec(width: str, layers: int):
-    cfg = dict(WIDTHS[width], num_hidden_layers=layers, model_type="llama", rms_norm_eps=1e-5,
-               rope_theta=500000.0, max_position_embeddings=131072, torch_dtype="bfloat16")
-    return spec_from_config(cfg)
+    return spec_from_config(dict(shape_config(width), num_hidden_layers=layers))
 
 
 def largest(width: str, knobs: Knobs, budgets) -> tuple[int, object] | None:

@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slideformer.engine.config import PreferenceConfig  # noqa: E402
-from slideformer.engine.models.spec import spec_from_config  # noqa: E402
 from slideformer.engine.runtime.backend import make_backend  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
 from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
@@ -33,96 +32,7 @@ from slideformer.engine.kernels.attention import take_flex_fallback  # noqa: E40
 from slideformer.engine.runtime.shapes import borrowed_layers, device_items, regen_layers  # noqa: E402
 from slideformer.engine.train.state import build_host_state  # noqa: E402
 from slideformer.engine.train.trainer import peak_rss  # noqa: E402
-
-SHAPES = {  # published config.json values of the public models
-    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         tie_word_embeddings=True, head_dim=64),
-    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
-                         num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
-                         tie_word_embeddings=True, head_dim=128),
-    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                         tie_word_embeddings=False, head_dim=128),
-    "llama-3.1-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
-                          tie_word_embeddings=False, head_dim=128),
-    "mistral-large-2": dict(hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
-                            num_attention_heads=96, num_key_value_heads=8, vocab_size=32768,
-                            tie_word_embeddings=False, head_dim=128),
-    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
-                          moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                          norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32,
-                          num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                          tie_word_embeddings=False),
-    # the same layers, 8 of them (5.6 B parameters): an MoE whose full fine-tune the host holds
-    "qwen3-30b-a3b-8l": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
-                             moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-                             norm_topk_prob=True, num_hidden_layers=8, num_attention_heads=32,
-                             num_key_value_heads=4, head_dim=128, vocab_size=151936,
-                             tie_word_embeddings=False),
-    # GPT-OSS (MXFP4 experts on disk; here random bf16/NF4): alternating window 128, sinks
-    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
-                        num_local_experts=32, num_experts_per_tok=4, num_hidden_layers=24,
-                        num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                        vocab_size=201088, sliding_window=128, rope_theta=150000.0,
-                        tie_word_embeddings=False),
-    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880,
-                         num_local_experts=128, num_experts_per_tok=4, num_hidden_layers=36,
-                         num_attention_heads=64, num_key_value_heads=8, head_dim=64,
-                         vocab_size=201088, sliding_window=128, rope_theta=150000.0,
-                         tie_word_embeddings=False),
-    # Qwen3.5 (hybrid: 3 gated DeltaNet layers of 4): transformers' Qwen3_5TextConfig and
-    # Qwen3_5MoeTextConfig defaults (5.25; the MoE's are Qwen3.5-35B-A3B's published sizes);
-    # the dense one cut to 16 layers (4.9 B parameters), a full fine-tune the host holds
-    "qwen3.5-16l": dict(model_type="qwen3_5_text", hidden_size=4096, intermediate_size=12288,
-                        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-                        head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                        linear_key_head_dim=128, linear_value_head_dim=128,
-                        linear_conv_kernel_dim=4, vocab_size=248320, rope_theta=10000000.0,
-                        partial_rotary_factor=0.25, tie_word_embeddings=False),
-    "qwen3.5-35b-a3b": dict(model_type="qwen3_5_moe_text", hidden_size=2048,
-                            num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
-                            head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                            linear_key_head_dim=128, linear_value_head_dim=128,
-                            linear_conv_kernel_dim=4, moe_intermediate_size=512,
-                            shared_expert_intermediate_size=512, num_experts=256,
-                            num_experts_per_tok=8, vocab_size=248320, rope_theta=10000000.0,
-                            partial_rotary_factor=0.25, tie_word_embeddings=False),
-    "small-qwen3.5": dict(model_type="qwen3_5_text", hidden_size=256, intermediate_size=688,  # CPU
-                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                          head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-                          linear_key_head_dim=32, linear_value_head_dim=32,
-                          linear_conv_kernel_dim=4, vocab_size=2048, partial_rotary_factor=0.25,
-                          tie_word_embeddings=False),
-    "small-gpt-oss": dict(model_type="gpt_oss", hidden_size=256, intermediate_size=256,  # CPU
-                          num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                          vocab_size=2048, sliding_window=16, rope_theta=150000.0,
-                          tie_word_embeddings=False),
-    "small-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=688,  # CPU
-                      moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2,
-                      norm_topk_prob=True, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=64, vocab_size=2048,
-                      tie_word_embeddings=False),
-    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4,  # CPU timings
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
-                  tie_word_embeddings=False, head_dim=64),
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,  # CPU dry runs
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                 tie_word_embeddings=True, head_dim=16),
-}
-
-
-def shape_config(name: str) -> dict:
-    """A config.json of the model ``name`` (a key of SHAPES; Llama unless it names a family)."""
-    return dict(dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0,
-                     max_position_embeddings=131072, torch_dtype="bfloat16"), **SHAPES[name])
-
-
-def shape_spec(name: str):
-    return spec_from_config(shape_config(name))
-
+from benchmarks.shapes import SHAPES, shape_config, shape_spec  # noqa: E402,F401 (one table)
 
 @dataclass
 class MB:
