@@ -41,7 +41,7 @@ from slideformer.engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Alloc
 from slideformer.engine.plan.transients import FrozenBase, step_transients
 from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
                                HEAD_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
-                               cpu_dispatch_s, kernels_note, layer_efficiency)
+                               cpu_dispatch_s, kernels_note, layer_efficiency, mixer_flops)
 from slideformer.engine.kernels.dispatch import kernel_path
 from slideformer.engine.runtime.shapes import BUFFERS, ExecShape, padded
 from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
@@ -124,7 +124,7 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
         out.append(Allocation("gpu", "dequantised layer", P * c, f"{P:,} params x {c} B"))
         out.append(dequant_scratch(spec))
     out += checkpoint_store(spec, shape, prec) + cuda_fixed(device)
-    out += step_transients(spec, shape, prec, kernel_path(device, spec.head_dim, packed),
+    out += step_transients(spec, shape, prec, kernel_path(device, spec.max_head_dim, packed),
                            frozen_base(spec, prec, lora))
     if device == "cuda":
         out.append(allocator_reserve(out, shape, spec, prec, frozen=True))
@@ -195,7 +195,7 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
     tokens = B * T * n
     lin = 2.0 * spec.active_params_per_layer * B * T * n  # a token's experts only
-    att = 2.0 * B * T * T * spec.num_heads * spec.head_dim * n
+    att = mixer_flops(spec, B, T) * n
     head_f = 4.0 * tokens * spec.vocab_size * spec.hidden_size
     flops = L * (lin + att + 2 * lin + 3 * att) + head_f
     lb = layer_bytes(spec, prec, method)
@@ -206,7 +206,7 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
                 "pcie h2d": 2 * L * lb / (CPU_COPY_GBS * 1e9), "pcie d2h": 0.0,
                 "cpu optimizer": A * DEVICE_ADAM_BYTES / (CPU_COPY_GBS * 1e9), "disk": read}
         return _result(sum(busy.values()), tokens, busy, flops, "CPU backend: nothing overlaps")
-    path = kernel_path(device, spec.head_dim, packed)
+    path = kernel_path(device, spec.max_head_dim, packed)
     rate = hw.matmul_tflops * 1e12 * layer_efficiency(path, hw)[0]
     mem = DEVICE_MEMORY_GBS * 1e9
     dq = (lb + P * prec.c) / mem if method == "qlora" else 0.0  # read NF4, write the layer

@@ -161,8 +161,28 @@ def layer_flops(spec: ModelSpec, shape: ExecShape) -> tuple[float, float]:
     """(forward, recompute + backward) FLOPs of one decoder layer over all micro-batches."""
     B, T, n = shape.micro_batch, shape.seq_len, shape.n_micro
     lin = 2.0 * spec.active_params_per_layer * B * T  # a token computes with its experts only
-    att = 2.0 * B * T * T * spec.num_heads * spec.head_dim  # QK^T and PV, half masked
+    att = mixer_flops(spec, B, T)
     return n * (lin + att), n * (3 * lin + 3 * att)
+
+
+DELTANET_CHUNK = 64
+"""Tokens per chunk of the gated delta rule (models.deltanet.CHUNK, fla's)."""
+
+
+def mixer_flops(spec: ModelSpec, B: int, T: int) -> float:
+    """Forward FLOPs of the token mixing beyond the projections, per layer on average: softmax
+    attention's QK^T and PV (2 B T^2 over the query width, half masked; the widest layer's),
+    and in a hybrid the gated DeltaNet layers' share: per token and value head, the chunked
+    rule's in-chunk products 2 C (d_k + d_v) and its state's three d_k x d_v products."""
+    L = spec.num_layers
+    linear = sum(spec.is_linear(i) for i in range(L))
+    att = 2.0 * B * T * T * spec.q_width * (L - linear) / L
+    if linear:
+        d = spec.linear
+        per_token = d.num_v_heads * (2 * DELTANET_CHUNK * (d.head_k_dim + d.head_v_dim)
+                                     + 6 * d.head_k_dim * d.head_v_dim)
+        att += B * T * per_token * linear / L
+    return att
 
 
 @dataclass(frozen=True)
@@ -257,7 +277,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     disk = moved / (hw.disk_read_gbs * 1e9) + moved / (hw.disk_write_gbs * 1e9)
     if device != "cuda":
         return _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk, R)
-    path = kernel_path(device, spec.head_dim, packed)
+    path = kernel_path(device, spec.max_head_dim, packed)
     t = _times(spec, shape, prec, hw, disk, layer_efficiency(path, hw)[0])
     G, E, Hd = min(shape.device_layers, L), spec.embed_layout.numel, spec.head_layout.numel
     on_device = G * spec.params_per_layer + (E + Hd if shape.device_update else 0)
