@@ -45,6 +45,9 @@ def register(sub) -> None:
     q.add_argument("--pairs", action="store_true",
                    help="read preference pairs (prompt, chosen, rejected) as train.objective = "
                         "dpo, orpo or simpo does, and show their responses")
+    q.add_argument("--prompts", action="store_true",
+                   help="read prompts (with answers) as train.objective = grpo does, and show "
+                        "what the model is asked")
     q.add_argument("--json", action="store_true", help="machine-readable output")
     q.set_defaults(func=_inspect)
 
@@ -68,6 +71,8 @@ def _inspect(a) -> int:
     from slideformer.engine.data.analysis import analyse_data
     if a.pairs:
         return _inspect_pairs(a)
+    if a.prompts:
+        return _inspect_prompts(a)
 
     def warn(shown) -> None:  # the preview comes first: a bad record stops here, in a second
         for w in shown.warnings:
@@ -104,6 +109,36 @@ def _inspect_pairs(a) -> int:
         lines.append(f"--- {where}, {side} (the response, whose log-probability counts, in "
                      f"{legend}) ---")
         lines.append("".join(_mark(piece, resp, color) for piece, resp in pieces))
+    print("\n".join(lines))
+    return 0
+
+
+def _inspect_prompts(a) -> int:
+    """GRPO's prompt file: what each prompt renders to (the model continues from it), its
+    length and its answer."""
+    from slideformer.engine.data.chat import ChatRenderer
+    from slideformer.engine.models.tokenizer import load_tokenizer
+    from slideformer.engine.train.grpo import read_prompts
+    tok = load_tokenizer(a.model)
+    cfg = _config(a)
+    prompts = read_prompts(cfg, tok, ChatRenderer(tok, cfg.chat_template, cfg.enable_thinking))
+    lengths = [len(p.ids) for p in prompts]
+    answered = sum(p.answer is not None for p in prompts)
+    shown = [{"where": p.where, "prompt": p.text, "tokens": len(p.ids), "answer": p.answer}
+             for p in prompts[:a.samples]]
+    if a.json:
+        print(json.dumps({"file": a.file, "prompts": len(prompts), "with_answer": answered,
+                          "prompt_tokens_mean": sum(lengths) / len(lengths),
+                          "prompt_tokens_max": max(lengths), "samples": shown},
+                         indent=2, ensure_ascii=False))
+        return 0
+    lines = [f"file        {a.file}",
+             f"prompts     {len(prompts):,} ({answered:,} with an answer for the answer check)",
+             f"tokens      prompt {sum(lengths) / len(lengths):.1f} mean, {max(lengths):,} "
+             f"longest; replies get the rest of {a.max_seq_len:,} (grpo.max_new_tokens at most)"]
+    for s in shown:
+        lines.append(f"--- {s['where']}, {s['tokens']} tokens; answer {s['answer']!r} ---")
+        lines.append(s["prompt"])
     print("\n".join(lines))
     return 0
 

@@ -140,6 +140,14 @@ def _refuse_kind(rec: Record) -> None:
                         "train on pairs with train.objective = \"dpo\" (or orpo, simpo; CLI "
                         "--objective dpo; `slideformer data inspect FILE --pairs` shows them), "
                         "or train on the 'chosen' replies as a messages or Alpaca file")
+    if _present(rec, "prompt") and _present(rec, "answer") and not any(
+            k in v for k in ("completion", "response", "output", "text", "messages")):
+        raise UserError(rec.where, "the record holds a prompt and its answer (GRPO's prompts: "
+                        "the model writes the replies), which supervised fine-tuning does not "
+                        "read", "train with train.objective = \"grpo\" (CLI --objective grpo; "
+                        "`slideformer data inspect FILE --prompts` shows them), or write the "
+                        "answer as the reply of an Alpaca record (prompt -> instruction, answer "
+                        "-> output)")
     if _present(rec, "kto_tag") or (_present(rec, "label") and ("completion" in v
                                                                   or "prompt" in v)):
         raise UserError(rec.where, "the record holds KTO preference data (a 'label' marking "

@@ -304,3 +304,18 @@ def test_the_plan_counts_what_sampling_holds(tiny_model_factory, tiny_run, tmp_p
     sft = plan_run(config_mod.override(cfg, {"train.objective": "sft"}),
                    load_spec(cfg.model.path), device="cpu")
     assert not any(a.phase == "rollout" for a in sft.allocations)
+
+
+def test_data_inspect_prompts_shows_what_the_model_is_asked(tiny_run, tmp_path, capsys):
+    from slideformer.engine.cli import main
+    model = tiny_run(tmp_path / "unused").model.path
+    f = prompts_file(tmp_path / "p.jsonl", n=5)
+    assert main(["data", "inspect", str(f), "--model", model, "--prompts", "--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "prompts     5 (5 with an answer" in out and "Write sevens, line 1:" in out
+    assert "answer '7'" in out
+    # read as SFT data, the same file is refused with the way to train on it
+    assert main(["data", "inspect", str(f), "--model", model]) == 2
+    err = capsys.readouterr().err
+    assert "GRPO's prompts" in err and "--objective grpo" in err and "--prompts" in err
+
