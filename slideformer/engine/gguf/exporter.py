@@ -19,9 +19,11 @@ import numpy as np
 import torch
 
 from slideformer.engine.errors import UserError
+from slideformer.engine.gguf import qwen35
 from slideformer.engine.gguf.kinds import EXPORT_KINDS
-from slideformer.engine.gguf.names import arch_name, norm_shift, qk_heads, tensor_names, to_gguf_order
+from slideformer.engine.gguf.names import arch_name, tensor_names
 from slideformer.engine.gguf.tokenizer import gguf_vocab
+from slideformer.engine.gguf.transforms import gguf_shape, to_gguf
 from slideformer.engine.models.layers import rope_inv_freq
 from slideformer.engine.models.spec import ModelSpec, load_spec
 from slideformer.engine.models.tokenizer import load_tokenizer
@@ -47,14 +49,19 @@ class Planned:
     qtype: gguf.GGMLQuantizationType
 
 
-def tensor_type(hf: str, shape: tuple[int, ...], kind: str) -> gguf.GGMLQuantizationType:
-    """The GGUF type of one tensor under ``--type kind``."""
-    if len(shape) == 1:
+KEPT_F32 = (".ffn_gate_inp.weight", ".ffn_gate_inp_shexp.weight", ".ssm_conv1d.weight")
+"""Matrices llama.cpp's converter always stores in F32: the routers, the shared expert's gate,
+the DeltaNet convolution (ggml's CPU ``ssm_conv`` takes F32 only)."""
+
+
+def tensor_type(name: str, shape: tuple[int, ...], kind: str) -> gguf.GGMLQuantizationType:
+    """The GGUF type of tensor ``name`` (its GGUF name) under ``--type kind``."""
+    if len(shape) == 1 or name.endswith(KEPT_F32):
         return Q.F32
     qtype = TYPES[kind]
     # 4-bit embeddings and LM head cost the most quality per byte saved (llama.cpp keeps them
     # at 6 bits or more in its 4-bit files): they get Q8_0.
-    if qtype == Q.Q4_0 and hf in ("model.embed_tokens.weight", "lm_head.weight"):
+    if qtype == Q.Q4_0 and name in ("token_embd.weight", "output.weight"):
         qtype = Q.Q8_0
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     return qtype if shape[-1] % block == 0 else Q.F16  # rows not a whole number of blocks
@@ -80,7 +87,8 @@ def plan(spec: ModelSpec, kind: str) -> list[Planned]:
     for item in item_names(spec):
         for local, _, shape in item_layout(spec, item).entries:
             hf = hf_name(item, local)
-            out.append(Planned(hf, names[hf], shape, tensor_type(hf, shape, kind)))
+            shape = gguf_shape(hf, shape)
+            out.append(Planned(hf, names[hf], shape, tensor_type(names[hf], shape, kind)))
     return out
 
 
@@ -93,12 +101,7 @@ def _tensors(model_dir: Path, spec: ModelSpec, planned: list[Planned]) -> Iterat
         flat = ckpt.read_item(spec, item, torch.empty(layout.numel, dtype=torch.float32))
         for local, view in layout.views(flat).items():
             hf = hf_name(item, local)
-            w = view.numpy()
-            if (heads := qk_heads(spec, hf)) is not None:
-                w = to_gguf_order(w, heads)
-            if shift := norm_shift(spec, hf):
-                w = w + shift
-            yield convert(w, by_name[hf].qtype)
+            yield convert(to_gguf(spec, hf, view.numpy()), by_name[hf].qtype)
     ckpt.close()
 
 
@@ -113,7 +116,7 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
     w.add_head_count_kv(spec.num_kv_heads)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(spec.rms_norm_eps)
-    w.add_rope_dimension_count(spec.head_dim)
+    w.add_rope_dimension_count(spec.rotary_dim or spec.head_dim)
     w.add_key_length(spec.head_dim)
     w.add_value_length(spec.head_dim)
     w.add_vocab_size(spec.vocab_size)
@@ -134,6 +137,10 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
         w.add_expert_count(spec.moe.experts)
         w.add_expert_used_count(spec.moe.top_k)
         w.add_expert_feed_forward_length(spec.moe.width)
+        if spec.moe.shared_width:
+            w.add_expert_shared_feed_forward_length(spec.moe.shared_width)
+    if spec.family.linear:
+        qwen35.write_metadata(w, spec, model_dir)
     _write_tokenizer(w, spec, model_dir)
 
 

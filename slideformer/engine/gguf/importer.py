@@ -1,7 +1,8 @@
 """GGUF file -> Hugging Face folder (bf16 safetensors, config.json, tokenizer, chat template).
 
 The weights are dequantised and written one tensor at a time (peak memory: one tensor in fp32
-and its bf16 copy), with llama.cpp's Q/K row order undone (:mod:`slideformer.engine.gguf.names`).
+and its bf16 copy), with what llama.cpp's converter did to them undone
+(:mod:`slideformer.engine.gguf.transforms`: Q/K row order, norm offsets, Qwen3.5's DeltaNet).
 """
 from __future__ import annotations
 
@@ -14,12 +15,13 @@ import numpy as np
 import torch
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.gguf import metadata
-from slideformer.engine.gguf.names import (GGUF_ARCHS, from_gguf_order, model_type_of, norm_shift, qk_heads,
-                                          tensor_names)
+from slideformer.engine.gguf import metadata, qwen35
+from slideformer.engine.gguf.names import GGUF_ARCHS, model_type_of, tensor_names
 from slideformer.engine.gguf.reader import GGUFFile
 from slideformer.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
-from slideformer.engine.models.spec import SUPPORTED, ModelSpec, spec_from_config
+from slideformer.engine.gguf.transforms import from_gguf, gguf_shape
+from slideformer.engine.models.families.base import Moe
+from slideformer.engine.models.spec import FAMILIES, SUPPORTED, ModelSpec, spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config
 from slideformer.engine.models.tokenizer import compile_template
 from slideformer.engine.models.weights import (hf_name, item_layout, item_names, publish_dir, staging_dir,
@@ -64,15 +66,17 @@ def _rope_scaling(g: GGUFFile, arch: str) -> dict | None:
 def gguf_config(g: GGUFFile) -> dict:
     """The config.json of the model in a GGUF file."""
     arch, family = _family(g)
+    fam = FAMILIES[family]
     need = lambda key: _required(g, f"{arch}.{key}")  # noqa: E731
     number = lambda key, kind, default=None: metadata.value(g, f"{arch}.{key}", kind, default)  # noqa: E731
     hidden, heads = need("embedding_length"), need("attention.head_count")
     vocab = _vocab_rows(g, arch)
     key_length, rope_dims = number("attention.key_length", int), number("rope.dimension_count", int)
-    head_dim = key_length or rope_dims
-    shape = TinyShape(layers=need("block_count"), hidden=hidden, heads=heads,
+    head_dim = key_length or (hidden // heads if fam.linear else rope_dims)  # partial RoPE
+    ffn = number("feed_forward_length", int) if fam.moe else need("feed_forward_length")
+    shape = TinyShape(layers=_layers(g, arch), hidden=hidden, heads=heads,
                       kv_heads=number("attention.head_count_kv", int, heads),
-                      intermediate=need("feed_forward_length"), vocab=vocab,
+                      intermediate=ffn or need("expert_feed_forward_length"), vocab=vocab,
                       head_dim=head_dim if head_dim and head_dim != hidden // heads else None,
                       tie="output.weight" not in g.tensors,
                       max_positions=number("context_length", int, 4096))
@@ -87,14 +91,41 @@ def gguf_config(g: GGUFFile) -> dict:
         cfg["rope_scaling"] = rs
     if family == "gemma3_text":
         cfg.update(_gemma3(g, arch, shape))
-    if family == "qwen3_moe":  # llama.cpp renormalises the top-k routing weights
-        cfg.update(num_experts=need("expert_count"), num_experts_per_tok=need("expert_used_count"),
-                   moe_intermediate_size=need("expert_feed_forward_length"), norm_topk_prob=True)
+    if fam.linear:  # Qwen3.5: the RoPE base goes into rope_parameters
+        cfg.update(qwen35.config(g, arch, shape.layers, shape.head_dim or hidden // heads,
+                                 cfg.pop("rope_theta")))
+    if fam.moe is not None:
+        cfg.update(_experts(g, arch, fam.moe, shape.intermediate))
     for key, gkey in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         if (token := metadata.value(g, f"tokenizer.ggml.{gkey}", int)) is not None:
             cfg[key] = token
     return cfg
+
+
+def _experts(g: GGUFFile, arch: str, moe: Moe, dense: int) -> dict:
+    """The experts' config keys. llama.cpp always renormalises the top-k routing weights
+    (Qwen3-MoE's ``norm_topk_prob``); a shared expert's width defaults to the dense one."""
+    need = lambda key: _required(g, f"{arch}.{key}")  # noqa: E731
+    out = {"num_experts": need("expert_count"), "num_experts_per_tok": need("expert_used_count"),
+           "moe_intermediate_size": need("expert_feed_forward_length")}
+    if isinstance(moe.renormalise, str):
+        out[moe.renormalise] = True
+    if moe.shared is not None:
+        out["shared_expert_intermediate_size"] = metadata.value(
+            g, f"{arch}.expert_shared_feed_forward_length", int) or dense
+    return out
+
+
+def _layers(g: GGUFFile, arch: str) -> int:
+    """The decoder layers: ``block_count`` less the multi-token-prediction block llama.cpp's
+    converter appends (``nextn_predict_layers``), which import leaves out."""
+    layers = _required(g, f"{arch}.block_count")
+    nextn = metadata.value(g, f"{arch}.nextn_predict_layers", int, 0)
+    if not 0 <= nextn < layers:
+        raise UserError(g.path, f"has '{arch}.nextn_predict_layers' = {nextn} of its {layers} "
+                        "blocks", "use a consistent GGUF file")
+    return layers - nextn
 
 
 def _vocab_rows(g: GGUFFile, arch: str) -> int:
@@ -228,9 +259,9 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
     cfg, names, tok_meta = spec.raw_config, tensor_names(spec), _tokenizer_meta(g)
     tok = build_tokenizer(tok_meta, g.path)  # before the weights: a bad tokenizer fails fast
     _check_special_tokens(g, tok, tok_meta)
-    stored = _stored_names(spec)  # stacked experts: one checkpoint tensor per expert
-    shapes = [(name, g.shape(gg)[1:] if len(stored[hf]) > 1 else g.shape(gg))
-              for hf, gg in names.items() for name in stored[hf]]
+    stored, layout = _stored_names(spec), _layout_shapes(spec)  # stacked experts: one
+    shapes = [(name, layout[hf][1:] if len(stored[hf]) > 1 else layout[hf])  # tensor per expert
+              for hf in names for name in stored[hf]]
 
     def tensors():
         for i, (hf, gg) in enumerate(names.items()):
@@ -238,11 +269,12 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
             if not np.isfinite(w).all():
                 raise UserError(g.path, f"tensor '{gg}' holds NaN or infinite values",
                                 "use another GGUF file of the model: these weights are corrupt")
-            if (heads := qk_heads(spec, hf)) is not None:
-                w = from_gguf_order(w, heads)
-            if shift := norm_shift(spec, hf):
-                w = w - shift
-            t = torch.from_numpy(w)
+            w = from_gguf(spec, hf, w)
+            if not np.isfinite(w).all():  # ssm_a = -exp(A_log) is negative
+                raise UserError(g.path, f"tensor '{gg}' holds values that no {hf} converts "
+                                "to", "use another GGUF file of the model: these weights are "
+                                "corrupt")
+            t = torch.from_numpy(np.ascontiguousarray(w))
             yield from (t if len(stored[hf]) > 1 else [t])
             if progress is not None:
                 progress(i + 1, len(names))
@@ -261,24 +293,40 @@ def import_gguf(path: Path | str, out: Path | str, max_shard_bytes: int = 5 << 3
     return publish_dir(tmp, out)
 
 
+def _block(tensor: str) -> int | None:
+    """N of a tensor ``blk.N.*``, else None."""
+    parts = tensor.split(".")
+    return int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdecimal() \
+        else None
+
+
 def _stored_names(spec) -> dict[str, list[str]]:
     """Engine tensor name (as :func:`tensor_names` keys them) -> its checkpoint names."""
     return {hf_name(item, local): stored_as(spec, item, local) for item in item_names(spec)
             for local in item_layout(spec, item).names()}
 
 
-def _check_tensors(g: GGUFFile, spec, names: dict[str, str]) -> None:
-    """Every tensor the model needs is in the file with its shape, and nothing else is."""
-    want = {hf_name(item, n): shape for item in item_names(spec)
+def _layout_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """Engine tensor name -> its shape in the engine (stacked experts: all of them)."""
+    return {hf_name(item, n): tuple(shape) for item in item_names(spec)
             for n, _, shape in item_layout(spec, item).entries}
+
+
+def _check_tensors(g: GGUFFile, spec, names: dict[str, str]) -> None:
+    """Every tensor the model needs is in the file with its shape, and nothing else is but
+    the multi-token-prediction block after the layers (llama.cpp's nextn layers)."""
+    layout = _layout_shapes(spec)
     for hf, gg in names.items():
+        want = gguf_shape(hf, layout[hf])
         if gg not in g.tensors:
             raise UserError(g.path, f"has no tensor '{gg}' (the model's {hf})",
                             "use a complete GGUF file of a supported family")
-        if g.shape(gg) != tuple(want[hf]):
+        if g.shape(gg) != want:
             raise UserError(g.path, f"tensor '{gg}' has shape {list(g.shape(gg))}, its "
-                                    f"metadata implies {list(want[hf])}", "use a consistent GGUF file")
-    extra = sorted(set(g.tensors) - set(names.values()))
+                                    f"metadata implies {list(want)}", "use a consistent GGUF file")
+    blocks = metadata.value(g, f"{spec.family.gguf}.block_count", int)
+    extra = sorted(t for t in set(g.tensors) - set(names.values())
+                   if _block(t) not in range(spec.num_layers, blocks))
     if extra:
         raise UserError(g.path, f"has tensors a {spec.model_type} model does not use: "
                                 f"{', '.join(extra[:5])}", "use a GGUF of a supported family")

@@ -11,7 +11,7 @@ ggml dimension).
 
 Two things the base model's conversion changes are carried over:
 
-- llama's q and k rows are reordered in GGUF (:func:`~slideformer.engine.gguf.names.to_gguf_order`,
+- llama's q and k rows are reordered in GGUF (:func:`~slideformer.engine.gguf.transforms.to_gguf_order`,
   a row permutation ``P``): ``P (B A) = (P B) A``, so only ``B``'s rows are reordered;
 - rsLoRA scales by ``alpha / sqrt(r)``: ``alpha * sqrt(r)`` is written, which llama.cpp's
   ``alpha / r`` turns back into the trained scale.
@@ -31,8 +31,9 @@ import numpy as np
 from slideformer.engine.errors import UserError
 from slideformer.engine.generate.adapter import Adapter, read_adapter
 from slideformer.engine.gguf.exporter import TYPES, convert, tensor_type
-from slideformer.engine.gguf.names import arch_name, qk_heads, tensor_names, to_gguf_order
-from slideformer.engine.models.lora import PROJECTIONS, LoraSpec
+from slideformer.engine.gguf.names import arch_name, tensor_names
+from slideformer.engine.gguf.transforms import qk_heads, to_gguf_order
+from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, layer_targets
 from slideformer.engine.models.weights import hf_name
 
 
@@ -80,7 +81,7 @@ def _pairs(adapter: Adapter) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """GGUF base tensor name -> (A, B) in llama.cpp's layout, fp32, layer order."""
     spec, names, out = adapter.spec, tensor_names(adapter.spec), {}
     for i in range(spec.num_layers):
-        for t in adapter.lora.targets:
+        for t in layer_targets(spec, adapter.lora, i):
             hf = hf_name(f"layer{i}", PROJECTIONS[t] + ".weight")
             if hf not in names:
                 raise UserError(adapter.folder, f"adapts {hf}, which a {spec.model_type} GGUF "

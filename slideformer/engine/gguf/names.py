@@ -1,17 +1,12 @@
-"""Family <-> GGUF architecture, tensor names, and llama.cpp's Q/K row order.
+"""Family <-> GGUF architecture, and GGUF tensor names.
 
 Tensor names come from the ``gguf`` package's own map (``gguf.get_tensor_name_map``), queried
-with the Hugging Face names of the engine's layouts, so no name table is kept here.
-
-llama.cpp computes Llama-style RoPE on interleaved pairs (dims 2i, 2i+1) while Hugging Face
-rotates halves (dims i, i + d/2). Its converter therefore reorders the rows of every head of
-the q and k projections (weights and biases) of the ``llama`` architecture; Qwen2 and Qwen3 use
-the "neox" (halves) RoPE in llama.cpp and are stored unchanged.
+with the Hugging Face names of the engine's layouts, so no name table is kept here. What the
+converter does to the values is :mod:`slideformer.engine.gguf.transforms`.
 """
 from __future__ import annotations
 
 import gguf
-import numpy as np
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.models.families import FAMILIES
@@ -24,7 +19,9 @@ from slideformer.engine.models.weights import hf_name, item_layout, item_names
 ARCH = {mt: gguf.MODEL_ARCH[f.gguf.upper()] for mt, f in FAMILIES.items() if f.gguf}
 GGUF_ARCHS = {gguf.MODEL_ARCH_NAMES[a]: a for a in ARCH.values()}
 """GGUF architecture name ("llama", "qwen2", "gemma3", ...) -> MODEL_ARCH."""
-PERMUTED_ARCHS = ("llama",)
+RENAMED = {"linear_attn.dt_bias": "linear_attn.dt_proj.bias"}
+"""Layout names llama.cpp's converter renames before it maps them (Qwen3.5's ``dt_bias`` is
+stored as the bias of a ``dt_proj``: ``ssm_dt.bias``)."""
 
 
 def arch_name(model_type: str) -> str:
@@ -41,12 +38,6 @@ def model_type_of(arch: str) -> str:
     return next(mt for mt, a in ARCH.items() if gguf.MODEL_ARCH_NAMES[a] == arch)
 
 
-def norm_shift(spec: ModelSpec, hf: str) -> float:
-    """What llama.cpp's converter adds to tensor ``hf`` (Gemma's norms: weight - 1 is stored
-    in Hugging Face checkpoints, the full scale in GGUF)."""
-    return spec.family.norm_offset if hf.endswith("norm.weight") else 0.0
-
-
 def tensor_names(spec: ModelSpec) -> dict[str, str]:
     """Hugging Face checkpoint name -> GGUF tensor name, for every tensor of ``spec``."""
     arch_name(spec.model_type)  # a family without a GGUF conversion: one clear message
@@ -54,30 +45,11 @@ def tensor_names(spec: ModelSpec) -> dict[str, str]:
     out = {}
     for item in item_names(spec):
         for local in item_layout(spec, item).names():
-            hf = hf_name(item, local)
-            base, suffix = hf.rsplit(".", 1)
-            out[hf] = f"{name_map.get_name(base)}.{suffix}"
+            asked = hf_name(item, RENAMED.get(local, local))
+            name = name_map.get_name(asked, try_suffixes=(".weight", ".bias"))
+            if name is None:  # a family whose layout the gguf package does not map
+                raise ValueError(f"gguf has no {spec.family.gguf} tensor for {asked}")
+            out[hf_name(item, local)] = name
     if spec.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
-
-
-def qk_heads(spec: ModelSpec, hf: str) -> int | None:
-    """Heads whose rows llama.cpp reorders in tensor ``hf`` (None: stored unchanged)."""
-    if arch_name(spec.model_type) not in PERMUTED_ARCHS:
-        return None
-    if ".self_attn.q_proj." in hf:
-        return spec.num_heads
-    if ".self_attn.k_proj." in hf:
-        return spec.num_kv_heads
-    return None
-
-
-def to_gguf_order(w: np.ndarray, heads: int) -> np.ndarray:
-    """Rows of each head from halves order (HF) to interleaved pairs (llama.cpp)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def from_gguf_order(w: np.ndarray, heads: int) -> np.ndarray:
-    """Inverse of :func:`to_gguf_order`."""
-    return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

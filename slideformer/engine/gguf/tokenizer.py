@@ -19,10 +19,12 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from slideformer.engine.errors import UserError
 
 # Split patterns of the original tokenizers (Llama 3 uses tiktoken's cl100k pattern; Qwen2
-# the same with single digits).
+# the same with single digits; Qwen3.5 Qwen2's with combining marks (\p{M}) kept with letters).
 _LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
            r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN35 = _QWEN2.replace(r"]?\p{L}+", r"]?[\p{L}\p{M}]+").replace(
+    r" ?[^\s\p{L}\p{N}]+", r" ?[^\s\p{L}\p{M}\p{N}]+")
 
 
 def _split_then_bytes(pattern: str):
@@ -37,6 +39,7 @@ PRE_TOKENIZERS = {
                                                pre_tokenizers.ByteLevel(add_prefix_space=False)]),
     "llama-bpe": lambda: _split_then_bytes(_LLAMA3),
     "qwen2": lambda: _split_then_bytes(_QWEN2),
+    "qwen35": lambda: _split_then_bytes(_QWEN35),
 }
 """llama.cpp pre-tokenizer name -> the tokenizers pre-tokenizer it stands for."""
 # "gpt2": the name this exporter wrote before llama.cpp was checked (llama.cpp says "gpt-2")

@@ -1,6 +1,7 @@
 """The GGUF files we write, loaded by llama.cpp itself (llama-cpp-python): the same token ids as
-our tokenizer and the same logits as transformers, for every family llama.cpp has, and a LoRA
-adapter GGUF applied by llama.cpp equals the merged model.
+our tokenizer and the same logits as transformers, for every family llama.cpp has; for Qwen3.5
+the same greedy tokens from an f16 file as transformers from the folder; and a LoRA adapter GGUF
+applied by llama.cpp equals the merged model.
 
 llama-cpp-python builds llama.cpp from source (minutes), so it is not a test dependency: these
 tests skip where it is not installed.
@@ -19,13 +20,23 @@ from slideformer.engine.gguf.lora_adapter import export_lora_gguf  # noqa: E402
 from slideformer.engine.models.lora import LoraSpec  # noqa: E402
 from slideformer.engine.models.tiny import TinyShape  # noqa: E402
 from slideformer.engine.models.tokenizer import load_tokenizer  # noqa: E402
+from tests.engine.gguf.test_gguf import QWEN35  # noqa: E402
 from tests.engine.gguf.test_gguf_lora import TARGETS, merged_folder, write_peft_adapter  # noqa: E402
+from tests.engine.gguf.test_gguf_qwen35 import MARKS, qwen35_tokenizer_folder  # noqa: E402
 
 TEXT = "hello world, this is a test 123 of the tokenizer"
-FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text"]
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "qwen3_5_text",
+            "qwen3_5_moe_text"]
 GEMMA3 = {"layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 8,
           "query_pre_attn_scalar": 16}
 """A Gemma 3 as llama.cpp computes one: every sixth layer global, scores by head_dim ** -0.5."""
+MODELS = {"gemma3_text": (TinyShape(layers=6), GEMMA3), "qwen3_5_text": (TinyShape(), QWEN35),
+          "qwen3_5_moe_text": (TinyShape(), QWEN35)}
+"""Families whose tiny model is shaped for llama.cpp: (shape, config.json keys over it)."""
+GREEDY = 32
+"""Greedy tokens compared. The smallest gap between transformers' two best logits on these
+models is 1.1e-3 (Qwen3.5) and 8.1e-3 (MoE), of logits up to 0.84; llama.cpp's f16 logits are
+within 4.7e-4 of transformers' (measured)."""
 TOL = 2e-3
 """llama.cpp's logits against transformers' (fp32 weights), relative to the largest logit:
 measured 3e-4 to 1e-3 on these models (its KV cache is f16)."""
@@ -47,9 +58,7 @@ def hf_logits(folder, ids: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_llama_cpp_reads_our_gguf_as_transformers_reads_the_folder(arch, tiny_model_factory,
                                                                    tmp_path):
-    gemma = arch == "gemma3_text"
-    folder = tiny_model_factory(arch, TinyShape(layers=6) if gemma else TinyShape(),
-                                GEMMA3 if gemma else None, seed=2)
+    folder = tiny_model_factory(arch, *MODELS.get(arch, (TinyShape(), None)), seed=2)
     out = export_gguf(folder, tmp_path / "m.gguf", "f32")
     tok = load_tokenizer(folder)
     ids = tok.tok.encode(TEXT, add_special_tokens=True).ids
@@ -58,6 +67,36 @@ def test_llama_cpp_reads_our_gguf_as_transformers_reads_the_folder(arch, tiny_mo
                         special=False) == ids
     got, ref = llama_logits(out, ids), hf_logits(folder, ids)
     assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text"])
+def test_llama_cpp_greedy_tokens_equal_transformers(arch, tiny_model_factory, tmp_path):
+    folder = tiny_model_factory(arch, *MODELS[arch], seed=2)
+    out = export_gguf(folder, tmp_path / "m.gguf", "f16")
+    ids = load_tokenizer(folder).tok.encode(TEXT, add_special_tokens=True).ids
+    llm = llama_cpp.Llama(model_path=str(out), logits_all=True, verbose=False, n_ctx=128,
+                          n_threads=2)
+    llm.eval(ids)
+    got = []  # one token at a time: the DeltaNet state and the KV cache carry the context
+    for _ in range(GREEDY):
+        got.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(got[-1:])
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    ref = list(ids)
+    with torch.no_grad():  # the whole sequence every step, no cache
+        for _ in range(GREEDY):
+            ref.append(int(model(torch.tensor([ref])).logits[0, -1].argmax()))
+    assert got == ref[len(ids):]
+
+
+def test_llama_cpp_reads_the_qwen35_pre_tokenizer(tiny_model_factory, tmp_path):
+    src = tiny_model_factory("qwen3_5_text", *MODELS["qwen3_5_text"], seed=2)
+    folder = qwen35_tokenizer_folder(src, tmp_path / "src")
+    llm = llama_cpp.Llama(model_path=str(export_gguf(folder, tmp_path / "m.gguf", "f32")),
+                          vocab_only=True, verbose=False)  # an unknown name fails to load
+    for text in (TEXT, MARKS):
+        assert llm.tokenize(text.encode(), add_bos=False, special=False) == \
+            load_tokenizer(folder).tok.encode(text, add_special_tokens=False).ids
 
 
 def test_a_gemma3_llama_cpp_would_compute_otherwise_is_refused(tiny_model_factory, tmp_path):

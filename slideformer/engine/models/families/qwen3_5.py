@@ -64,4 +64,4 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
 
 FAMILY = Family(
     "qwen3_5_text", "Qwen3_5ForCausalLM", "Qwen3.5", qk_norm="head", norm_offset=1.0,
-    attn_gate=True, linear=True, configure=configure)
+    attn_gate=True, linear=True, configure=configure, gguf="qwen35")

@@ -19,4 +19,4 @@ FAMILY = Family(
     attn_gate=True, linear=True, configure=qwen3_5.configure,
     moe=Moe("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj",
             ("num_experts",), "moe_intermediate_size", renormalise=True,
-            shared="mlp.shared_expert"))
+            shared="mlp.shared_expert"), gguf="qwen35moe")
