@@ -14,13 +14,16 @@ are the engine's promise:
   stores :func:`model_roots` names.
 - **GGUF and Ollama**: :func:`gguf_export_path` (where ``slideformer export-gguf`` writes),
   :func:`send_to_ollama` (``ollama create`` from an exported GGUF, or how to do it by hand).
-- **Data**: :func:`analyse_data` (``slideformer data inspect``, the Data page).
+- **Data**: :func:`analyse_data` (``slideformer data inspect``, the Data page); preference
+  pairs and GRPO's prompts (``data inspect --pairs`` / ``--prompts``): :func:`records_kind`,
+  :func:`describe_pairs`, :func:`describe_prompts`.
 - **Runs**: :class:`RunClient` starts, follows, pauses, resumes and stops a run through its
   folder, whoever started it; the event dataclasses are what its ``events.jsonl`` holds.
 - **Errors**: :class:`UserError`, one message for people (what, where, how to fix).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,10 @@ from slideformer.engine.data import DataStats, Sample
 from slideformer.engine.data.preview import Preview
 from slideformer.engine.data.commands import sample_counts
 from slideformer.engine.data.analysis import DataAnalysis, analyse_data
-from slideformer.engine.data.formats import FORMATS
+from slideformer.engine.data.formats import FORMATS, PREFERENCE_KEYS
+from slideformer.engine.data.preference import PairReport
+from slideformer.engine.data.preference import describe_pairs as _describe_pairs
+from slideformer.engine.data.records import RecordReader, source_files
 from slideformer.engine.errors import UserError
 from slideformer.engine.gguf.commands import default_out as gguf_export_path
 from slideformer.engine.gguf.installed import SMOLLM2_INSTALL, smollm2_gguf
@@ -88,7 +94,8 @@ __all__ = [
     "GGUF_EXPORT_TYPES", "SMOLLM2_INSTALL", "gguf_export_path", "smollm2_gguf",
     "OllamaResult", "ollama_model_name", "send_to_ollama",
     # data
-    "FORMATS", "DataAnalysis", "DataStats", "Preview", "Sample", "analyse_data", "sample_counts",
+    "FORMATS", "DataAnalysis", "DataStats", "PairReport", "Preview", "PromptReport", "Sample",
+    "analyse_data", "describe_pairs", "describe_prompts", "records_kind", "sample_counts",
     "write_task",
     # runs
     "CONFIG_FILE", "EVENTS_FILE", "LOG_FILE", "TERMINAL_STATES", "EventReader", "RunClient",
@@ -159,3 +166,71 @@ def plan_for_config(cfg: RunConfig, hardware: HardwareProfile | str = "this") ->
     if not cfg.model.path:
         raise UserError("model.path", "is missing", "choose a model folder (with config.json)")
     return plan_run(cfg, load_spec(cfg.model.path), hardware=hardware)
+
+
+# ---- data ----------------------------------------------------------------------------------------
+_REPLY_KEYS = ("completion", "response", "output", "text", "messages")
+"""Fields that make a record with a prompt and an answer something other than GRPO's prompt (as
+slideformer.engine.data.formats refuses it)."""
+
+
+def records_kind(cfg: DataConfig) -> str:
+    """Which reader shows ``cfg.train``, from its first record: ``"pairs"`` (TRL's prompt,
+    chosen, rejected: :func:`describe_pairs`), ``"prompts"`` (a prompt and its answer:
+    :func:`describe_prompts`), or ``"sft"`` (:func:`analyse_data`, which refuses what it does
+    not read with its own message). The first two are the records supervised fine-tuning
+    refuses as preference pairs and as GRPO's prompts.
+
+    Raises:
+        UserError: the file is missing, empty or its first record unreadable.
+    """
+    first = next(iter(RecordReader(source_files(cfg.train), 1)))
+    v = first.value
+    if not isinstance(v, dict):
+        return "sft"
+    if any(v.get(k) is not None for k in PREFERENCE_KEYS):
+        return "pairs"
+    if v.get("prompt") is not None and v.get("answer") is not None \
+            and not any(k in v for k in _REPLY_KEYS):
+        return "prompts"
+    return "sft"
+
+
+def describe_pairs(cfg: DataConfig, model_path: Path | str, samples: int = 3) -> PairReport:
+    """``data inspect --pairs``: ``cfg.train``'s preference pairs as train.objective dpo, orpo
+    and simpo read them (counts, and the first ``samples`` pairs with their responses marked).
+
+    Raises:
+        UserError: naming the first bad record (file:line), the problem and the fix.
+    """
+    return _describe_pairs(cfg, load_tokenizer(model_path), samples)
+
+
+@dataclass(frozen=True)
+class PromptReport:
+    """``data inspect --prompts``: GRPO's prompts, counted, and the first few."""
+
+    prompts: int
+    with_answer: int
+    """Prompts with an answer for the answer check."""
+    mean_tokens: float
+    """Mean tokens of a prompt as the model reads it."""
+    max_tokens: int
+    samples: list
+    """The first prompts (slideformer.engine.train.grpo.Prompt: ``text`` rendered with the chat
+    template as the model continues from it, ``ids``, ``answer``, ``where``)."""
+
+
+def describe_prompts(cfg: DataConfig, model_path: Path | str, samples: int = 3) -> PromptReport:
+    """``data inspect --prompts``: ``cfg.train``'s prompts as train.objective grpo reads them.
+
+    Raises:
+        UserError: naming the first bad record (file:line), the problem and the fix.
+    """
+    from slideformer.engine.data.chat import ChatRenderer
+    from slideformer.engine.train.grpo import read_prompts
+    tok = load_tokenizer(model_path)
+    prompts = read_prompts(cfg, tok, ChatRenderer(tok, cfg.chat_template, cfg.enable_thinking))
+    lengths = [len(p.ids) for p in prompts]
+    return PromptReport(len(prompts), sum(p.answer is not None for p in prompts),
+                        sum(lengths) / len(lengths), max(lengths), prompts[:samples])

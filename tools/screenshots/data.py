@@ -1,9 +1,11 @@
-"""Render the Data page with a tool-calling conversation and with a refused preference file.
+"""Render the Data page with a tool-calling conversation, preference pairs, GRPO's prompts and a
+refused pair.
 
     xvfb-run -s "-screen 0 1366x768x24" python -m tools.screenshots.data --out docs/screenshots
 
-Writes data-tools.png and data-refused.png: a real X window (xcb) filling a 1366x768 screen,
-the Monitor beside the page, on throw-away settings and data folders, with the demo model.
+Writes data-tools.png, data-pairs.png, data-prompts.png and data-refused.png: a real X window
+(xcb) filling a 1366x768 screen, the Monitor beside the page, on throw-away settings and data
+folders, with the demo model.
 """
 from __future__ import annotations
 
@@ -37,10 +39,28 @@ def tool_records(n: int = 40) -> list[dict]:
     return out
 
 
-def preference_records() -> list[dict]:
-    """A DPO file as preference-training tools publish them."""
-    return [{"prompt": "Name a prime.", "chosen": "7", "rejected": "8"},
-            {"prompt": "2 + 2?", "chosen": "4", "rejected": "5"}]
+CAPITALS = [("France", "Paris", "Lyon"), ("Japan", "Tokyo", "Osaka"), ("Peru", "Lima", "Cusco"),
+            ("Norway", "Oslo", "Bergen"), ("Canada", "Ottawa", "Toronto")]
+
+
+def pair_records(n: int = 40) -> list[dict]:
+    """Conversational preference pairs as TRL writes them (one assistant message a reply)."""
+    out = []
+    for i in range(n):
+        country, right, wrong = CAPITALS[i % len(CAPITALS)]
+        out.append({"prompt": [{"role": "user", "content": f"What is the capital of {country}?"}],
+                    "chosen": [{"role": "assistant", "content": f"{right} is the capital of "
+                                                                f"{country}."}],
+                    "rejected": [{"role": "assistant", "content": f"I think it is {wrong}."}]})
+    return out
+
+
+def prompt_records(n: int = 40) -> list[dict]:
+    """GRPO's prompts: a sum to work out, and its answer for the answer check."""
+    system = "Work it out, then give the number alone on the last line."
+    return [{"prompt": [{"role": "system", "content": system},
+                        {"role": "user", "content": f"What is {7 * i + 3} + {5 * i + 9}?"}],
+             "answer": str(12 * i + 12)} for i in range(n)]
 
 
 def _write(path: Path, records: list[dict]) -> str:
@@ -55,7 +75,9 @@ def render(out: Path) -> list[Path]:
         window.show()
         ctx = window.ctx
         window.model_page.load(ensure_demo_model(ctx.demo_model_dir))
-        wait_until(lambda: ctx.model_path is not None)
+        suggest = window.pages["Train"].settings.suggest_button
+        # the Train page's first suggestion sets the sequence length: the pictures come after
+        wait_until(lambda: ctx.model_path is not None and suggest.isEnabled(), 60000)
         page = window.pages["Data"]
         window.show_page("Data")
         page.template.setCurrentIndex(page.template.findData("chatml"))
@@ -64,7 +86,16 @@ def render(out: Path) -> list[Path]:
                    60000)
         _scroll_to(page.preview, "It is ")  # the call, its result and the answer in view
         written = [save(window, out / "data-tools.png")]
-        page.set_file(_write(tmp / "dpo-pairs.jsonl", preference_records()))
+        page.template.setCurrentIndex(page.template.findData(""))  # the model's own
+        for name, file, records in (("pairs", "dpo-pairs.jsonl", pair_records()),
+                                    ("prompts", "grpo-prompts.jsonl", prompt_records())):
+            page.set_file(_write(tmp / file, records))
+            wait_until(lambda: page.report is not None and page.report.cfg == ctx.data_config,
+                       60000)
+            written.append(save(window, out / f"data-{name}.png"))
+        bad = pair_records(6)
+        bad[2]["rejected"] = bad[2]["chosen"]  # the same reply twice: no preference
+        page.set_file(_write(tmp / "dpo-pairs-bad.jsonl", bad))
         wait_until(lambda: page.status.property("state") == "error", 60000)
         written.append(save(window, out / "data-refused.png"))
         return written

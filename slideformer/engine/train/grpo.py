@@ -52,6 +52,7 @@ import torch
 
 from slideformer.engine.config import DataConfig, GrpoConfig
 from slideformer.engine.data.chat import ChatRenderer
+from slideformer.engine.data.conversation import Conversation
 from slideformer.engine.data.dataset import MicroBatch
 from slideformer.engine.data.records import Record, RecordReader, source_files
 from slideformer.engine.data.stream import same_position
@@ -126,8 +127,9 @@ def _prompt(rec: Record, tok, renderer: ChatRenderer, limit: int) -> Prompt:
     elif isinstance(prompt, list) and prompt and all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) for m in prompt):
-        try:
-            text = tok.render_chat(prompt, add_generation_prompt=True)
+        try:  # the run's template and thinking switch (data.chat_template, enable_thinking)
+            text = renderer.render(Conversation(prompt, (False,) * len(prompt)),
+                                   add_generation_prompt=True)
         except UserError as e:
             raise UserError(rec.where, f"cannot be rendered with the chat template ({e.problem})",
                             "fix the record's messages") from None

@@ -8,6 +8,12 @@ a loss marked. The preview reads only the first records, so it shows within a fr
 whatever the file's size, before the whole file is tokenised (a refused record, too, shows its
 message then). Tokenising fills the same cache the run reads, so Start does not tokenise again.
 The settings here are the run's ``[data]`` section (:meth:`AppContext.set_data_config`).
+
+A file of preference pairs (TRL's prompt, chosen, rejected) or of GRPO's prompts (a prompt and
+its answer), which supervised fine-tuning refuses, is shown as ``slideformer data inspect
+--pairs`` / ``--prompts`` shows it: its counts, and the first pairs with their responses marked
+as trained text is, or the first prompts as the model reads them with their answers. The page
+knows which from the file's first record; the settings that do not apply are hidden.
 """
 from __future__ import annotations
 
@@ -22,10 +28,12 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDoubleSpinBox, QFileDialog
 
 from slideformer.engine.api import FORMATS, DataConfig, Preview
 from slideformer.gui.context import AppContext
-from slideformer.gui.models.formatting import home_relative, human_count, short_path
-from slideformer.gui.pages.data_report import (MASKED_COLOR, AnalysisProgress, DataReport,
-                                               analyse, dropped_file, make_demo_dataset,
-                                               sample_html)
+from slideformer.gui.models.formatting import home_relative, short_path
+from slideformer.gui.pages.data_report import (SUMMARY_ROWS, VIEWS, AnalysisProgress,
+                                               DataReport, PairsReport, PromptsReport, analyse,
+                                               dropped_file, kind_line, make_demo_dataset,
+                                               pairs_html, pairs_summary, prompts_html,
+                                               prompts_summary, sample_html, sft_summary)
 from slideformer.gui.pages.train.settings import narrow
 from slideformer.gui.theme import PLOT_COLORS
 from slideformer.gui.widgets.common import action_row, page_header, set_state, status_label
@@ -48,17 +56,21 @@ class DataPage(QWidget):
     """Dataset file, its [data] settings, and what the engine makes of it."""
 
     analysed = Signal(object)
-    """A :class:`DataReport` for the current settings arrived."""
+    """A report for the current settings arrived: a :class:`DataReport` (SFT data), a
+    :class:`PairsReport` or a :class:`PromptsReport`."""
 
     def __init__(self, ctx: AppContext, parent=None):
         super().__init__(parent)
         self.ctx = ctx
         self.setAcceptDrops(True)
-        self.report: DataReport | None = None
+        self.report: DataReport | PairsReport | PromptsReport | None = None
+        self.kind = "sft"
+        """How the file is read: "sft", "pairs" or "prompts" (records_kind)."""
         self._wanted: DataConfig | None = None
         """The settings being prepared; answers for any other settings are stale."""
         self._progress = AnalysisProgress(self)
         self._progress.changed.connect(self._on_progress)
+        self._progress.read_as.connect(self._on_kind)
         self._progress.previewed.connect(self._on_preview)
         self._debounce = QTimer(self, singleShot=True, interval=DEBOUNCE_MS)
         self._debounce.timeout.connect(self.analyse)
@@ -109,22 +121,21 @@ class DataPage(QWidget):
         """The histogram of record lengths over the preview of the first records."""
         self.histogram = LengthHistogram()
         self.histogram.setMinimumHeight(120)
-        hist_box = QGroupBox("Record lengths")
-        QVBoxLayout(hist_box).addWidget(self.histogram)
+        self.hist_box = QGroupBox("Record lengths")
+        QVBoxLayout(self.hist_box).addWidget(self.histogram)
         self.preview = QTextBrowser()
         self.preview.setOpenLinks(False)
-        legend = QLabel(f'<span style="background-color:#dcfce7; color:#065f46;">&nbsp;trained '
-                        f'(has a loss)&nbsp;</span>&nbsp;&nbsp;<span style="color:{MASKED_COLOR};">'
-                        f'masked (prompt, template)</span>&nbsp;&nbsp;⏎ line break')
-        legend.setObjectName("hint")
-        legend.setWordWrap(True)
-        preview_box = QGroupBox("What the model sees: the first records, templated")
-        pv = QVBoxLayout(preview_box)
-        pv.addWidget(legend)
+        title, legend = VIEWS["sft"]
+        self.legend = QLabel(legend)
+        self.legend.setObjectName("hint")
+        self.legend.setWordWrap(True)
+        self.preview_box = QGroupBox(title)
+        pv = QVBoxLayout(self.preview_box)
+        pv.addWidget(self.legend)
         pv.addWidget(self.preview, 1)
         right = QVBoxLayout()
-        right.addWidget(hist_box, 2)
-        right.addWidget(preview_box, 3)
+        right.addWidget(self.hist_box, 2)
+        right.addWidget(self.preview_box, 3)
         return right
 
     def _build_body(self) -> QHBoxLayout:
@@ -187,7 +198,7 @@ class DataPage(QWidget):
         self.val_file.clicked.connect(self.choose_validation_file)
         self._val_path = ""
 
-        form = QFormLayout()
+        self.form = form = QFormLayout()
         form.addRow("Format", self.format)
         form.addRow("", self.detected)
         form.addRow("Sequence length", self.seq_len)
@@ -209,21 +220,36 @@ class DataPage(QWidget):
         self.packing.toggled.connect(self._settings_edited)
 
     def _build_summary(self) -> None:
-        self.fields: dict[str, QLabel] = {}
+        """As many (name, value) rows as the longest kind of summary has (SUMMARY_ROWS)."""
+        self._rows: list[tuple[QLabel, QLabel]] = []
         grid = QGridLayout()
-        for row, name in enumerate(("Records", "Validation", "Tokens", "Trained tokens",
-                                    "Sequences", "Truncated", "Left out")):
-            label = QLabel(name)
-            value = QLabel("—")
+        for row in range(max(len(names) for names in SUMMARY_ROWS.values())):
+            label = QLabel()
+            value = QLabel()
             value.setTextInteractionFlags(Qt.TextInteractionFlag.TextSelectableByMouse)
             value.setWordWrap(True)
             grid.addWidget(label, row, 0, Qt.AlignmentFlag.AlignTop)
             grid.addWidget(value, row, 1)
-            self.fields[name] = value
+            self._rows.append((label, value))
         grid.setColumnStretch(1, 1)
-        grid.setRowStretch(len(self.fields), 1)
+        grid.setRowStretch(len(self._rows), 1)
         self.summary_box = QGroupBox("Summary")
         self.summary_box.setLayout(grid)
+        self.fields: dict[str, QLabel] = {}
+        """The value label of each row shown, by its name."""
+        self._show_summary(dict.fromkeys(SUMMARY_ROWS["sft"], "—"))
+
+    def _show_summary(self, rows: dict[str, str]) -> None:
+        """Show ``rows`` (name: value) in the Summary; the rows left over are hidden."""
+        items = list(rows.items())
+        self.fields = {}
+        for k, (label, value) in enumerate(self._rows):
+            label.setVisible(k < len(items))
+            value.setVisible(k < len(items))
+            if k < len(items):
+                label.setText(items[k][0])
+                value.setText(items[k][1])
+                self.fields[items[k][0]] = value
 
     def config(self) -> DataConfig:
         """The [data] section the widgets describe."""
@@ -257,11 +283,19 @@ class DataPage(QWidget):
             self.val_fraction.setValue(cfg.val_fraction * 100)
         for w in widgets:
             w.blockSignals(False)
-        self.val_fraction.setVisible(mode == "fraction")
-        self.val_file.setVisible(mode == "file")
+        self._show_rows()
         self.val_file.setText(Path(self._val_path).name if self._val_path else
                               "Choose validation file…")
         self.file_label.setText(short_path(cfg.train) if cfg.train else "")
+
+    def _show_rows(self) -> None:
+        """The settings that apply: all of them to SFT data, the sequence length and the chat
+        template to pairs and prompts; the validation share or file as the mode asks."""
+        sft, mode = self.kind == "sft", self.val_mode.currentData()
+        for w in (self.format, self.train_on, self.packing, self.truncation, self.val_mode):
+            self.form.setRowVisible(w, sft)
+        self.form.setRowVisible(self.val_fraction, sft and mode == "fraction")
+        self.form.setRowVisible(self.val_file, sft and mode == "file")
 
     def _template_choice(self) -> str:
         """data.chat_template from the combo ("" / "chatml" / a path; a file is asked for)."""
@@ -370,9 +404,28 @@ class DataPage(QWidget):
             self.busy.setRange(0, total)
             self.busy.setValue(done)
 
+    @Slot(object, str)
+    def _on_kind(self, cfg: DataConfig, kind: str) -> None:
+        """Lay the page out for SFT data, pairs or prompts (their figures come later)."""
+        if cfg != self._wanted or kind == self.kind:
+            return
+        self.kind = kind
+        self._show_rows()
+        self.hist_box.setVisible(kind == "sft")
+        title, legend = VIEWS[kind]
+        self.preview_box.setTitle(title)
+        self.legend.setText(legend)
+        self.detected.setText(kind_line(kind))
+        self._show_summary(dict.fromkeys(SUMMARY_ROWS[kind], "—"))
+        self.preview.clear()
+
     @Slot(object, object)
-    def _on_preview(self, cfg: DataConfig, shown: Preview) -> None:
+    def _on_preview(self, cfg: DataConfig, shown: Preview | PairsReport | PromptsReport) -> None:
         if cfg != self._wanted:
+            return
+        if isinstance(shown, (PairsReport, PromptsReport)):
+            self.preview.setHtml(pairs_html(shown.found) if isinstance(shown, PairsReport) else
+                                 prompts_html(shown.found))
             return
         detected = "detected" if cfg.format == "auto" else "set"
         self.detected.setText(f"{detected}: {FORMAT_NAMES[shown.format]}")
@@ -381,37 +434,55 @@ class DataPage(QWidget):
             self._show_status("busy", "Tokenising and laying out the data…\n" +
                               "\n".join(shown.warnings))
 
-    def _on_report(self, cfg: DataConfig, report: DataReport) -> None:
+    def _on_report(self, cfg: DataConfig,
+                   report: DataReport | PairsReport | PromptsReport) -> None:
         if cfg != self._wanted:
             return
         self.report = report
-        self._on_preview(cfg, report.preview)
+        if isinstance(report, PairsReport):
+            self._show_pairs(report)
+        elif isinstance(report, PromptsReport):
+            self._show_prompts(report)
+        else:
+            self._show_sft(report)
+        self.analysed.emit(report)
+
+    def _show_sft(self, report: DataReport) -> None:
+        self._on_preview(report.cfg, report.preview)
         s = report.stats
         template = f", chat template: {s.template}" if s.template else ""
-        detected = "detected" if cfg.format == "auto" else "set"
+        detected = "detected" if report.cfg.format == "auto" else "set"
         names = " + ".join(FORMAT_NAMES[f] for f in s.format.split(" + "))
         self.detected.setText(f"{detected}: {names}{template}")
-        self.fields["Records"].setText(f"{s.records:,} read, {s.train_records:,} for training")
-        self.fields["Validation"].setText(f"{s.val_records:,} records" if s.val_records else
-                                          "none")
-        self.fields["Tokens"].setText(f"{s.tokens:,}  ({human_count(s.tokens)})")
-        share = s.trained_tokens / max(1, s.tokens)
-        self.fields["Trained tokens"].setText(f"{s.trained_tokens:,}  ({share:.0%} of tokens); "
-                                              f"{s.dropped_tokens:,} dropped (in no sequence)")
-        self.fields["Sequences"].setText(f"{s.train_sequences:,} × {s.seq_len} tokens, "
-                                         f"{'packed' if s.packing else 'padded'}, "
-                                         f"{s.fill:.0%} filled")
-        cut = f"; {s.split:,} texts cut into blocks" if s.split else ""
-        self.fields["Truncated"].setText(f"{s.truncated:,} records longer than {s.seq_len}{cut}")
-        self.fields["Left out"].setText(f"{s.dropped:,} too long, {s.no_target:,} with nothing "
-                                        f"to train")
+        self._show_summary(sft_summary(s))
         self.histogram.show_stats(s)
         cached = " (from the token cache)" if s.from_cache else ""
         text = f"Ready: {s.records:,} records, {s.tokens:,} tokens{cached}."
         if report.warnings:
             text += "\n" + "\n".join(report.warnings)
         self._show_status("info" if report.warnings else "ok", text)
-        self.analysed.emit(report)
+
+    def _show_pairs(self, report: PairsReport) -> None:
+        found, seq_len = report.found, report.cfg.max_seq_len
+        self.detected.setText(kind_line("pairs", "; chat messages, templated" if found.template
+                                        else "; plain strings, not templated"))
+        self._show_summary(pairs_summary(found, seq_len))
+        self.preview.setHtml(pairs_html(found))
+        cut = (f"\n{found.truncated:,} pairs have a reply longer than the sequence length "
+               f"({seq_len:,} tokens), cut at the limit." if found.truncated else "")
+        self._show_status("info" if cut else "ok", f"Ready: {found.pairs:,} preference pairs, "
+                          f"read as train.objective dpo, orpo and simpo read them.{cut}")
+
+    def _show_prompts(self, report: PromptsReport) -> None:
+        found = report.found
+        self._show_summary(prompts_summary(found, report.cfg.max_seq_len))
+        self.preview.setHtml(prompts_html(found))
+        missing = found.prompts - found.with_answer
+        note = (f"\n{missing:,} of the prompts have no answer: the answer check needs one for "
+                "every prompt, or the run needs a reward file (grpo.reward in its TOML)."
+                if missing else "")
+        self._show_status("info" if missing else "ok", f"Ready: {found.prompts:,} prompts, read "
+                          f"as train.objective grpo reads them.{note}")
 
     def _on_error(self, cfg: DataConfig, message: str) -> None:
         if cfg != self._wanted:
@@ -422,7 +493,7 @@ class DataPage(QWidget):
 
     def _clear_figures(self) -> None:
         """No figures for settings that failed: the last good file's would mislead."""
-        self.detected.setText("")
+        self.detected.setText(kind_line(self.kind))
         for value in self.fields.values():
             value.setText("—")
         self.histogram.clear_stats()

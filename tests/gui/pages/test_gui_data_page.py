@@ -1,5 +1,7 @@
 """The Data page shows the engine's own figures for a dataset, and its errors word for word."""
 import json
+import re
+import threading
 from dataclasses import replace
 
 import pytest
@@ -8,8 +10,12 @@ from PySide6.QtGui import QDropEvent
 
 from slideformer.engine.config import DataConfig
 from slideformer.engine.data import prepare_data, preview
+from slideformer.engine.data.chat import ChatRenderer
+from slideformer.engine.data.preference import describe_pairs
 from slideformer.engine.models.tokenizer import load_tokenizer
+from slideformer.engine.train.grpo import read_prompts
 from slideformer.gui.pages.data import DataPage
+from slideformer.gui.pages.data_report import SAMPLES, PairsReport, PromptsReport
 
 
 @pytest.fixture
@@ -94,16 +100,130 @@ def test_first_records_show_before_tokenising_and_tool_calls_are_marked(qtbot, p
     assert "tokens," in page.preview.toHtml() and "dropped" in page.preview.toHtml()
 
 
-def test_refused_preference_file_shows_the_message_and_no_stale_figures(qtbot, page, tmp_path):
-    from tools.screenshots.data import preference_records
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def plain_pairs(n=6):
+    """Plain-string pairs (TRL's standard format, not templated)."""
+    return [{"prompt": f"Name a prime above {10 * i}.",
+             "chosen": f"{p}: no number but 1 and {p} itself divides it.",
+             "rejected": f"{p + 1}"} for i, p in enumerate((11, 23, 31, 41, 53, 61, 71, 83)[:n])]
+
+
+def test_preference_pairs_show_their_counts_and_marked_responses(qtbot, page, tiny_llama,
+                                                                 tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", plain_pairs())
+    report = analysed(qtbot, page, lambda: page.set_file(str(path)))
+    assert isinstance(report, PairsReport)
+    # what `data inspect --pairs` prints
+    assert report.found == describe_pairs(DataConfig(train=str(path)), load_tokenizer(tiny_llama),
+                                          SAMPLES)
+    assert page.fields["Pairs"].text() == "6"
+    assert page.fields["Prompt"].text() == f"{report.found.prompt_tokens:.1f} tokens on average"
+    assert page.fields["Truncated"].text() == "0 pairs with a reply cut at 1,024 tokens"
+    assert "Records" not in page.fields and page.status.property("state") == "ok"
+    assert "preference pairs" in page.detected.text() and "plain strings" in page.detected.text()
+    assert page.format.isHidden() and page.packing.isHidden()  # SFT's settings
+    assert page.seq_len.isVisible() and page.template.isVisible() and page.hist_box.isHidden()
+    html = page.preview.toHtml()
+    assert "Name a prime above 0." in html and "pair 1 (pairs.jsonl:1): the chosen reply" in html
+    # the response (reply + EOS) on green, the prompt not: as the CLI's [[...]] marks them
+    green = re.findall(r'<span style="[^"]*#dcfce7;[^"]*">([^<]*)</span>', html)
+    assert green[:2] == ["11: no number but 1 and 11 itself divides it.&lt;|im_end|&gt;",
+                         "12&lt;|im_end|&gt;"]
+
+    report = analysed(qtbot, page, lambda: page.seq_len.setValue(24))  # the long replies cut
+    assert report.found.truncated == 6 and page.status.property("state") == "info"
+    assert page.fields["Truncated"].text() == "6 pairs with a reply cut at 24 tokens"
+
+
+def test_sft_data_after_pairs_gets_its_own_settings_and_figures_back(qtbot, page, tmp_path):
+    analysed(qtbot, page, lambda: page.set_file(str(write_jsonl(tmp_path / "p.jsonl",
+                                                                 plain_pairs()))))
+    report = analysed(qtbot, page, lambda: page.set_file(str(alpaca_file(tmp_path / "a.jsonl"))))
+    assert report.stats.records == 60 and page.fields["Records"].text().startswith("60 read")
+    assert page.format.isVisible() and page.hist_box.isVisible()
+    assert "Pairs" not in page.fields and page.detected.text().startswith("detected: Alpaca")
+
+
+def test_grpo_prompts_show_their_count_and_templated_samples(qtbot, page, tiny_llama, tmp_path):
+    from tools.screenshots.data import prompt_records
+    records = prompt_records(9)
+    records[7] = {"prompt": "A plain prompt: 2 + 2 ="}  # no answer: a reward file scores it
+    path = write_jsonl(tmp_path / "prompts.jsonl", records)
+    report = analysed(qtbot, page, lambda: page.set_file(str(path)))
+    assert isinstance(report, PromptsReport)
+    tok = load_tokenizer(tiny_llama)  # what `data inspect --prompts` prints: GRPO's reader
+    cfg = DataConfig(train=str(path))
+    prompts = read_prompts(cfg, tok, ChatRenderer(tok, cfg.chat_template, cfg.enable_thinking))
+    lengths = [len(p.ids) for p in prompts]
+    found = report.found
+    assert (found.prompts, found.with_answer, found.max_tokens) == (9, 8, max(lengths))
+    assert found.mean_tokens == pytest.approx(sum(lengths) / 9)
+    assert found.samples == prompts[:SAMPLES]
+    assert page.fields["Prompts"].text() == "9"
+    assert page.fields["With answers"].text() == "8 (for the answer check)"
+    assert page.fields["Prompt"].text().endswith(f"{report.found.max_tokens} the longest")
+    assert page.status.property("state") == "info" and "1 of the prompts have no answer" in \
+        page.status.text()
+    text = page.preview.toPlainText()
+    first = report.found.samples[0]
+    assert first.text.startswith("<|begin_of_text|>")  # as the model reads it: templated
+    assert "<|im_start|>user⏎" in text and "What is 3 + 9?" in text
+    assert f"prompt 1 (prompts.jsonl:1): {len(first.ids)} tokens" in text
+    assert "answer: 12" in text and "#dbeafe" in page.preview.toHtml()
+
+
+def test_a_bad_pair_shows_its_message_and_no_stale_figures(qtbot, page, tmp_path):
+    analysed(qtbot, page, lambda: page.set_file(str(write_jsonl(tmp_path / "good.jsonl",
+                                                                 plain_pairs()))))
+    records = plain_pairs()
+    records[2]["rejected"] = records[2]["chosen"]
+    page.set_file(str(write_jsonl(tmp_path / "bad.jsonl", records)))
+    qtbot.waitUntil(lambda: page.status.property("state") == "error", timeout=30000)
+    assert page.status.text() == (f"{tmp_path / 'bad.jsonl'}:3: has the same text as 'chosen' "
+                                  "and 'rejected'\n  fix: remove the record: a pair must prefer "
+                                  "one reply to another")
+    assert page.fields["Pairs"].text() == "—" and page.preview.toPlainText() == ""
+    assert page.report is None
+
+
+def test_kto_records_keep_the_sft_readers_message(qtbot, page, tmp_path):
     good = alpaca_file(tmp_path / "alpaca.jsonl")
     analysed(qtbot, page, lambda: page.set_file(str(good)))
-    path = tmp_path / "dpo.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in preference_records()))
+    path = write_jsonl(tmp_path / "kto.jsonl", [
+        {"prompt": "Name a prime.", "completion": "7", "label": True},
+        {"prompt": "Name a prime.", "completion": "8", "label": False}])
     page.set_file(str(path))
     qtbot.waitUntil(lambda: page.status.property("state") == "error", timeout=30000)
-    assert "dpo.jsonl:1" in page.status.text() and "preference data" in page.status.text()
+    assert "kto.jsonl:1" in page.status.text() and 'objective = "kto"' in page.status.text()
     assert page.fields["Records"].text() == "—" and "say 0" not in page.preview.toPlainText()
+
+
+def test_pairs_are_read_off_the_gui_thread_and_the_first_show_at_once(qtbot, page, tmp_path,
+                                                                     monkeypatch):
+    from slideformer.gui.pages import data_report
+    release, threads, real = threading.Event(), [], data_report.describe_pairs
+
+    def held(cfg, model_path, samples):
+        threads.append(threading.current_thread())
+        if cfg.max_samples == 0:  # the whole file (the preview reads SAMPLES records)
+            assert release.wait(30)
+        return real(cfg, model_path, samples)
+
+    monkeypatch.setattr(data_report, "describe_pairs", held)
+    path = write_jsonl(tmp_path / "pairs.jsonl", plain_pairs(8))
+    page.set_file(str(path))  # returns while the worker is held
+    assert page.status.property("state") == "busy" and page.report is None
+    qtbot.waitUntil(lambda: "pair 4" in page.preview.toPlainText(), timeout=30000)
+    assert "pair 5" not in page.preview.toPlainText() and page.report is None
+    assert page.fields["Pairs"].text() == "—"  # the counts wait for the whole file
+    with qtbot.waitSignal(page.analysed, timeout=30000):
+        release.set()
+    assert page.fields["Pairs"].text() == "8"
+    assert threads and threading.main_thread() not in threads
 
 
 def test_histogram_reads_at_any_sequence_length_and_in_the_dark_theme(qtbot, page, ctx, tmp_path):
