@@ -81,7 +81,7 @@ def compare(a) -> dict:
     from slideformer.engine.train.identity_demo import prepare_identity
     root = Path(a.dir)
     root.mkdir(parents=True, exist_ok=True)
-    model = prepare_identity(root).model  # imports the GGUF once
+    prepare_identity(root)  # imports the GGUF once (the runs find it there)
     data = root / "docs.txt"
     chars = write_docs(data)
     runs = {}

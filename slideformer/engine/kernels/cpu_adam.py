@@ -166,6 +166,8 @@ def fused_update_q8(w, rem, g, m, v, runs, lr, b1, b2, eps, wd, step, gscale, ou
     item's (start, end, decay) runs, decay taking ``wd``. In place, or into ``out`` = (w, rem,
     m, v) of the same sizes."""
     from slideformer.engine.runtime.moments8 import BUCKETS, TABLES
+    if (rem is None) != (w.dtype == torch.float32):
+        raise ValueError("fused_update_q8: bf16 weights take a remainder, fp32 ones none")
     ow, orem, om, ov = (w, rem, m, v) if out is None else out
     r = torch.tensor([(s, e, int(d)) for s, e, d in runs], dtype=torch.int64).reshape(-1, 3)
     ptr = (lambda t: 0 if t is None else t.data_ptr())

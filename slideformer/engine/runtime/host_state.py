@@ -219,7 +219,8 @@ def adam_update(item: HostItem, hp: AdamHyper, ws: AdamWorkspace, native: bool |
 
     bf16 weights, and any CPU weights with 8-bit moments, go through the one-pass compiled
     kernel when it is available (``native``: None = when available); everything else, and the
-    reference, through a chunked chain of PyTorch ops (on the tensors' device). ``staged``: the item's disk fields in a tier buffer.
+    reference, through a chunked chain of PyTorch ops (on the tensors' device). ``staged``: the
+    item's disk fields in a tier buffer.
     ``out``: an object with ``w``, ``rem``, ``m``, ``v`` shaped as the item's (RAM fields only):
     the new state goes there and the item's own stays as it was (the speculative updates of
     runtime.grad_ring); the same values as an update in place.

@@ -1,6 +1,6 @@
 """8-bit block-wise AdamW moments (``optim.moments_dtype = "int8"``): the format, its code maps,
 and the PyTorch reference of the compiled kernel's dequantise and requantise
-(slideformer.engine.kernels.cpu_adam; the design note is docs/design/speed.md, "8-bit moments").
+(slideformer.engine.kernels.cpu_adam; the design note is docs/design/speed.md, section 8).
 
 Format: a moment of n values is one ``torch.int8`` tensor of bytes, in blocks of QBLOCK = 256
 values; a block is its 256 one-byte codes, then its fp32 scale (the largest magnitude in the

@@ -183,6 +183,23 @@ def test_a_folder_with_only_config_json_plans(tmp_path, capsys):
     assert data["speed"]["bound"] in data["speed"]["busy"]
 
 
+def test_int8_moments_fit_an_8b_full_fine_tune_in_64_gib(tmp_path, capsys):
+    """8-bit moments: 256 one-byte codes and an fp32 scale per block of each item, 6.03 B/param
+    of host state with the bf16 weights and remainders. Llama-3.1-8B on a 24 GB GPU with 64 GiB
+    of RAM: 100 GiB with fp32 moments, within the budget with int8 ones."""
+    folder = model_folder(tmp_path, "llama-3.1-8b")
+    args = ["plan", "--model", str(folder), "--gpu", "rtx4090", "--ram", "64GiB", "--json"]
+    assert cli.main(args) == 0
+    fp32 = json.loads(capsys.readouterr().out)
+    assert fp32["verdict"] == "does not fit" and fp32["fixes"][0]["name"] == "int8 moments"
+    assert cli.main(args + ["--moments", "int8"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["moments_dtype"] == "int8" and plan["verdict"] in ("fits", "tight")
+    assert plan["peak_rss"] <= 64 * GiB
+    moments = next(a["bytes"] for a in plan["allocations"] if a["purpose"] == "AdamW moments m, v")
+    assert moments == 2 * 8_030_261_248 // 256 * 260  # every item a whole number of blocks here
+
+
 @pytest.mark.parametrize("args,message", [
     (["--vram", "24XB"], "cannot read '24XB' as a size"),
     (["--vram", "-3GiB"], "is negative"),

@@ -6,6 +6,7 @@ import torch
 
 from slideformer.engine.cli import main
 from slideformer.engine.config import LoraConfig, RunConfig, override
+from slideformer.engine.devices import moments_torch_dtype
 from slideformer.engine.models.lora import adapter_layout, lora_spec
 from slideformer.engine.models.spec import load_spec
 from slideformer.engine.models.tiny import TinyShape, make_tiny_model
@@ -78,17 +79,20 @@ def test_frozen_step_is_cheaper_than_full(tmp_path):
     assert lora.speed.tokens_per_s > full.speed.tokens_per_s
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_plan_mirrors_what_the_executor_allocates(tmp_path, method):
-    """The planned slot, base and adapter bytes are the executor's and host state's own."""
+@pytest.mark.parametrize("method,moments", [("lora", "float32"), ("qlora", "float32"),
+                                            ("lora", "int8")])
+def test_plan_mirrors_what_the_executor_allocates(tmp_path, method, moments):
+    """The planned slot, base and adapter bytes are the executor's and host state's own (8-bit
+    moments: whole blocks of codes and scales per adapter item)."""
     d = make_tiny_model(tmp_path / "m", "llama", TinyShape(layers=4))
     spec = load_spec(d)
     cfg = override(RunConfig(), {**CONSUMER, "model.path": str(d), "train.method": method,
-                                 "train.device": "cpu", "budget.nvme_size": "0"})
+                                 "train.device": "cpu", "budget.nvme_size": "0",
+                                 "optim.moments_dtype": moments})
     p = plan_run(cfg, spec, hardware=REFERENCE)
     lora = lora_spec(LoraConfig())
-    host = build_frozen_state(spec, CpuBackend(), torch.float32, torch.float32, lora,
-                              nf4=method == "qlora")
+    host = build_frozen_state(spec, CpuBackend(), torch.float32, moments_torch_dtype(moments),
+                              lora, nf4=method == "qlora")
     ex = SlidingExecutor(spec, CpuBackend(), host, p.exec_shape, torch.float32, lora=lora)
     by = {a.purpose: a.bytes for a in p.allocations}
     slots = sum(s.buf.numel() * s.buf.element_size() for s in ex.pool.slots)
@@ -98,7 +102,11 @@ def test_plan_mirrors_what_the_executor_allocates(tmp_path, method):
     A = spec.num_layers * adapter_layout(spec, lora, 0).numel
     dev = sum(t.numel() * t.element_size() for item in ex.dev.values()
               for t in (item.w, item.m, item.v, item.g))
-    assert by["adapters and their optimizer state"] == dev == A * 16
+    assert by["adapters and their optimizer state"] == dev
+    assert (dev == A * 16) == (moments == "float32")
+    adapters = [it for n, it in host.items() if n.startswith("lora")]
+    assert by["adapters (checkpoint copy)"] == sum(t.numel() * t.element_size() for it in adapters
+                                                   for t in (it.w, it.m, it.v))
     ex.close()
 
 

@@ -177,6 +177,9 @@ RSS_CASES = [
     # bf16 compute (weights + remainders), 3 slots only, longer sequences
     {"data.max_seq_len": 128, "train.micro_batch": 2, "train.grad_accum": 1,
      "train.compute_dtype": "bfloat16", "budget.slots": 3},
+    # 8-bit moments (blocks of codes with their scales), clipping
+    {"data.max_seq_len": 64, "train.micro_batch": 2, "train.grad_accum": 2,
+     "optim.moments_dtype": "int8"},
 ]
 
 

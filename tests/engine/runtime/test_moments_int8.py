@@ -99,7 +99,7 @@ def make_item(n, compute=torch.bfloat16, moments=torch.int8, seed=0):
 def test_kernel_stores_the_bytes_of_the_reference(compute):
     """With beta1 = beta2 = 0 the step's fp32 moments are g and g^2 exactly on both paths, so
     the requantised bytes (codes and scales) must be equal: the C encoder is the reference's."""
-    a, g = make_item(1 << 16, compute)
+    a, _ = make_item(1 << 16, compute)
     b, _ = make_item(1 << 16, compute)
     grad = wide_values(a.numel, 2, True)
     for item in (a, b):

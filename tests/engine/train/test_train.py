@@ -39,7 +39,11 @@ def final_weights(run_dir):
     return load_file(str(run_dir / "final" / "model.safetensors"))
 
 
-def test_interrupted_and_resumed_run_equals_uninterrupted(run_cfg, tmp_path):
+@pytest.mark.parametrize("moments", ["float32", "int8"])
+def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_run, tmp_path, moments):
+    """Bitwise, with fp32 moments and with 8-bit ones (blocks of codes and scales, saved as
+    bytes)."""
+    run_cfg = lambda run_dir: tiny_run(run_dir, {**TRAIN, "optim.moments_dtype": moments}, **TASK)  # noqa: E731
     run_training(run_cfg(tmp_path / "a"))
 
     from slideformer.engine.train.trainer import Trainer
