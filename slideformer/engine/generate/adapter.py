@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import lone_surrogate, read_json
-from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, adaptable
+from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, adaptable, layer_targets
 from slideformer.engine.models.spec import ModelSpec, load_spec
 from slideformer.engine.models.weights import hf_name
 from slideformer.engine.train.lora_export import PEFT_PREFIX
@@ -72,7 +72,7 @@ class Adapter:
     def add_to_layer(self, layer: int, views: dict[str, torch.Tensor]) -> None:
         """Add ``s * B @ A`` to each adapted matrix of a layer (its views, by local name, on
         any device; the sum in fp32, as the merged export computes it)."""
-        for t in self.lora.targets:
+        for t in layer_targets(self.spec, self.lora, layer):
             a, b = self.pair(layer, t)
             w = views[PROJECTIONS[t] + ".weight"]
             w.copy_(w.float() + (self.lora.scaling * (b @ a)).to(w.device))
@@ -112,7 +112,7 @@ def _check_scale(adapter: Adapter) -> None:
     bounds it (checked without the products)."""
     lora = adapter.lora
     for i in range(adapter.spec.num_layers):
-        for t in lora.targets:
+        for t in layer_targets(adapter.spec, lora, i):
             a, b = adapter.pair(i, t)
             bound = lora.scaling * lora.rank * float(a.abs().max()) * float(b.abs().max())
             if bound > MAX_DELTA:
@@ -208,9 +208,8 @@ def _expected(spec: ModelSpec, lora: LoraSpec) -> dict[str, tuple[int, int]]:
     """PEFT name -> shape of every tensor the adapter must hold."""
     want = {}
     for i in range(spec.num_layers):
-        layout = spec.layout(i)
-        for t in (t for t in lora.targets if PROJECTIONS[t] + ".weight" in layout.names()):
-            out, inp = layout.shape(PROJECTIONS[t] + ".weight")
+        for t in layer_targets(spec, lora, i):
+            out, inp = spec.layout(i).shape(PROJECTIONS[t] + ".weight")
             name = PEFT_PREFIX + hf_name(f"layer{i}", PROJECTIONS[t])
             want[f"{name}.lora_A.weight"] = (lora.rank, inp)
             want[f"{name}.lora_B.weight"] = (out, lora.rank)

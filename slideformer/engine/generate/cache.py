@@ -3,8 +3,9 @@
 A layer's keys and values after RoPE are kept for every position seen so far, so each new token
 costs one token's work per layer instead of the whole sequence's. The buffers are allocated at
 the start for the longest sequence the request can reach (prompt + max new tokens): no
-allocation while tokens stream. Per token the cache holds ``2 * layers * kv_heads * head_dim``
-values (SmolLM2-135M: 2 * 30 * 3 * 64 = 11,520, 45 KB in fp32). Sliding layers keep every
+allocation while tokens stream. Per token the cache holds ``2 * kv_heads * head_dim`` values per
+layer (SmolLM2-135M: 2 * 30 * 3 * 64 = 11,520, 45 KB in fp32; ModelSpec.kv_values_per_token),
+each layer with its own head size and KV heads (Gemma 4's full-attention layers differ). Sliding layers keep every
 position too and mask the ones outside their window (simple; a ring of ``window`` positions
 would save memory on long chats). A gated DeltaNet layer (Qwen3.5) keeps no keys: its
 :class:`StateCache` holds the recurrence's state, the same size whatever the length.
@@ -66,9 +67,9 @@ class KVCache:
     def __init__(self, spec: ModelSpec, capacity: int, dtype, device, batch: int = 1):
         self.capacity = capacity
         self.length = 0
-        shape = (batch, spec.num_kv_heads, capacity, spec.head_dim)
         self.layers = [StateCache(spec, batch, device) if spec.is_linear(i) else
-                       LayerCache(self, shape, dtype, device) for i in range(spec.num_layers)]
+                       LayerCache(self, (batch, spec.kv_heads_of(i), capacity, spec.head_dim_of(i)),
+                                  dtype, device) for i in range(spec.num_layers)]
 
     def positions(self, t: int, device) -> torch.Tensor:
         """Positions (1, T) of the next ``t`` tokens."""

@@ -18,7 +18,7 @@ from slideformer.engine.generate.cache import KVCache
 from slideformer.engine.generate.sampling import SamplingConfig, next_token
 from slideformer.engine.models.inputs import LayerInputs
 from slideformer.engine.models.layers import decoder_layer
-from slideformer.engine.models.model import embed, final_norm, head_weight
+from slideformer.engine.models.model import embed, final_norm, head_weight, lm_logits
 from slideformer.engine.models.spec import ModelSpec
 
 
@@ -58,7 +58,7 @@ def forward(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache) -> torc
         x = decoder_layer(spec, p, x, *inp.at(i), cache.layers[i])
     cache.advance(T)
     h = final_norm(spec, head["norm.weight"], x[:, -1])  # (1, H)
-    return (h @ head_weight(spec, head, emb).t())[0].float()
+    return lm_logits(spec, h, head_weight(spec, head, emb))[0].float()
 
 
 def generate(spec: ModelSpec, weights, prompt: list[int], cfg: SamplingConfig,

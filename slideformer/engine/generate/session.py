@@ -115,8 +115,7 @@ class ChatModel:
         return "resident" if need <= RESIDENT_SHARE * free else "streamed"
 
     def _cache_bytes(self, size: int) -> int:
-        s = self.spec
-        return 2 * s.num_layers * s.num_kv_heads * s.head_dim * CACHE_TOKENS * size
+        return self.spec.kv_values_per_token * CACHE_TOKENS * size
 
     def _stop_ids(self) -> set[int]:
         """eos of config.json, generation_config.json and the tokenizer, and the template's

@@ -5,7 +5,8 @@ Layers of one type share them: the full-attention layers one mask (plain causal:
 flash path; packed documents: the document mask), the sliding layers one windowed mask
 (the same as the full layers' while the rows are no longer than the window), and the RoPE
 tables of the global or, for the sliding layers of a family with its own local RoPE (Gemma 3),
-the local frequencies; NoPE layers get no tables. A gated DeltaNet layer (Qwen3.5) has neither:
+the local frequencies, as wide as the layer's heads (Gemma 4's full layers have heads of their
+own); NoPE layers get no tables. A gated DeltaNet layer (Qwen3.5) has neither:
 in the mask's place it gets the rows' document ids (None: one document per row), where its
 recurrence restarts.
 """
@@ -41,11 +42,12 @@ class LayerInputs:
         document ids (packed rows) for the gated DeltaNet layers."""
         from slideformer.engine.models.layers import rope_tables  # layers imports this module
         L = spec.num_layers
-        local = [spec.local_rope is not None and spec.layer_type(i) == SLIDING for i in range(L)]
-        tables = {lo: rope_tables(spec, positions, dtype, lo) for lo in set(local)}
+        rope = [(spec.local_rope is not None and spec.layer_type(i) == SLIDING,
+                 spec.head_dim_of(i)) for i in range(L)]  # (local RoPE, head size) per layer
+        tables = {key: rope_tables(spec, positions, dtype, *key) for key in set(rope)}
         masks = {False: full_mask, True: sliding_mask}
         self.layers = [(None, doc_ids) if spec.layer_type(i) == LINEAR else
-                       (tables[local[i]] if spec.has_rope(i) else None,
+                       (tables[rope[i]] if spec.has_rope(i) else None,
                         masks[spec.layer_type(i) == SLIDING]) for i in range(L)]
 
     @staticmethod

@@ -1,7 +1,8 @@
 """Decoder maths on flat parameter views: RMSNorm, RoPE, attention, gated MLP, one decoder layer.
 
 The layer is Llama's with the differences its family declares (models.families): norm
-placement, q/k norms, NoPE layers, GeGLU, a mixture of experts (models.moe).
+placement, q/k norms, NoPE layers, GeGLU, a mixture of experts (models.moe), Gemma 4's value
+norm, keys as values, experts beside the MLP and layer scalar.
 
 Every function takes the parameter views of :meth:`Layout.views` (a dict keyed by Hugging Face
 names without the ``model.layers.{i}.`` prefix), so the same code runs on a GPU slot, a host
@@ -28,16 +29,18 @@ from slideformer.engine.models.spec import ModelSpec
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
-             out: torch.dtype | None = None, offset: float = 0.0) -> torch.Tensor:
+             out: torch.dtype | None = None, offset: float = 0.0,
+             fp32: bool = False) -> torch.Tensor:
     """y = (offset + w) * x / sqrt(mean(x^2) + eps), the statistics in fp32.
 
     ``out``: the dtype y is used in. None, or x's own: Hugging Face's rounding (the normalised
     value rounded to x's dtype, then scaled by w). Another: the scaling in fp32, rounded once to
     ``out`` (an fp32 stream feeding bf16 matmuls, or fp32 q/k ahead of fp32 RoPE).
     ``offset`` 1 is Gemma's norm (weights stored as w - 1), which scales in fp32 and rounds
-    once whatever ``out`` is, as transformers' Gemma3RMSNorm does.
+    once whatever ``out`` is, as transformers' Gemma3RMSNorm does; ``fp32``: so does the norm
+    without offset (Gemma 4's).
     """
-    if offset:
+    if offset or fp32:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return ((offset + w.float()) * xf).to(out or x.dtype)
@@ -53,18 +56,34 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
 def norm(spec: ModelSpec, p: dict, name: str, x: torch.Tensor,
          out: torch.dtype | None = None) -> torch.Tensor:
     """The family's RMSNorm ``name`` (e.g. "input_layernorm") of x."""
-    return rms_norm(x, p[name + ".weight"], spec.rms_norm_eps, out, spec.family.norm_offset)
+    return rms_norm(x, p[name + ".weight"], spec.rms_norm_eps, out, spec.family.norm_offset,
+                    spec.family.norm_fp32)
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) in fp32, rounded to x's dtype: an RMSNorm without weight
+    (Gemma 4's value norm and router norm)."""
+    xf = x.float()
+    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) in fp32, with linear or llama3 ``scaling`` (a spec's
-    sorted items, or None) applied."""
+    """Inverse frequencies (head_dim/2,) in fp32, with linear, llama3, YaRN or proportional
+    ``scaling`` (a spec's sorted items, or None) applied."""
     hd = head_dim
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     if not scaling:
         return inv
     rs = dict(scaling)
-    kind, factor = rs.get("rope_type", rs.get("type")), float(rs["factor"])
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "proportional":
+        # Gemma 4's full layers: the first int(p * hd / 2) pairs keep the frequencies of a RoPE
+        # over the whole head (not of a RoPE over p * hd dims), the others turn at frequency 0
+        # (cos 1, sin 0: unchanged); all divided by ``factor`` (transformers' rule)
+        turning = int(float(rs.get("partial_rotary_factor", 1.0)) * hd // 2)
+        inv = torch.cat((inv[:turning], torch.zeros(hd // 2 - turning)))
+        return inv / float(rs.get("factor", 1.0))
+    factor = float(rs["factor"])
     if kind == "linear":
         return inv / factor
     if kind == "yarn":
@@ -120,12 +139,15 @@ def rope_attention_factor(scaling) -> float:
 
 
 def rope_tables(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype,
-                local: bool = False):
+                local: bool = False, head_dim: int | None = None):
     """cos, sin tables (B, 1, T, rotated dims) for integer ``positions`` (B, T); ``local``: of
-    the sliding layers' own RoPE (:attr:`ModelSpec.local_rope`). The rotated dimensions are
-    ``head_dim``, or the leading :attr:`ModelSpec.rotary_dim` of it (partial RoPE)."""
+    the sliding layers' own RoPE (:attr:`ModelSpec.local_rope`); ``head_dim``: of layers of
+    that head size (default the model's; Gemma 4's full layers have their own). The rotated
+    dimensions are the head's, or the leading :attr:`ModelSpec.rotary_dim` of it (partial
+    RoPE)."""
     theta, scaling = spec.local_rope if local else (spec.rope_theta, spec.rope_scaling)
-    inv = rope_inv_freq(spec.rotary_dim or spec.head_dim, theta, scaling).to(positions.device)
+    hd = spec.rotary_dim or head_dim or spec.head_dim
+    inv = rope_inv_freq(hd, theta, scaling).to(positions.device)
     freqs = positions.float()[..., None] * inv  # (B, T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
     f = rope_attention_factor(scaling)
@@ -209,15 +231,19 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     if LINEAR_MIXER in p:  # a gated DeltaNet layer: ``mask`` holds its rows' document ids
         return linear_mixer(spec, p, h, mask, cache, lora)
     B, T, _ = h.shape
-    nh, nkv, hd = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    nh = spec.num_heads
     gate = None
     if spec.family.fused:  # one projection, split after the matmul (Phi-3)
+        nkv, hd = spec.num_kv_heads, spec.head_dim
         q, k, v = linear(p, "self_attn.qkv_proj", h, lora).split(
             [nh * hd, nkv * hd, nkv * hd], dim=-1)
-    else:
+    else:  # the layer's own head size and KV heads (Gemma 4's full layers differ)
         q = linear(p, "self_attn.q_proj", h, lora)
         k = linear(p, "self_attn.k_proj", h, lora)
-        v = linear(p, "self_attn.v_proj", h, lora)
+        # without v_proj (Gemma 4's attention_k_eq_v) the values are the keys' projection
+        v = linear(p, "self_attn.v_proj", h, lora) if "self_attn.v_proj.weight" in p else k
+        hd = q.shape[-1] // (2 * nh if spec.family.attn_gate else nh)
+        nkv = k.shape[-1] // hd
     if spec.family.attn_gate:  # each head's [query | gate] (Qwen3.5)
         q, gate = q.view(B, T, nh, 2 * hd).chunk(2, dim=-1)  # (B, T, nh, hd) each
         q, gate = q.reshape(B, T, nh * hd), gate.reshape(B, T, nh * hd)
@@ -227,6 +253,8 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
     k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
     v = v.view(B, T, nkv, hd).transpose(1, 2)
+    if spec.family.v_norm:  # per head, without a weight (Gemma 4)
+        v = unit_rms(v, spec.rms_norm_eps)
     if spec.qk_norm == "head":  # normed q, k in the tables' dtype: fp32 tables rotate fp32 values
         q = norm(spec, p, "self_attn.q_norm", q, tables)
         k = norm(spec, p, "self_attn.k_norm", k, tables)
@@ -295,6 +323,18 @@ def feed_forward(spec: ModelSpec, p: dict, h: torch.Tensor, lora=None, aux=None)
     return linear(p, "mlp.down_proj", gated(spec, p, h, lora), lora)
 
 
+def experts_beside(spec: ModelSpec, p: dict, x: torch.Tensor, c: torch.dtype,
+                   aux=None) -> torch.Tensor:
+    """Gemma 4's experts beside the dense MLP, of the residual stream x (B, T, H): routed by
+    x / rms(x) * router.scale / sqrt(H) (rounded as transformers rounds: in x's dtype, then to
+    the compute dtype ``c`` for the router's matmul), computed on pre_feedforward_layernorm_2
+    of x, normed by post_feedforward_layernorm_2 (models.moe, ``Moe.gemma4``)."""
+    r = unit_rms(x, spec.rms_norm_eps) * p["router.scale"] * spec.hidden_size ** -0.5
+    h = norm(spec, p, "pre_feedforward_layernorm_2", x, c)
+    y = moe_ffn(spec, p, h, ACTIVATIONS[spec.family.act], aux, route_in=r.to(c))
+    return norm(spec, p, "post_feedforward_layernorm_2", y)
+
+
 def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
                   cache=None, lora=None, aux=None) -> torch.Tensor:
     """One decoder layer: x (B, T, H) -> (B, T, H), norms placed as the family says.
@@ -325,9 +365,17 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
          norm(spec, p, "pre_feedforward_layernorm" if style == "sandwich"
               else "post_attention_layernorm", x, c))
     m = feed_forward(spec, p, h, lora, aux)
+    if _beside(spec, p):
+        m = norm(spec, p, "post_feedforward_layernorm_1", m) + experts_beside(spec, p, x, c, aux)
     if style != "pre":
         m = norm(spec, p, "post_feedforward_layernorm", m)
+    if LAYER_SCALAR in p:  # a fixed buffer in transformers: no gradient reaches it
+        return (x + m) * p[LAYER_SCALAR].detach()
     return x + m
+
+
+LAYER_SCALAR = "layer_scalar"
+"""Gemma 4's per-layer output scale (Family.layer_scalar)."""
 
 
 def _plain(spec: ModelSpec, p: dict) -> bool:
@@ -345,7 +393,14 @@ def _compute(p: dict) -> torch.dtype:
 def _experts(spec: ModelSpec, p: dict) -> bool:
     """Whether the layer of views ``p`` computes its feed-forward with experts (a model's
     layers may differ: ModelSpec.sparse)."""
-    return spec.family.moe is not None and spec.family.moe.router in p
+    m = spec.family.moe
+    return m is not None and m.router in p and not m.gemma4
+
+
+def _beside(spec: ModelSpec, p: dict) -> bool:
+    """Whether the layer of views ``p`` adds Gemma 4's experts to its dense MLP."""
+    m = spec.family.moe
+    return m is not None and m.router in p and m.gemma4
 
 
 def layer_to_down(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None, cache=None,
@@ -411,6 +466,8 @@ def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Ten
             y = _DownGrads.apply(*layer_to_down(spec, p, x, rope, mask), down,
                                  into.get("mlp.down_proj.weight"))
         terms = aux.take() if aux is not None else []
+        # materialize: a leaf the layer reads without a gradient (Gemma 4's layer_scalar) gets 0
         grads = torch.autograd.grad([y, *terms], [x, *wanted],
-                                    [gy, *(torch.ones_like(t) for t in terms)])
+                                    [gy, *(torch.ones_like(t) for t in terms)],
+                                    materialize_grads=True)
     return grads[0], dict(zip([k for k in leaves if k not in into], grads[1:]))

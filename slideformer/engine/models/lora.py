@@ -89,21 +89,29 @@ def adaptable(spec: ModelSpec) -> set[str]:
     """The names of the layers' tensors an adapter may target: any layer's, but in a mixture
     of experts no MLP's, even in its dense layers. PEFT (0.21) maps the MLP names of a
     mixture-of-experts model onto the experts and adapts no dense layer's MLP (measured on
-    Qwen3-MoE with ``mlp_only_layers``), so an adapter written here loads there the same."""
+    Qwen3-MoE with ``mlp_only_layers``), so an adapter written here loads there the same.
+    Gemma 4's experts sit beside a dense MLP of plain Linears, which PEFT adapts (measured)."""
+    beside = spec.moe is not None and spec.family.moe.gemma4
     return {n for lay in set(spec.layouts) for n in lay.names()
-            if spec.moe is None or not n.startswith("mlp.")}
+            if spec.moe is None or beside or not n.startswith("mlp.")}
 
 
 def adapter_layout(spec: ModelSpec, lora: LoraSpec, layer: int) -> Layout:
     """The flat layout of decoder layer ``layer``'s adapters: A then B of each target (of
     :func:`for_model`) the layer has (layers may differ: ModelSpec.layout), target order."""
-    base = spec.layout(layer)
-    shapes, present = [], set(base.names())
-    for t in (t for t in lora.targets if PROJECTIONS[t] + ".weight" in present):
+    base, shapes = spec.layout(layer), []
+    for t in layer_targets(spec, lora, layer):
         out, inp = base.shape(PROJECTIONS[t] + ".weight")
         shapes += [(f"{PROJECTIONS[t]}.lora_A.weight", (lora.rank, inp)),
                    (f"{PROJECTIONS[t]}.lora_B.weight", (out, lora.rank))]
     return Layout.build(shapes)
+
+
+def layer_targets(spec: ModelSpec, lora: LoraSpec, layer: int) -> tuple[str, ...]:
+    """The targets decoder layer ``layer`` has (a hybrid's gated DeltaNet layers have no
+    attention projections), in target order."""
+    present = set(spec.layout(layer).names())
+    return tuple(t for t in lora.targets if PROJECTIONS[t] + ".weight" in present)
 
 
 def adapter_params(spec: ModelSpec, lora: LoraSpec) -> int:

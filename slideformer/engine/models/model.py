@@ -35,12 +35,20 @@ def embed_scale(spec: ModelSpec, dtype: torch.dtype) -> float | None:
 def final_norm(spec: ModelSpec, w: torch.Tensor, x: torch.Tensor,
                out: torch.dtype | None = None) -> torch.Tensor:
     """The head's RMSNorm of the last hidden states."""
-    return rms_norm(x, w, spec.rms_norm_eps, out, spec.family.norm_offset)
+    return rms_norm(x, w, spec.rms_norm_eps, out, spec.family.norm_offset, spec.family.norm_fp32)
 
 
 def head_weight(spec: ModelSpec, head: dict, emb: dict) -> torch.Tensor:
     """The LM head matrix (V, H): its own, or the embedding's when tied."""
     return emb["embed_tokens.weight"] if spec.tie_word_embeddings else head["lm_head.weight"]
+
+
+def lm_logits(spec: ModelSpec, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The logits h @ w.T, soft-capped to cap * tanh(z / cap) where the model says so
+    (ModelSpec.logit_softcap, Gemma 4), in h's dtype as transformers computes them."""
+    z = h @ w.t()
+    cap = spec.logit_softcap
+    return z if cap is None else torch.tanh(z / cap) * cap
 
 
 class DenseModel(nn.Module):
@@ -75,9 +83,9 @@ class DenseModel(nn.Module):
 
     def logits(self, ids, doc_ids=None):
         h, w = self.hidden(ids, doc_ids)
-        return h @ w.t()
+        return lm_logits(self.spec, h, w)
 
     def loss(self, ids, labels, scale: float, doc_ids=None, chunk: int = 4096):
         """``scale`` * summed cross-entropy over labels != -100 (chunked, no full logits)."""
         h, w = self.hidden(ids, doc_ids)
-        return linear_cross_entropy(h, w, labels, scale, chunk)
+        return linear_cross_entropy(h, w, labels, scale, chunk, self.spec.logit_softcap)

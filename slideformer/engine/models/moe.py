@@ -16,6 +16,11 @@ CPU (the reference path). Gradients are autograd's through these ops, routing we
 GPT-OSS (``Moe.gpt_oss``) routes by the top-k logits of a router with a bias, softmaxed over
 those k, and its experts add biases, interleave gate and up in one projection stored (E, in,
 out), and gate with :func:`clamped_swiglu`.
+
+Gemma 4 (``Moe.gemma4``) routes by its own input (``route_in``: the residual stream normed and
+scaled, models.layers.experts_beside), multiplies the renormalised weights by a learnt scale
+per expert, w[n, j] *= s[e[n, j]], and holds gate and up in one (E, 2I, H) projection, gate
+its first I outputs.
 """
 from __future__ import annotations
 
@@ -111,15 +116,20 @@ class RouterAux:
         return out
 
 
-def moe_ffn(spec, p: dict, h: torch.Tensor, act, aux: RouterAux | None = None) -> torch.Tensor:
+def moe_ffn(spec, p: dict, h: torch.Tensor, act, aux: RouterAux | None = None,
+            route_in: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' output for normed input h (B, T, H) -> (B, T, H); ``act(g, u)`` is the
     family's gated activation (GPT-OSS: :func:`clamped_swiglu`); ``aux``: the micro-batch's
-    router loss, when the run computes it."""
+    router loss, when the run computes it; ``route_in``: what the router reads, if not h
+    (Gemma 4)."""
     m, s = spec.family.moe, spec.moe
     B, T, H = h.shape
     x = h.reshape(-1, H)  # (N, H)
-    logits = F.linear(x, p[m.router], p[m.router_bias] if m.gpt_oss else None)  # (N, E)
+    r = x if route_in is None else route_in.reshape(-1, H)
+    logits = F.linear(r, p[m.router], p[m.router_bias] if m.gpt_oss else None)  # (N, E)
     w, ids = route(logits, s.top_k, s.renormalise, top_first=m.gpt_oss)  # (N, k)
+    if m.gemma4:
+        w = w * p["router.per_expert_scale"][ids]  # (N, k) fp32
     if aux is not None:
         aux.observe(logits, ids)
     flat = ids.reshape(-1)  # (N*k,) pair j*k + slot
@@ -135,6 +145,9 @@ def moe_ffn(spec, p: dict, h: torch.Tensor, act, aux: RouterAux | None = None) -
         z = clamped_swiglu(gu[:, 0::2], gu[:, 1::2], s.alpha, s.limit)  # (N*k, I)
         y = grouped_linear(z, p[m.stacked(m.down)], counts, ends, in_out=True) \
             + p[m.bias(m.down)][expert]  # (N*k, H)
+    elif m.gemma4:
+        z = act(*grouped_linear(xs, p[m.stacked(m.gate)], counts, ends).chunk(2, dim=-1))
+        y = grouped_linear(z, p[m.stacked(m.down)], counts, ends)  # (N*k, H)
     else:
         z = act(grouped_linear(xs, p[m.stacked(m.gate)], counts, ends),
                 grouped_linear(xs, p[m.stacked(m.up)], counts, ends))  # (N*k, I)

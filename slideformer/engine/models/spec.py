@@ -12,6 +12,7 @@ What differs between families is declared in ``models/families/`` (one file per 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -59,15 +60,19 @@ class Layout:
         return next(s for n, _, s in self.entries if n == name)
 
     def norms(self) -> list[tuple[str, int, int]]:
-        """(name, offset, length) of the RMSNorm weights."""
-        return [(n, o, s[0]) for n, o, s in self.entries if n.endswith("norm.weight")]
+        """(name, offset, length) of the RMSNorm weights (Gemma 4 numbers some:
+        ``post_feedforward_layernorm_1.weight``)."""
+        return [(n, o, s[0]) for n, o, s in self.entries if _NORM.search(n)]
+
+
+_NORM = re.compile(r"norm(_\d+)?\.weight$")
 
 
 
 def decayed(name: str, shape: tuple[int, ...]) -> bool:
     """Whether AdamW's weight decay applies to a tensor: matrices, not vectors (norms, biases,
-    GPT-OSS's sinks), nor norms and biases whatever their shape (GPT-OSS stacks its experts'
-    biases as (E, out) matrices)."""
+    GPT-OSS's sinks, Gemma 4's router scales), nor norms and biases whatever their shape
+    (GPT-OSS stacks its experts' biases as (E, out) matrices)."""
     return len(shape) > 1 and not (name.endswith("norm.weight") or name.endswith("bias"))
 
 
@@ -148,6 +153,15 @@ class ModelSpec:
     linear: DeltaNetShape | None = None
     """The sizes of the gated DeltaNet layers that :attr:`layer_types` marks "linear_attention"
     (Qwen3.5; models.deltanet), or None."""
+    attn_shapes: tuple[tuple[int, int], ...] = ()
+    """Per layer, (head_dim, kv_heads) where the layers differ (Gemma 4's full-attention layers:
+    ``global_head_dim``, ``num_global_key_value_heads``); empty: :attr:`head_dim` and
+    :attr:`num_kv_heads` everywhere."""
+    k_eq_v: bool = False
+    """The full-attention layers have no ``v_proj``: their values are the key projection's
+    output (Gemma 4's ``attention_k_eq_v``)."""
+    logit_softcap: float | None = None
+    """The logits are cap * tanh(z / cap) (``final_logit_softcapping``), or None: z."""
 
     def __post_init__(self):
         if self.family is None:  # specs made in code (tests, benchmarks) name only the type
@@ -167,9 +181,22 @@ class ModelSpec:
         """Whether layer ``i`` mixes tokens with gated DeltaNet instead of softmax attention."""
         return self.layer_type(i) == LINEAR
 
+    def head_dim_of(self, i: int) -> int:
+        """Layer ``i``'s head size (Gemma 4's full-attention layers have their own)."""
+        return self.attn_shapes[i][0] if self.attn_shapes else self.head_dim
+
+    def kv_heads_of(self, i: int) -> int:
+        """Layer ``i``'s key-value heads."""
+        return self.attn_shapes[i][1] if self.attn_shapes else self.num_kv_heads
+
+    def values_are_keys(self, i: int) -> bool:
+        """Whether layer ``i`` takes its values from the key projection (:attr:`k_eq_v`)."""
+        return self.k_eq_v and self.layer_type(i) == FULL
+
     def block(self, i: int) -> tuple:
         """What decides layer ``i``'s tensors (layers of one block share a :class:`Layout`)."""
-        return (self.is_sparse(i), self.is_linear(i))
+        return (self.is_sparse(i), self.is_linear(i), self.head_dim_of(i), self.kv_heads_of(i),
+                self.values_are_keys(i))
 
     # ---- layouts -------------------------------------------------------------------------
     @cached_property
@@ -208,26 +235,31 @@ class ModelSpec:
         planner counts per-layer buffers by."""
         return max(self.layouts, key=lambda lay: lay.numel)
 
-    def _build_layout(self, sparse: bool, linear: bool) -> Layout:
+    def _build_layout(self, sparse: bool, linear: bool, hd: int, nkv: int,
+                      no_v: bool) -> Layout:
         h, fam = self.hidden_size, self.family
         s: list[tuple[str, tuple[int, ...]]] = []
         if fam.norm != "post":
             s.append(("input_layernorm.weight", (h,)))
-        s += self.linear.shapes(h) if linear else self._attention_shapes()
+        s += self.linear.shapes(h) if linear else self._attention_shapes(hd, nkv, no_v)
         s.append(("post_attention_layernorm.weight", (h,)))
         if fam.norm == "sandwich":
             s.append(("pre_feedforward_layernorm.weight", (h,)))
         s += self._ffn_shapes(sparse)
         if fam.norm != "pre":
             s.append(("post_feedforward_layernorm.weight", (h,)))
+        if fam.layer_scalar:
+            s.append(("layer_scalar", (1,)))
         return Layout.build(s)
 
-    def _attention_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        h, hd, fam = self.hidden_size, self.head_dim, self.family
-        q, kv = self.num_heads * hd, self.num_kv_heads * hd
+    def _attention_shapes(self, hd: int, nkv: int,
+                          no_v: bool) -> list[tuple[str, tuple[int, ...]]]:
+        h, fam = self.hidden_size, self.family
+        q, kv = self.num_heads * hd, nkv * hd
         s: list[tuple[str, tuple[int, ...]]] = []
         qkv = ((("qkv_proj", q + 2 * kv),) if fam.fused else
-               (("q_proj", 2 * q if fam.attn_gate else q), ("k_proj", kv), ("v_proj", kv)))
+               (("q_proj", 2 * q if fam.attn_gate else q), ("k_proj", kv),
+                *(() if no_v else (("v_proj", kv),))))
         for proj, out in qkv:
             s.append((f"self_attn.{proj}.weight", (out, h)))
             if self.qkv_bias:
@@ -244,6 +276,13 @@ class ModelSpec:
 
     def _ffn_shapes(self, sparse: bool) -> list[tuple[str, tuple[int, ...]]]:
         h, m = self.hidden_size, self.family.moe if sparse else None
+        if m is not None and m.gemma4:  # the dense MLP, and the experts beside it
+            e, i = self.moe.experts, self.moe.width
+            return [*self._ffn_shapes(False), ("post_feedforward_layernorm_1.weight", (h,)),
+                    (m.router, (e, h)), ("router.scale", (h,)), ("router.per_expert_scale", (e,)),
+                    ("pre_feedforward_layernorm_2.weight", (h,)),
+                    (m.stacked(m.gate), (e, 2 * i, h)), (m.stacked(m.down), (e, h, i)),
+                    ("post_feedforward_layernorm_2.weight", (h,))]
         if m is not None and m.gpt_oss:  # (E, in, out), gate and up one projection, biases
             e, i = self.moe.experts, self.moe.width
             return [(m.router, (e, h)), (m.router_bias, (e,)),
@@ -269,7 +308,7 @@ class ModelSpec:
         """The checkpoint names (inside a layer) that a layer tensor is stored as: itself, or
         for stacked experts one tensor per expert, in expert order."""
         m = self.family.moe
-        if m is not None and not m.gpt_oss:  # GPT-OSS stores them stacked
+        if m is not None and not m.fused_stacked:  # GPT-OSS and Gemma 4 store them stacked
             for proj in (m.gate, m.up, m.down):
                 if local == m.stacked(proj):
                     return [f"{m.experts}.{e}.{proj}.weight" for e in range(self.moe.experts)]
@@ -300,8 +339,10 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        """Exact trainable parameter count (tied embeddings counted once)."""
-        return self.layer_params + self.embed_layout.numel + self.head_layout.numel
+        """Exact trainable parameter count (tied embeddings counted once; Gemma 4's layer
+        scalars, buffers that the layouts carry but nothing trains, not counted)."""
+        buffers = self.num_layers if self.family.layer_scalar else 0
+        return self.layer_params + self.embed_layout.numel + self.head_layout.numel - buffers
 
     def _active(self, layout: Layout) -> int:
         """A layer's parameters one token computes with (all but the experts it is not
@@ -322,10 +363,36 @@ class ModelSpec:
     @property
     def ffn_width(self) -> int:
         """Intermediate values a token's feed-forward forms, in the widest layer: the MLP's
-        width, or top-k times one expert's (what the planner counts activation memory by)."""
-        widths = {self.moe.top_k * self.moe.width if self.is_sparse(i) else self.intermediate_size
-                  for i in range(self.num_layers)}
-        return max(widths)
+        width, top-k times one expert's, or (Gemma 4) both (what the planner counts activation
+        memory by)."""
+        def width(i: int) -> int:
+            routed = self.moe.top_k * self.moe.width if self.is_sparse(i) else 0
+            dense = not self.is_sparse(i) or self.family.moe.gemma4
+            return routed + (self.intermediate_size if dense else 0)
+        return max(width(i) for i in range(self.num_layers))
+
+    # The attention's sizes in the widest layer: what the planner counts activations by (Gemma
+    # 4's full-attention layers are wider than its sliding ones). Cached: the planner reads
+    # them per candidate shape.
+    @cached_property
+    def q_width(self) -> int:
+        """Query values a token forms (heads x head size), in the widest layer."""
+        return max(self.num_heads * self.head_dim_of(i) for i in range(self.num_layers))
+
+    @cached_property
+    def kv_width(self) -> int:
+        """Key (or value) values a token forms, in the widest layer."""
+        return max(self.kv_heads_of(i) * self.head_dim_of(i) for i in range(self.num_layers))
+
+    @cached_property
+    def max_head_dim(self) -> int:
+        """The largest head size (what picks the attention kernel's path)."""
+        return max(self.head_dim_of(i) for i in range(self.num_layers))
+
+    @cached_property
+    def kv_values_per_token(self) -> int:
+        """Keys and values a KV cache holds per token, all layers together."""
+        return sum(2 * self.kv_heads_of(i) * self.head_dim_of(i) for i in range(self.num_layers))
 
     @property
     def sparse_layers(self) -> int:
@@ -352,11 +419,17 @@ class ModelSpec:
 
 
 def _type_counts(spec: ModelSpec) -> str:
-    """'24 full' or '20 sliding (window 512) + 4 full', NoPE layers counted apart."""
+    """'24 full' or '20 sliding (window 512) + 4 full', NoPE layers counted apart, full layers'
+    own head size and KV heads named."""
     types = [spec.layer_type(i) for i in range(spec.num_layers)]
     parts = [f"{types.count(SLIDING)} sliding (window {spec.sliding_window})"] if SLIDING in types else []
     parts += [f"{types.count(LINEAR)} linear (gated DeltaNet)"] if LINEAR in types else []
-    parts.append(f"{types.count(FULL)} full") if FULL in types else None
+    if FULL in types:
+        i = types.index(FULL)
+        own = (spec.head_dim_of(i), spec.kv_heads_of(i))  # Gemma 4's full layers differ
+        parts.append(f"{types.count(FULL)} full" + (
+            f" (head_dim {own[0]}, kv_heads {own[1]})"
+            if own != (spec.head_dim, spec.num_kv_heads) else ""))
     nope = sum(not spec.has_rope(i) for i in range(spec.num_layers))
     return " + ".join(parts) + (f", {nope} without RoPE" if nope else "")
 
@@ -368,7 +441,8 @@ _FIX = FIX
 _LIMITS = {"hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1024,
            "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
            "vocab_size": 1 << 24, "num_experts": 1 << 12, "num_local_experts": 1 << 12,
-           "moe_intermediate_size": 1 << 20, "num_experts_per_tok": 1 << 12}
+           "moe_intermediate_size": 1 << 20, "num_experts_per_tok": 1 << 12,
+           "top_k_experts": 1 << 12, "num_global_key_value_heads": 1 << 12}
 
 
 def _need(cfg: dict, key: str, path: Path):
@@ -389,14 +463,14 @@ def _dtype_name(cfg: dict, path: Path) -> str:
 
 
 def _moe_shape(fam: Family, cfg: dict, path: Path) -> MoeShape | None:
-    """The experts' sizes, each checked against the others."""
+    """The experts' sizes, each checked against the others (None: no experts)."""
     m = fam.moe
-    if m is None:
+    if m is None or (m.enable_key is not None and not flag(cfg, m.enable_key, path)):
         return None
     key = next((k for k in m.count_keys if cfg.get(k) is not None), m.count_keys[0])
-    experts, k = _need(cfg, key, path), _need(cfg, "num_experts_per_tok", path)
+    experts, k = _need(cfg, key, path), _need(cfg, m.top_k_key, path)
     if k > experts:
-        raise UserError(path, f"routes each token to num_experts_per_tok={k} experts, but "
+        raise UserError(path, f"routes each token to {m.top_k_key}={k} experts, but "
                         f"{key} is {experts}", f"{_FIX} (top-k is at most the expert count)")
     renorm = m.renormalise if isinstance(m.renormalise, bool) else flag(cfg, m.renormalise, path)
     clamp = {}
@@ -404,7 +478,8 @@ def _moe_shape(fam: Family, cfg: dict, path: Path) -> MoeShape | None:
         clamp = dict(alpha=positive_real(cfg, "swiglu_alpha", path, 1.702),
                      limit=positive_real(cfg, "swiglu_limit", path, 7.0))
     aux = 0.0
-    if flag(cfg, "output_router_logits", path):  # MixtralConfig's, Qwen3MoeConfig's default
+    if m.aux_loss and flag(cfg, "output_router_logits", path):  # (Gemma 4's LM adds none)
+        # MixtralConfig's, Qwen3MoeConfig's default
         aux = 0.001 if cfg.get("router_aux_loss_coef") is None else cfg["router_aux_loss_coef"]
         if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0 <= aux < math.inf:
             raise UserError(path, f"'router_aux_loss_coef' is {aux!r}, not a number >= 0", _FIX)
@@ -467,7 +542,7 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
     theta, rs = rope_of(cfg, path)
     attn_bias = flag(cfg, "attention_bias", path)
     moe = _moe_shape(fam, cfg, path)
-    if moe is None:
+    if moe is None or fam.moe.gemma4:  # Gemma 4's experts run beside the dense MLP
         mlp = _need(cfg, "intermediate_size", path)
     else:  # a dense width an MoE config may carry (unused), else the experts'
         mlp = _positive_int(cfg, "intermediate_size", path) if cfg.get("intermediate_size") \

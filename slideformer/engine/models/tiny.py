@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,14 @@ GEMMA_TEMPLATE = (
 FAMILY_TOKENS["gemma3_text"] = FamilyTokens(
     ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"), "<bos>",
     "<end_of_turn>", "<pad>", GEMMA_TEMPLATE)
+GEMMA4_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|turn>"
+    "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<turn|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|turn>model\n{% endif %}")
+"""Gemma 4's turns (its real template adds thinking, tools and a system turn of its own)."""
+FAMILY_TOKENS["gemma4_text"] = FamilyTokens(
+    ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"), "<bos>", "<turn|>",
+    "<pad>", GEMMA4_TEMPLATE)
 HARMONY_TEMPLATE = (
     "{% for m in messages %}<|start|>{{ m['role'] }}"
     "{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}<|message|>{{ m['content'] }}"
@@ -183,6 +192,20 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
                    query_pre_attn_scalar=hd + 8, sliding_window=8, layer_types=types,
                    rope_theta=1e6, rope_local_base_freq=1e4, final_logit_softcapping=None,
                    attn_logit_softcapping=None)
+    if arch == "gemma4_text":  # full layers with heads of their own, keys as values; window 8
+        del cfg["hidden_act"], cfg["rope_theta"]
+        cfg.update(hidden_activation="gelu_pytorch_tanh", head_dim=hd, global_head_dim=2 * hd,
+                   num_global_key_value_heads=1, attention_k_eq_v=True, attention_bias=False,
+                   sliding_window=8, layer_types=["sliding_attention" if i % 2 == 0 else
+                                                 "full_attention" for i in range(shape.layers)],
+                   # the tiny logits are ~0.2: a cap of 30 (the releases') would leave them
+                   # straight, 0.5 bends them
+                   final_logit_softcapping=0.5, hidden_size_per_layer_input=0,
+                   vocab_size_per_layer_input=shape.vocab, num_kv_shared_layers=0,
+                   use_double_wide_mlp=False, use_bidirectional_attention=None,
+                   # experts top-2 of 4 when a variant sets enable_moe_block
+                   enable_moe_block=False, num_experts=4, top_k_experts=2,
+                   moe_intermediate_size=shape.intermediate // 2)
     if arch == "gpt_oss":  # experts top-2 of 4, biases; window 8; YaRN x4
         cfg.update(num_local_experts=4, num_experts_per_tok=2, head_dim=hd, attention_bias=True,
                    intermediate_size=shape.intermediate // 2, sliding_window=8,
@@ -214,14 +237,19 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
     return cfg
 
 
+SCALES = re.compile(r"(norm(_\d+)?\.weight|layer_scalar|router\.scale|router\.per_expert_scale)$")
+"""Tensors that scale by their values (norms, Gemma 4's layer and router scales): drawn near 1."""
+
+
 def random_tensors(spec, seed: int):
-    """Seeded random weights: N(0, 0.02) matrices, norms near 1, small biases."""
+    """Seeded random weights: N(0, 0.02) matrices, norms and scales near 1, small biases."""
     g = torch.Generator().manual_seed(seed)
-    norm = 1.0 - spec.family.norm_offset  # Gemma stores weight - 1
+    norm = 1.0 - spec.family.norm_offset  # Gemma 3 stores weight - 1
     for item in item_names(spec):
         for name, shape in stored_shapes(spec, item):
-            if name.endswith("norm.weight"):  # DeltaNet's gated norm scales by its weight
-                t = (1.0 if ".linear_attn." in name else norm) + 0.1 * torch.randn(shape, generator=g)
+            if SCALES.search(name):  # DeltaNet's gated norm scales by its weight
+                one = 1.0 if ".linear_attn." in name or not name.endswith("norm.weight") else norm
+                t = one + 0.1 * torch.randn(shape, generator=g)
             else:
                 t = 0.02 * torch.randn(shape, generator=g)
             yield name, t

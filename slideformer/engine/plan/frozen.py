@@ -102,10 +102,11 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
     pinned = " (pinned)" if device == "cuda" else ""
     kind = "NF4 + double-quantised scales" if method == "qlora" else f"{c} B/param"
     n = L - disk_layers
+    mo = 2 * sum(prec.moment_bytes(adapter_layout(spec, lora, i).numel) for i in range(L))  # m, v
     out = [Allocation("host", "frozen base weights", n * lb + (E + Hd) * c,  # FrozenItem.w
                       f"{n} layers x {lb:,} B ({kind}) + embedding and head x {c} B{pinned}"
                       + (f"; {disk_layers} layers on disk" if disk_layers else ""), "state"),
-           Allocation("host", "adapters (checkpoint copy)", A * (c + rem + 2 * prec.mo),
+           Allocation("host", "adapters (checkpoint copy)", A * (c + rem) + mo,
                       f"{A:,} adapter params x {c + rem + 2 * prec.mo} B (weights, remainder, m, v)",
                       "state"),
            Allocation("host", "runtime baseline", HOST_RUNTIME[device], "Python, torch", "state"),
@@ -116,7 +117,7 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
     out += [Allocation("gpu", "parameter slots", k * lb, f"{k} slots x {lb:,} B"),  # SlotPool
             Allocation("gpu", "embedding weights", E * c, f"{E:,} params x {c} B"),
             Allocation("gpu", "head weights", Hd * c, f"{Hd:,} params x {c} B"),
-            Allocation("gpu", "adapters and their optimizer state", A * (c + rem + 2 * prec.mo + 4),
+            Allocation("gpu", "adapters and their optimizer state", A * (c + rem + 4) + mo,
                        f"{A:,} params x {c + rem + 2 * prec.mo + 4} B (weights, remainder, m, v, "
                        "fp32 grad)"),
             device_optimizer_scratch(prec, device, _largest_adapter(spec, lora).numel)]

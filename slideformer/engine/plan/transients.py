@@ -40,7 +40,7 @@ def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, kernels:
     mb = f"{n} micro-batches x {B}x{T}"
     packed = kernels.attention != "causal"
     ints = 3 if packed else 2  # input_ids, labels (+ doc_ids) as int64, per micro-batch on device
-    rope = 2 * spec.head_dim * r  # rope_tables: cos, sin (B, 1, T, head_dim), residual dtype
+    rope = 2 * spec.max_head_dim * r  # rope_tables: cos, sin (B, 1, T, head_dim), residual dtype
     out = [Allocation("gpu", "inputs and RoPE tables", n * N * (8 * ints + rope), mb, "step")]
     if packed:
         out.append(attention_masks(shape, kernels))
@@ -106,7 +106,8 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
     Triton RMSNorm, which keeps only its output and one fp32 rsqrt per token. ``frozen``: the
     head of a frozen base, whose loss computes no dL/dW (no row blocks of its product).
     ``fp32_grads``: dL/dW accumulates inside the matmul (linear_ce.fp32_accumulate): no row
-    blocks either, only dz."""
+    blocks either, only dz. Soft-capped logits (ModelSpec.logit_softcap) keep tanh(z / cap) in
+    the compute dtype beside them."""
     c, H, V = prec.c, spec.hidden_size, spec.vocab_size
     N = shape.micro_batch * shape.seq_len
     nc = min(shape.head_chunk, N)
@@ -114,6 +115,8 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
     softmax = nc * V * (c if fused_ce else 8 + (c if c < 4 else 0))
     if N > nc:  # the previous chunk's dz is still bound while the next one is computed
         softmax += nc * V * c
+    if spec.logit_softcap is not None:  # tanh(z / cap) beside the capped logits (Gemma 4;
+        softmax += nc * V * (c if fused_ce else c + 8)  # PyTorch: fp32 1 - tanh^2 made of it)
     rows = min(V, GW_ROWS)  # linear_ce._add_outer: one block of vocabulary rows at a time
     wgrad = 0 if frozen else nc * V * c + (0 if fp32_grads else rows * H * (c + up))
     # 8 B per element: the norm's saved fp32 values and its output or gh (head_step frees each
@@ -147,7 +150,7 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     the output exists; its norms save no normalised value (their weights need no grad).
     """
     c, H, I, P = prec.c, spec.hidden_size, spec.ffn_width, spec.params_per_layer
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    q, kv = spec.q_width, spec.kv_width  # the widest layer's (Gemma 4's full layers)
     norms = (4 if c < 4 else 0) + 4 + 4 * c  # per H element: norm1, norm2
     qk = (q + kv) * ((4 if c < 4 else c) + c) if spec.qk_norm else 0
     wide = (H + (q + kv if spec.qk_norm else 0)) * (prec.r - c)
@@ -207,7 +210,7 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
     boolean mask, which lives only there). FlexAttention needs no such copy.
     """
     c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.ffn_width
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    q, kv = spec.q_width, spec.kv_width  # the widest layer's (Gemma 4's full layers)
     mlp = N * (3 * I * c + H * c + H * r)
     rotate = (q + kv) * (r + c) + kv * c if spec.qk_norm else 2 * q * c + 3 * kv * c
     attn = N * (H * c + rotate + 4 * spec.num_heads) + (B * T * T * c if masked else 0)
@@ -237,7 +240,7 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
     """
     c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.ffn_width
     nh, nkv = spec.num_heads, spec.num_kv_heads
-    q, kv = nh * spec.head_dim, nkv * spec.head_dim
+    q, kv = spec.q_width, spec.kv_width
     qk = (2 * q + kv) * c + 4 * (nh + nkv) if spec.qk_norm else 0
     out = 0 if frozen is None else r  # per H element: the frozen recompute's output
     per_token = H * (2 * c + r + out) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8

@@ -45,7 +45,8 @@ class ResidentEnds:
         x = x.detach().requires_grad_()
         with torch.enable_grad():
             h = final_norm(self.spec, nw, x, self.dtype)
-        lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk, gw)
+        lmb, gh = linear_ce_fwd_bwd(h.detach(), w, labels, scale, self.shape.head_chunk, gw,
+                                    softcap=self.spec.logit_softcap)
         grads = torch.autograd.grad(h, [x, nw] if gnorm is not None else [x], gh)
         if gnorm is not None:
             gnorm.add_(grads[1])
@@ -84,7 +85,8 @@ class ResidentEnds:
             row_w = row_w.to(self.backend.device, torch.float32)
             with torch.no_grad():
                 h = final_norm(self.spec, nw, x, self.dtype)
-                ce = linear_ce_rows(h, w, labels, self.shape.head_chunk)  # (rows, T)
+                ce = linear_ce_rows(h, w, labels, self.shape.head_chunk,
+                                    softcap=self.spec.logit_softcap)  # (rows, T)
                 loss += (ce.sum(1) * row_w).sum()
             scale = row_w[:, None].expand(labels.shape).contiguous()  # (rows, T)
             if kl is not None:
@@ -112,7 +114,8 @@ class ResidentEnds:
         for x, (_, labels, _) in zip(xs, inp):
             with torch.no_grad():
                 h = final_norm(self.spec, nw, x, self.dtype)
-            logps.append(-linear_ce_rows(h, w, labels, self.shape.head_chunk).sum(1))
+            logps.append(-linear_ce_rows(h, w, labels, self.shape.head_chunk,
+                                         softcap=self.spec.logit_softcap).sum(1))
             counts.append((labels != IGNORE).sum(1))
         halves = [len(lp) // 2 for lp in logps]
 
@@ -172,7 +175,8 @@ class ResidentEnds:
         """(summed loss, labelled tokens) of one micro-batch, forward only."""
         h, w, labels = self._eval_hidden(mb)
         with torch.no_grad():
-            loss = linear_ce_loss(h, w, labels, self.shape.head_chunk)
+            loss = linear_ce_loss(h, w, labels, self.shape.head_chunk,
+                                  softcap=self.spec.logit_softcap)
         return float(loss), int((mb.labels != IGNORE).sum())
 
     def row_logps(self, mb) -> torch.Tensor:
@@ -188,7 +192,7 @@ class ResidentEnds:
             h, w, labels = self._eval_hidden(mb)
         finally:
             self.base_only = False
-        return -linear_ce_rows(h, w, labels, self.shape.head_chunk)
+        return -linear_ce_rows(h, w, labels, self.shape.head_chunk, softcap=self.spec.logit_softcap)
 
     base_only: bool = False
     """The forward runs without the LoRA adapters (:meth:`token_logps`)."""

@@ -370,7 +370,7 @@ class SlidingExecutor(ResidentEnds):
         doc = None if mb.doc_ids is None else mb.doc_ids.to(dev, non_blocking=True)
         # one mask per layer type and micro-batch (a BlockMask on CUDA:
         # kernels.dispatch.kernel_path), reused by every layer's forward and recompute
-        hd = self.spec.head_dim
+        hd = self.spec.max_head_dim  # the widest layer's heads choose the path (Gemma 4)
         layers = LayerInputs.of_rows(self.spec, ids, doc, self.act,
                                      lambda d, w: document_mask(d, hd, w))
         return ids, mb.labels.to(dev, non_blocking=True), layers

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from slideformer.engine.models.lora import PROJECTIONS, LoraSpec
+from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, layer_targets
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.models.weights import (TOKENIZER_FILES, hf_name, item_layout, item_names,
                                                publish_dir, staging_dir, stored_views,
@@ -76,7 +76,7 @@ def merged_item(host, spec: ModelSpec, lora: LoraSpec, name: str) -> torch.Tenso
         weights = item_layout(spec, name).views(flat)
         item = host[adapter_name(int(name[5:]))]
         ad = item.layout.views(item.master())
-        for t in lora.targets:
+        for t in layer_targets(spec, lora, int(name[5:])):
             w = PROJECTIONS[t]
             weights[w + ".weight"] += lora.scaling * (ad[w + ".lora_B.weight"]
                                                       @ ad[w + ".lora_A.weight"])

@@ -83,13 +83,17 @@ def test_streamed_window_gives_the_resident_tokens(tiny_model_factory):
 
 @pytest.mark.parametrize("arch,extra", [("mistral", None), ("mistral", {"sliding_window": 4}),
                                         ("gemma3_text", None), ("gpt_oss", {"sliding_window": 4}),
-                                        ("qwen3_5_text", None)],
+                                        ("qwen3_5_text", None),
+                                        ("gemma4_text", {"sliding_window": 4}),
+                                        ("gemma4_text", {"enable_moe_block": True})],
                          ids=["full", "window4", "gemma3", "gpt_oss-sinks-window4",
-                              "qwen3_5-deltanet_state"])
+                              "qwen3_5-deltanet_state", "gemma4-head_sizes-window4",
+                              "gemma4_moe"])
 def test_cached_chunks_give_the_dense_models_logits(tiny_model_factory, load_dense, arch, extra):
     """Prompt in three chunks (the mask path for several new tokens over cached ones; with a
     window shorter than the chunks, the windowed cache mask too; a gated DeltaNet's state
-    carried from chunk to chunk, one of them a single token)."""
+    carried from chunk to chunk, one of them a single token; Gemma 4's caches of two head
+    sizes and KV-head counts, its values from the keys' projection)."""
     folder = tiny_model_factory(arch, TinyShape(), extra)
     model = ChatModel(folder, mode="resident", device="cpu")
     prompt = model.prompt_ids(QUESTION)
@@ -205,24 +209,26 @@ def test_not_a_model_folder_is_one_clear_error(tmp_path, tiny_model_factory):
         ChatModel(broken, mode="fast")
 
 
-def test_a_lora_adapter_folder_chats_like_its_merged_model(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5_text"])
+def test_a_lora_adapter_folder_chats_like_its_merged_model(tiny_model_factory, tmp_path, arch):
     """An adapter folder (a LoRA run's final/) is its base with s * B @ A added: the layers equal
-    those of the merged folder (W + s * B @ A in fp32, written out) and so does the reply."""
+    those of the merged folder (W + s * B @ A in fp32, written out) and so does the reply
+    (Qwen3.5: the gated DeltaNet layers have no q_proj or v_proj, only the MLP's adapter)."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    from slideformer.engine.models.lora import PROJECTIONS, LoraSpec
+    from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, layer_targets
     from slideformer.engine.models.spec import load_spec
     from slideformer.engine.models.weights import hf_name
     from slideformer.engine.train.lora_export import PEFT_PREFIX, adapter_config
-    base = tiny_model_factory("llama")
+    base = tiny_model_factory(arch)
     spec, g = load_spec(base), torch.Generator().manual_seed(0)
     lora = LoraSpec(rank=4, alpha=8.0, dropout=0.0, targets=("q_proj", "v_proj", "down_proj"))
     tensors = {}
     for i in range(spec.num_layers):
-        for t in lora.targets:
-            out, inp = spec.layer_layout.shape(PROJECTIONS[t] + ".weight")
+        for t in layer_targets(spec, lora, i):
+            out, inp = spec.layout(i).shape(PROJECTIONS[t] + ".weight")
             name = PEFT_PREFIX + hf_name(f"layer{i}", PROJECTIONS[t])
             tensors[f"{name}.lora_A.weight"] = torch.randn(lora.rank, inp, generator=g)
             tensors[f"{name}.lora_B.weight"] = torch.randn(out, lora.rank, generator=g)

@@ -72,6 +72,19 @@ VARIANTS = [
                                                     "swiglu_limit": 0.05}, id="gpt_oss-mha-clamped"),
     pytest.param("gemma3_text", TinyShape(tie=False), {"rope_scaling": {
         "rope_type": "linear", "factor": 4.0}}, id="gemma3-untied-rope_linear"),
+    # sliding layers (head 16, 2 KV heads, window 8) and full layers (head 32, 1 KV head, keys
+    # as values, proportional RoPE on 4 of 16 frequency pairs); value norm, layer scalars,
+    # logits soft-capped
+    pytest.param("gemma4_text", TinyShape(), None, id="gemma4"),
+    # experts top-2 of 4 beside the dense MLP of every layer
+    pytest.param("gemma4_text", TinyShape(), {"enable_moe_block": True}, id="gemma4_moe"),
+    # full layers with v_proj and the sliding layers' KV heads; a scaled proportional RoPE
+    pytest.param("gemma4_text", TinyShape(tie=True), {
+        "attention_k_eq_v": False, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                               "factor": 2.0, "rope_theta": 100000.0}}},
+        id="gemma4-v_proj-tied-rope_proportional"),
 ]
 
 
@@ -80,7 +93,7 @@ def hf_as_ours(spec, tensors: dict) -> dict:
     ``down_proj``, the router as ``mlp.gate``) under the engine's names (one stacked tensor
     per projection, under the family's checkpoint prefix)."""
     m = spec.family.moe
-    if m is None or m.gpt_oss:  # GPT-OSS: transformers' names and layout are the engine's
+    if m is None or m.fused_stacked:  # GPT-OSS, Gemma 4: transformers' names and layout
         return tensors
     out = {}
     for name, t in tensors.items():
@@ -149,6 +162,8 @@ def test_gradients_match_transformers(arch, shape, extra, tiny_model_factory, lo
     ref_grads = hf_as_ours(ours.spec, {name: p.grad for name, p in ref.named_parameters()})
     ours_grads = {hf_name(item, local): g for item, flat, layout in ours.items()
                   for local, g in layout.views(flat.grad).items()}
+    buffers = {n for n in ours_grads if n.endswith(".layer_scalar")}  # Gemma 4's: not trained
+    assert all(not ours_grads.pop(n).any() for n in buffers)
     assert ours_grads.keys() == ref_grads.keys()
     errors = {name: rel_err(g, ref_grads[name]) for name, g in ours_grads.items()}
     worst = max(errors, key=errors.get)
@@ -158,12 +173,13 @@ def test_gradients_match_transformers(arch, shape, extra, tiny_model_factory, lo
 @pytest.mark.parametrize("arch,shape,extra", [
     v for v in VARIANTS if v.id in ("llama-rope_llama3", "qwen2-tied", "qwen3-head_dim24",
                                     "mixtral", "qwen3_moe", "gemma3", "smollm3",
-                                    "gpt_oss-rope_yarn")])
+                                    "gpt_oss-rope_yarn", "gemma4_moe")])
 def test_folder_saved_by_transformers(arch, shape, extra, tiny_model_factory, tmp_path,
                                       load_dense, load_hf):
     """A folder written by save_pretrained: its config spelling (transformers 5 moves
-    rope_scaling into rope_parameters, Gemma's RoPE per layer type), its sharding, its
-    tied-weight omissions, experts saved one tensor each (their checkpoints' names)."""
+    rope_scaling into rope_parameters, Gemma's RoPE per layer type, Gemma 4's full layers'
+    heads as per_layer_config), its sharding, its tied-weight omissions, experts saved one
+    tensor each (their checkpoints' names)."""
     src = tiny_model_factory(arch, shape, extra)
     ref = load_hf(src)
     ref.save_pretrained(tmp_path / "hf", max_shard_size="100KB")

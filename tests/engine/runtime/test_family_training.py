@@ -36,7 +36,7 @@ from tests.engine.models.test_models import hf_as_ours
 from tests.engine.runtime.test_sliding_equivalence import make_batches
 
 FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "olmo3", "phi3", "smollm3", "gemma3_text",
-            "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text"]
+            "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "gemma4_text"]
 STEPS = 3
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=1,
                     max_grad_norm=0.5)
@@ -114,7 +114,9 @@ gradient of it shows in the weights."""
 CASES = [pytest.param(a, EXTRA.get(a), id=a) for a in FAMILIES] + [
     pytest.param(a, {**EXTRA.get(a, {}), **AUX}, id=f"{a}-router_aux")
     for a in ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text")] + [
-    pytest.param("qwen3_moe", {"mlp_only_layers": [0], **AUX}, id="qwen3_moe-dense_layer-router_aux")]
+    pytest.param("qwen3_moe", {"mlp_only_layers": [0], **AUX}, id="qwen3_moe-dense_layer-router_aux"),
+    # experts beside every dense MLP (transformers' Gemma 4 adds no router loss)
+    pytest.param("gemma4_text", {"enable_moe_block": True}, id="gemma4_text-moe")]
 
 
 @pytest.mark.parametrize("arch,extra", CASES)
@@ -144,8 +146,10 @@ def test_family_trains_as_transformers_does(arch, extra, tiny_model_factory, loa
 
 
 def _weights(spec, model) -> dict:
-    """transformers' parameters by checkpoint name, one tensor per expert."""
+    """transformers' parameters by checkpoint name, one tensor per expert, and Gemma 4's layer
+    scalars (buffers there: the engine must leave them as they were)."""
     named = hf_as_ours(spec, {n: p.detach() for n, p in model.named_parameters()})
+    named |= {n: b for n, b in model.named_buffers() if n.endswith(".layer_scalar")}
     out = {}
     for item in item_names(spec):
         for local, _, _ in item_layout(spec, item).entries:

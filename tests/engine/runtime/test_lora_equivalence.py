@@ -108,29 +108,41 @@ def run_lora(spec, host, lora, steps, optim, shape):
     return losses
 
 
+ADAPTER_TOL = {"gemma4_text": 1e-4}
+"""Adapters' relative difference allowed where fp32 rounding alone reaches 1e-5 (else 1e-5).
+Gemma 4 does not scale its scores (normed q and k: scores up to head_dim, a peaked softmax), so
+rounding grows from layer to layer, and Adam's first step normalises the gradients of entries
+that cancel to ~1e-6 of the largest. Measured on the tiny model (3 steps): PEFT in fp32 and in
+fp64 differ by 3.9e-4 in layer 0's adapters, the engine and fp64 PEFT by 4.2e-4, the engine and
+fp32 PEFT by 2.8e-5 (1.1e-5 with experts)."""
+
+
 def assert_same(spec, lora, host, model, losses, ref_losses):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    tol = ADAPTER_TOL.get(spec.model_type, 1e-5)
     for i in range(spec.num_layers):
         a, b = host[adapter_name(i)].master(), adapter_params(model, spec, lora, i)
         if not b.numel():  # a layer with none of the targets (a gated DeltaNet layer of an MoE)
             assert not a.numel()
             continue
         rel = ((a - b).norm() / b.norm()).item()
-        assert rel < 1e-5, f"layer {i} adapters: relative difference {rel:.2e}"
+        assert rel < tol, f"layer {i} adapters: relative difference {rel:.2e}"
 
 
 EXTRA = {"qwen3_moe-dense_layer": ("qwen3_moe", {"mlp_only_layers": [1]}),
          "qwen3_5_text": ("qwen3_5_text", {"layer_types": [
              "linear_attention", "full_attention", "linear_attention"]}),
          "qwen3_5_moe_text": ("qwen3_5_moe_text", {"layer_types": [
-             "linear_attention", "full_attention", "linear_attention"]})}
+             "linear_attention", "full_attention", "linear_attention"]}),
+         "gemma4_text-moe": ("gemma4_text", {"enable_moe_block": True})}
 """Layers of two shapes: Qwen3-MoE's dense layer among sparse ones (the dense one's MLP is not
 adapted either), Qwen3.5's gated DeltaNet layers (their MLP adapted, the attention of the full
-layer too)."""
+layer too), Gemma 4's experts beside the dense MLP (which PEFT adapts) of sliding and full
+layers (no v_proj: its keys are the values)."""
 
 
 @pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3",
-                                        "gemma3_text", "gpt_oss", *EXTRA])
+                                        "gemma3_text", "gpt_oss", "gemma4_text", *EXTRA])
 def family_model(request, tmp_path_factory):
     arch, extra = EXTRA.get(request.param, (request.param, None))
     d = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", arch,

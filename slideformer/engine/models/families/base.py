@@ -65,9 +65,33 @@ class Moe:
     """The prefix of a shared expert every token goes through beside its routed ones, a gated
     MLP of ``shared_expert_intermediate_size`` scaled per token by sigmoid of
     ``{shared}_gate.weight`` (1, H) (Qwen3.5-MoE: "mlp.shared_expert"); None: none."""
+    gemma4: bool = False
+    """Gemma 4's experts, which run beside the layer's dense MLP (models.moe.beside_mlp): the
+    router reads the residual stream through an RMSNorm without weight, scaled by
+    ``router.scale`` (H,) and 1/sqrt(H), and multiplies each token's renormalised top-k
+    weights by ``router.per_expert_scale`` (E,); the experts read
+    ``pre_feedforward_layernorm_2`` of the stream; gate and up are one projection ``gate``
+    (gate its first half of the outputs, up the second), stored (E, out, in) under their own
+    names without ``.weight``, stacked on disk too; the experts' output is normed by
+    ``post_feedforward_layernorm_2`` and added to the MLP's, normed by
+    ``post_feedforward_layernorm_1``."""
+    top_k_key: str = "num_experts_per_tok"
+    """config.json's number of experts per token (Gemma 4: "top_k_experts")."""
+    enable_key: str | None = None
+    """A config.json flag that switches the experts on (Gemma 4: "enable_moe_block"; off: a
+    dense model); None: always on."""
+    aux_loss: bool = True
+    """The causal LM adds the router's load-balancing loss while ``output_router_logits`` is
+    on (Gemma 4's does not)."""
 
     def stacked(self, proj: str) -> str:
-        return f"{self.experts}.{proj}" + ("" if self.gpt_oss else ".weight")
+        return f"{self.experts}.{proj}" + ("" if self.fused_stacked else ".weight")
+
+    @property
+    def fused_stacked(self) -> bool:
+        """The experts are stored stacked on disk, gate and up in one tensor, under their own
+        names (GPT-OSS, Gemma 4)."""
+        return self.gpt_oss or self.gemma4
 
     def bias(self, proj: str) -> str:
         """An expert projection's stacked bias (GPT-OSS)."""
@@ -162,6 +186,14 @@ class Family:
     linear: bool = False
     """``layer_types`` may mark layers "linear_attention": gated DeltaNet instead of softmax
     attention (Qwen3.5; models.deltanet)."""
+    norm_fp32: bool = False
+    """The norms scale in fp32 and round once, as transformers' Gemma norms do (implied by
+    ``norm_offset`` 1; Gemma 4's norms scale by the weight itself)."""
+    v_norm: bool = False
+    """The values are RMS-normed per head, without a weight (Gemma 4)."""
+    layer_scalar: bool = False
+    """Each layer's output is multiplied by its ``layer_scalar`` (1,), read from the checkpoint
+    (Gemma 4: a buffer in transformers, not a parameter: never trained here either)."""
 
 
 # ---- config.json readers shared by the families --------------------------------------------
@@ -236,9 +268,12 @@ def all_layers(kind: str, num_layers: int) -> tuple[str, ...]:
 _ROPE_KEYS = {"linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                          "original_max_position_embeddings"),
-              "yarn": ("factor", "original_max_position_embeddings")}
-_YARN_OPTIONAL = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
-"""YaRN's optional numbers (positive where given; transformers' defaults otherwise)."""
+              "yarn": ("factor", "original_max_position_embeddings"),
+              "proportional": ()}
+_OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
+             "proportional": ("factor", "partial_rotary_factor")}
+"""Optional numbers of a rope_scaling type (positive where given; transformers' defaults
+otherwise). Gemma 4's "proportional" RoPE: models.layers.rope_inv_freq."""
 
 
 def rope_of(cfg: dict, path: Path, default_theta: float = 10000.0
@@ -264,13 +299,16 @@ def rope_of(cfg: dict, path: Path, default_theta: float = 10000.0
         return theta, None
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:
         raise UserError(path, f"{key} type {kind!r} is not supported",
-                        "supported: none, linear, llama3, yarn")
+                        "supported: none, linear, llama3, yarn, proportional")
     missing = [k for k in _ROPE_KEYS[kind] if isinstance(rs.get(k), bool)
                or not isinstance(rs.get(k), (int, float)) or not 0 < rs[k] < math.inf]
+    missing += [k for k in _OPTIONAL.get(kind, ()) if rs.get(k) is not None and (
+        isinstance(rs[k], bool) or not isinstance(rs[k], (int, float))
+        or not 0 < rs[k] < math.inf)]
+    if kind == "proportional" and rs.get("partial_rotary_factor", 1.0) > 1.0:
+        raise UserError(path, f"{key}.partial_rotary_factor is {rs['partial_rotary_factor']!r}, "
+                        "more than the whole head", FIX)
     if kind == "yarn":
-        missing += [k for k in _YARN_OPTIONAL if rs.get(k) is not None and (
-            isinstance(rs[k], bool) or not isinstance(rs[k], (int, float))
-            or not 0 < rs[k] < math.inf)]
         if not isinstance(rs.get("truncate", True), bool):
             raise UserError(path, f"{key}.truncate is {rs['truncate']!r}, not true or false", FIX)
     if missing:
