@@ -15,7 +15,8 @@ are the engine's promise:
 - **GGUF and Ollama**: :func:`gguf_export_path` (where ``slideformer export-gguf`` writes),
   :func:`send_to_ollama` (``ollama create`` from an exported GGUF, or how to do it by hand).
 - **Data**: :func:`analyse_data` (``slideformer data inspect``, the Data page); preference
-  pairs and GRPO's prompts (``data inspect --pairs`` / ``--prompts``): :func:`records_kind`,
+  pairs, KTO's labelled replies and GRPO's prompts (``data inspect --pairs`` / ``--kto`` /
+  ``--prompts``): :func:`records_kind`,
   :func:`describe_pairs`, :func:`describe_prompts`.
 - **Runs**: :class:`RunClient` starts, follows, pauses, resumes and stops a run through its
   folder, whoever started it; the event dataclasses are what its ``events.jsonl`` holds.
@@ -176,7 +177,8 @@ slideformer.engine.data.formats refuses it)."""
 
 def records_kind(cfg: DataConfig) -> str:
     """Which reader shows ``cfg.train``, from its first record: ``"pairs"`` (TRL's prompt,
-    chosen, rejected: :func:`describe_pairs`), ``"prompts"`` (a prompt and its answer:
+    chosen, rejected: :func:`describe_pairs`), ``"kto"`` (TRL's prompt, completion, label:
+    :func:`describe_pairs` with ``kto``), ``"prompts"`` (a prompt and its answer:
     :func:`describe_prompts`), or ``"sft"`` (:func:`analyse_data`, which refuses what it does
     not read with its own message). The first two are the records supervised fine-tuning
     refuses as preference pairs and as GRPO's prompts.
@@ -190,20 +192,25 @@ def records_kind(cfg: DataConfig) -> str:
         return "sft"
     if any(v.get(k) is not None for k in PREFERENCE_KEYS):
         return "pairs"
+    if v.get("kto_tag") is not None or (v.get("label") is not None
+                                        and ("completion" in v or "prompt" in v)):
+        return "kto"
     if v.get("prompt") is not None and v.get("answer") is not None \
             and not any(k in v for k in _REPLY_KEYS):
         return "prompts"
     return "sft"
 
 
-def describe_pairs(cfg: DataConfig, model_path: Path | str, samples: int = 3) -> PairReport:
+def describe_pairs(cfg: DataConfig, model_path: Path | str, samples: int = 3,
+                   kto: bool = False) -> PairReport:
     """``data inspect --pairs``: ``cfg.train``'s preference pairs as train.objective dpo, orpo
-    and simpo read them (counts, and the first ``samples`` pairs with their responses marked).
+    and simpo read them (counts, and the first ``samples`` pairs with their responses marked);
+    ``kto`` (``--kto``): labelled replies as train.objective kto reads them.
 
     Raises:
         UserError: naming the first bad record (file:line), the problem and the fix.
     """
-    return _describe_pairs(cfg, load_tokenizer(model_path), samples)
+    return _describe_pairs(cfg, load_tokenizer(model_path), samples, kto)
 
 
 @dataclass(frozen=True)

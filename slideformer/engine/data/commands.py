@@ -45,6 +45,9 @@ def register(sub) -> None:
     q.add_argument("--pairs", action="store_true",
                    help="read preference pairs (prompt, chosen, rejected) as train.objective = "
                         "dpo, orpo or simpo does, and show their responses")
+    q.add_argument("--kto", action="store_true",
+                   help="read labelled replies (prompt, completion, label) as train.objective = "
+                        "kto does, and show their responses")
     q.add_argument("--prompts", action="store_true",
                    help="read prompts (with answers) as train.objective = grpo does, and show "
                         "what the model is asked")
@@ -69,7 +72,7 @@ def _config(a) -> DataConfig:
 
 def _inspect(a) -> int:
     from slideformer.engine.data.analysis import analyse_data
-    if a.pairs:
+    if a.pairs or a.kto:
         return _inspect_pairs(a)
     if a.prompts:
         return _inspect_prompts(a)
@@ -93,17 +96,26 @@ def _inspect(a) -> int:
 def _inspect_pairs(a) -> int:
     from slideformer.engine.data.preference import describe_pairs
     from slideformer.engine.models.tokenizer import load_tokenizer
-    found = describe_pairs(_config(a), load_tokenizer(a.model), a.samples)
+    found = describe_pairs(_config(a), load_tokenizer(a.model), a.samples, kto=a.kto)
     if a.json:
         print(json.dumps({"file": a.file, **dataclasses.asdict(found)}, indent=2,
                          ensure_ascii=False))
         return 0
     color = sys.stdout.isatty()
     template = f" (chat template: {found.template})" if found.template else " (plain strings)"
-    lines = [f"file        {a.file}", f"pairs       {found.pairs:,}{template}",
-             f"tokens      prompt {found.prompt_tokens:.1f}, chosen reply {found.chosen_tokens:.1f}, "
-             f"rejected reply {found.rejected_tokens:.1f} (means; the replies' tokens count)",
-             f"truncated   {found.truncated:,} pairs cut at {a.max_seq_len} tokens"]
+    if a.kto:
+        lines = [f"file        {a.file}", f"replies     {found.pairs:,}{template}: "
+                 f"{found.desirable:,} desirable, {found.pairs - found.desirable:,} undesirable",
+                 f"tokens      prompt {found.prompt_tokens:.1f}, desirable reply "
+                 f"{found.chosen_tokens:.1f}, undesirable reply {found.rejected_tokens:.1f} "
+                 "(means; the replies' tokens count)",
+                 f"truncated   {found.truncated:,} replies cut at {a.max_seq_len} tokens"]
+    else:
+        lines = [f"file        {a.file}", f"pairs       {found.pairs:,}{template}",
+                 f"tokens      prompt {found.prompt_tokens:.1f}, chosen reply "
+                 f"{found.chosen_tokens:.1f}, rejected reply {found.rejected_tokens:.1f} "
+                 "(means; the replies' tokens count)",
+                 f"truncated   {found.truncated:,} pairs cut at {a.max_seq_len} tokens"]
     legend = "green" if color else "[[...]]"
     for where, side, pieces in found.samples:
         lines.append(f"--- {where}, {side} (the response, whose log-probability counts, in "

@@ -152,7 +152,8 @@ def _refuse_kind(rec: Record) -> None:
                                                                   or "prompt" in v)):
         raise UserError(rec.where, "the record holds KTO preference data (a 'label' marking "
                         "the completion good or bad), which supervised fine-tuning does not read",
-                        "train with train.objective = \"kto\" (CLI --objective kto) on records "
+                        "train with train.objective = \"kto\" (CLI --objective kto; `slideformer "
+                        "data inspect FILE --kto` shows them) on records "
                         "{\"prompt\", \"completion\", \"label\"} as TRL writes them, or keep "
                         "the records labelled true as an Alpaca file (prompt -> instruction, "
                         "completion -> output)")

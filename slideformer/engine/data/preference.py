@@ -322,19 +322,37 @@ class PairReport:
     chosen_tokens: float
     """Mean response tokens (log-probability terms) of the chosen replies."""
     rejected_tokens: float
+    """KTO: mean response tokens of the undesirable replies (``chosen_tokens``: desirable)."""
     samples: list
-    """(where, "chosen" or "rejected", [(text piece, is response)]) of the first pairs."""
+    """(where, "chosen" or "rejected" (KTO: "desirable" or "undesirable"), [(text piece, is
+    response)]) of the first pairs (KTO: labelled replies)."""
+    desirable: int | None = None
+    """KTO: how many replies are labelled desirable (None: pairs)."""
 
 
-def describe_pairs(cfg: DataConfig, tok: TokenizerInfo, n: int = 3) -> PairReport:
-    found = read_pairs(cfg, tok)
+def describe_pairs(cfg: DataConfig, tok: TokenizerInfo, n: int = 3, kto: bool = False
+                   ) -> PairReport:
+    """Counts and the first pairs (``kto``: labelled replies, as train.objective kto reads
+    them: each record's own reply, its label, not the mismatched neighbour it is compared
+    with) with their responses marked."""
+    found = read_pairs(cfg, tok, kto=kto)
     ps = found.pairs
+
+    def mean_reply(seqs) -> float:
+        return float(np.mean([int(s.mask.sum()) for s in seqs])) if seqs else 0.0
+    prompt = float(np.mean([int(np.argmax(p.chosen.mask)) for p in ps]))
+    if kto:
+        good = [p.chosen for p in ps if p.desirable]
+        bad = [p.chosen for p in ps if not p.desirable]
+        samples = [(p.where, "desirable" if p.desirable else "undesirable",
+                    _pieces(tok, p.chosen)) for p in ps[:n]]
+        return PairReport(len(ps), found.truncated, found.template, prompt, mean_reply(good),
+                          mean_reply(bad), samples, len(good))
     samples = [(p.where, side, _pieces(tok, s)) for p in ps[:n]
                for side, s in (("chosen", p.chosen), ("rejected", p.rejected))]
-    return PairReport(len(ps), found.truncated, found.template,
-                      float(np.mean([int(np.argmax(p.chosen.mask)) for p in ps])),
-                      float(np.mean([int(p.chosen.mask.sum()) for p in ps])),
-                      float(np.mean([int(p.rejected.mask.sum()) for p in ps])), samples)
+    return PairReport(len(ps), found.truncated, found.template, prompt,
+                      mean_reply([p.chosen for p in ps]), mean_reply([p.rejected for p in ps]),
+                      samples)
 
 
 def _pieces(tok: TokenizerInfo, s: Sequence) -> list[tuple[str, bool]]:

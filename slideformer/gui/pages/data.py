@@ -464,14 +464,18 @@ class DataPage(QWidget):
 
     def _show_pairs(self, report: PairsReport) -> None:
         found, seq_len = report.found, report.cfg.max_seq_len
-        self.detected.setText(kind_line("pairs", "; chat messages, templated" if found.template
+        kto = found.desirable is not None
+        self.detected.setText(kind_line("kto" if kto else "pairs",
+                                        "; chat messages, templated" if found.template
                                         else "; plain strings, not templated"))
         self._show_summary(pairs_summary(found, seq_len))
         self.preview.setHtml(pairs_html(found))
-        cut = (f"\n{found.truncated:,} pairs have a reply longer than the sequence length "
+        what = "labelled replies" if kto else "preference pairs"
+        cut = (f"\n{found.truncated:,} {what} have a reply longer than the sequence length "
                f"({seq_len:,} tokens), cut at the limit." if found.truncated else "")
-        self._show_status("info" if cut else "ok", f"Ready: {found.pairs:,} preference pairs, "
-                          f"read as train.objective dpo, orpo and simpo read them.{cut}")
+        read = "train.objective kto reads" if kto else "train.objective dpo, orpo and simpo read"
+        self._show_status("info" if cut else "ok",
+                          f"Ready: {found.pairs:,} {what}, read as {read} them.{cut}")
 
     def _show_prompts(self, report: PromptsReport) -> None:
         found = report.found

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from PySide6.QtCore import QObject, Signal
@@ -37,6 +38,10 @@ VIEWS = {
               (f'<span style="{TRAINED_STYLE}">&nbsp;response (its log-probability counts)'
                f'&nbsp;</span>&nbsp;&nbsp;<span style="{MASKED_STYLE}">prompt, template</span>'
                f'{LINE_BREAK}')),
+    "kto": ("What the model sees: the first labelled replies",
+            (f'<span style="{TRAINED_STYLE}">&nbsp;response (its log-probability counts)'
+             f'&nbsp;</span>&nbsp;&nbsp;<span style="{MASKED_STYLE}">prompt, template</span>'
+             f'{LINE_BREAK}')),
     "prompts": ("What the model is asked: the first prompts, templated",
                 (f'the prompt (the reply is sampled after it)&nbsp;&nbsp;<span '
                  f'style="{ANSWER_STYLE}">&nbsp;answer&nbsp;</span>&nbsp;what the answer check '
@@ -45,12 +50,14 @@ VIEWS = {
 """The preview's title and legend for each kind of file."""
 DETECTED = {"pairs": "detected: preference pairs (prompt, chosen, rejected) for DPO, ORPO or "
                      "SimPO",
+            "kto": "detected: labelled replies (prompt, completion, label) for KTO",
             "prompts": "detected: prompts with answers for GRPO"}
 """What the settings line says a file of pairs or prompts is."""
 SUMMARY_ROWS = {
     "sft": ("Records", "Validation", "Tokens", "Trained tokens", "Sequences", "Truncated",
             "Left out"),
     "pairs": ("Pairs", "Prompt", "Chosen reply", "Rejected reply", "Truncated"),
+    "kto": ("Replies", "Prompt", "Desirable reply", "Undesirable reply", "Truncated"),
     "prompts": ("Prompts", "With answers", "Prompt", "Replies"),
 }
 """The Summary's rows for each kind of file (:func:`slideformer.engine.api.records_kind`)."""
@@ -102,8 +109,9 @@ def analyse(cfg: DataConfig, model_path: str, cache_dir: Path,
     kind = records_kind(cfg)
     progress.read_as.emit(cfg, kind)
     if kind != "sft":
-        describe, report = ((describe_pairs, PairsReport) if kind == "pairs" else
-                            (describe_prompts, PromptsReport))
+        describe, report = {"pairs": (describe_pairs, PairsReport),
+                            "kto": (partial(describe_pairs, kto=True), PairsReport),
+                            "prompts": (describe_prompts, PromptsReport)}[kind]
         head = replace(cfg, max_samples=min(cfg.max_samples or SAMPLES, SAMPLES))
         progress.previewed.emit(cfg, report(cfg, describe(head, model_path, SAMPLES)))
         return report(cfg, describe(cfg, model_path, SAMPLES))
@@ -144,13 +152,18 @@ def sft_summary(s: DataStats) -> dict[str, str]:
 
 
 def pairs_summary(found: PairReport, seq_len: int) -> dict[str, str]:
-    """The Summary rows of preference pairs (``data inspect --pairs``'s counts)."""
-    return dict(zip(SUMMARY_ROWS["pairs"], (
-        f"{found.pairs:,}",
+    """The Summary rows of preference pairs or KTO's labelled replies (``data inspect
+    --pairs`` / ``--kto``'s counts)."""
+    kto = found.desirable is not None
+    n = ((f"{found.pairs:,}: {found.desirable:,} desirable, "
+          f"{found.pairs - found.desirable:,} undesirable") if kto else f"{found.pairs:,}")
+    return dict(zip(SUMMARY_ROWS["kto" if kto else "pairs"], (
+        n,
         f"{found.prompt_tokens:,.1f} tokens on average",
         f"{found.chosen_tokens:,.1f} tokens on average",
         f"{found.rejected_tokens:,.1f} tokens on average",
-        f"{found.truncated:,} pairs with a reply cut at {seq_len:,} tokens")))
+        f"{found.truncated:,} {'replies' if kto else 'pairs with a reply'} cut at "
+        f"{seq_len:,} tokens")))
 
 
 def prompts_summary(found: PromptReport, seq_len: int) -> dict[str, str]:
@@ -176,9 +189,12 @@ def sample_html(shown: Preview) -> str:
 def pairs_html(found: PairReport) -> str:
     """The first pairs, chosen then rejected: the responses on green, as trained text is."""
     blocks, first = [], {}
+    what = "pair" if found.desirable is None else "reply"
     for where, side, pieces in found.samples:
         k = first.setdefault(where, len(first) + 1)
-        blocks.append(_block(f"pair {k} ({_name(where)}): the {side} reply", _spans(pieces)))
+        title = (f"pair {k} ({_name(where)}): the {side} reply" if what == "pair" else
+                 f"reply {k} ({_name(where)}): {side}")
+        blocks.append(_block(title, _spans(pieces)))
     return "".join(blocks)
 
 

@@ -250,3 +250,19 @@ def test_data_inspect_pairs_shows_the_responses(tiny_run, root, capsys):
     assert f"[[{first['chosen']}" in out and f"[[{first['rejected']}" in out
     assert main(["data", "inspect", str(root / "pairs.jsonl"), "--model", model]) == 2
     assert "--objective dpo" in capsys.readouterr().err
+
+
+def test_data_inspect_kto_shows_each_reply_with_its_label(tiny_run, root, capsys):
+    from slideformer.engine.cli import main
+    model = tiny_run(root / "runs" / "unused").model.path
+    records = [json.loads(line) for line in (root / "kto.jsonl").read_text().splitlines()]
+    good = sum(r["label"] for r in records)
+    assert main(["data", "inspect", str(root / "kto.jsonl"), "--model", model, "--kto",
+                 "--samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"replies     {len(records)} (plain strings): {good} desirable, " \
+           f"{len(records) - good} undesirable" in out
+    first = "desirable" if records[0]["label"] else "undesirable"
+    assert f"kto.jsonl:1, {first} (the response" in out and f"[[{records[0]['completion']}" in out
+    assert main(["data", "inspect", str(root / "kto.jsonl"), "--model", model]) == 2
+    assert "--kto" in capsys.readouterr().err

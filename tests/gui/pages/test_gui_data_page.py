@@ -190,16 +190,24 @@ def test_a_bad_pair_shows_its_message_and_no_stale_figures(qtbot, page, tmp_path
     assert page.report is None
 
 
-def test_kto_records_keep_the_sft_readers_message(qtbot, page, tmp_path):
-    good = alpaca_file(tmp_path / "alpaca.jsonl")
-    analysed(qtbot, page, lambda: page.set_file(str(good)))
-    path = write_jsonl(tmp_path / "kto.jsonl", [
-        {"prompt": "Name a prime.", "completion": "7", "label": True},
-        {"prompt": "Name a prime.", "completion": "8", "label": False}])
-    page.set_file(str(path))
-    qtbot.waitUntil(lambda: page.status.property("state") == "error", timeout=30000)
-    assert "kto.jsonl:1" in page.status.text() and 'objective = "kto"' in page.status.text()
-    assert page.fields["Records"].text() == "—" and "say 0" not in page.preview.toPlainText()
+def test_kto_replies_show_their_labels_and_responses(qtbot, page, tiny_llama, tmp_path):
+    """KTO's labelled replies: counts as train.objective kto reads them (each record's own
+    reply and label), the responses marked as a pair's are."""
+    from slideformer.engine.data.preference import read_pairs
+    records = [{"prompt": f"Name a prime above {i}.", "completion": c, "label": ok}
+               for i, (c, ok) in enumerate([("7", True), ("8", False), ("11", True)])]
+    path = write_jsonl(tmp_path / "kto.jsonl", records)
+    report = analysed(qtbot, page, lambda: page.set_file(str(path)))
+    assert isinstance(report, PairsReport) and report.found.desirable == 2
+    tok = load_tokenizer(tiny_llama)
+    found = read_pairs(DataConfig(train=str(path)), tok, kto=True).pairs
+    assert [p.desirable for p in found] == [True, False, True]
+    assert report.found.rejected_tokens == int(found[1].chosen.mask.sum())  # the undesirable one
+    assert page.fields["Replies"].text() == "3: 2 desirable, 1 undesirable"
+    text = page.preview.toPlainText()
+    assert "reply 1 (kto.jsonl:1): desirable" in text and "reply 2 (kto.jsonl:2): undesirable" in text
+    assert "labelled replies (prompt, completion, label) for KTO" in page.detected.text()
+    assert page.status.property("state") == "ok" and "3 labelled replies" in page.status.text()
 
 
 def test_pairs_are_read_off_the_gui_thread_and_the_first_show_at_once(qtbot, page, tmp_path,
