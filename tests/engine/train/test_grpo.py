@@ -98,6 +98,21 @@ def dense_train(model, steps) -> list[float]:
     return losses
 
 
+def engine_steps(spec, host, steps, grpo: GrpoConfig, lora=None) -> list[float]:
+    """The losses of ``steps`` trained by the sliding executor on ``host`` (OPTIM, 2 slots)."""
+    ex = SlidingExecutor(spec, CpuBackend(), host, ExecShape(micro_batch=MICRO, seq_len=T,
+                                                             n_micro=ACCUM, slots=2),
+                         torch.float32, lora=lora)
+    ex.objective = ("grpo", grpo)
+    losses = []
+    for k, mbs in enumerate(steps, start=1):
+        hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, OPTIM), OPTIM.beta1, OPTIM.beta2,  # noqa: E731
+                                            OPTIM.eps, OPTIM.weight_decay, k, coef)
+        losses.append(ex.train_step(mbs, hyper, OPTIM.max_grad_norm).loss)
+    ex.close()
+    return losses
+
+
 def test_a_grpo_step_is_the_papers_loss(tiny_model_factory, load_hf, tmp_path):
     folder = tiny_model_factory("llama", TinyShape(), seed=1)
     spec = load_spec(folder)
@@ -113,15 +128,7 @@ def test_a_grpo_step_is_the_papers_loss(tiny_model_factory, load_hf, tmp_path):
     ref_losses = dense_train(ref, steps)
     host = build_host_state(spec, CpuBackend(), torch.float32, torch.float32, layer_grads=True)
     load_weights(host, spec, folder)
-    ex = SlidingExecutor(spec, CpuBackend(), host, ExecShape(micro_batch=MICRO, seq_len=T,
-                                                             n_micro=ACCUM, slots=2), torch.float32)
-    ex.objective = ("grpo", GrpoConfig())
-    losses = []
-    for k, mbs in enumerate(steps, start=1):
-        hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, OPTIM), OPTIM.beta1, OPTIM.beta2,  # noqa: E731
-                                            OPTIM.eps, OPTIM.weight_decay, k, coef)
-        losses.append(ex.train_step(mbs, hyper, OPTIM.max_grad_norm).loss)
-    ex.close()
+    losses = engine_steps(spec, host, steps, GrpoConfig())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4,
                                atol=1e-6)
     final = _weights(spec, ref)
@@ -170,16 +177,7 @@ def test_a_lora_grpo_step_with_the_kl_penalty_is_the_papers_loss(tiny_model_fact
         opt.step()
         ref_losses.append(total)
     assert max(kls) > 1e-4  # the adapters move the policy away from the base: the term acts
-    ex = SlidingExecutor(spec, CpuBackend(), host, ExecShape(micro_batch=MICRO, seq_len=T,
-                                                             n_micro=ACCUM, slots=2),
-                         torch.float32, lora=lora)
-    ex.objective = ("grpo", GrpoConfig(kl_beta=beta))
-    losses = []
-    for k, mbs in enumerate(steps, start=1):
-        hyper = lambda coef, k=k: AdamHyper(lr_at(k, STEPS, OPTIM), OPTIM.beta1, OPTIM.beta2,  # noqa: E731
-                                            OPTIM.eps, OPTIM.weight_decay, k, coef)
-        losses.append(ex.train_step(mbs, hyper, OPTIM.max_grad_norm).loss)
-    ex.close()
+    losses = engine_steps(spec, host, steps, GrpoConfig(kl_beta=beta), lora)
     assert_same(spec, lora, host, model, losses, ref_losses)
 
 
