@@ -8,6 +8,7 @@ per invocation, every contender in a process of its own (fresh CUDA context, cle
     python3 benchmarks/lora_bench.py --table 30b-a3b  # Qwen3-30B-A3B (MoE), ours lora, qlora
     python3 benchmarks/lora_bench.py --table 120b-oss # GPT-OSS-120B (MoE, sinks), ours qlora
     python3 benchmarks/lora_bench.py --table 35b-a3b-q35  # Qwen3.5-35B-A3B (hybrid MoE), qlora
+    python3 benchmarks/lora_bench.py --table 31b-gemma4   # Gemma-4 31B (heads of 256 / 512), qlora
     add --tiny for a CPU dry run of the same table on a tiny shape
 
 Weights are random (N(0, 0.02)); ours quantises them layer by layer on the GPU into the host
@@ -47,6 +48,9 @@ TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 102
     "120b-oss": ("gpt-oss-120b", ("ours-qlora",), ((4, 4),)),
     "20b-oss": ("gpt-oss-20b", ("ours-lora", "ours-qlora"), ((4, 4),)),
     "35b-a3b-q35": ("qwen3.5-35b-a3b", ("ours-qlora",), ((4, 4),)),
+    # Gemma 4's full layers have heads of 512, which FlexAttention holds on the GPU; HF+PEFT is
+    # left out: its bf16 folder of 62 GB would be written before the NF4 load (not run)
+    "31b-gemma4": ("gemma-4-31b", ("ours-qlora",), ((4, 4),)),
 }
 GiB = 1 << 30
 MARK = "@@LORA "
@@ -296,7 +300,8 @@ def main() -> None:
     shape, contenders, sizes = TABLES[args.table]
     seq = args.seq
     if args.tiny:
-        tiny = {"gpt_oss": "small-gpt-oss", "qwen3_moe": "small-moe"}.get(
+        tiny = {"gpt_oss": "small-gpt-oss", "qwen3_moe": "small-moe", "gemma4_text": "small-gemma4",
+                "qwen3_5_text": "small-qwen3.5", "qwen3_5_moe_text": "small-qwen3.5"}.get(
             SHAPES[shape].get("model_type"), "tiny")
         shape, seq, sizes = tiny, 32, tuple((2, acc // 4 or 1) for _, acc in sizes)
     print(json.dumps({"versions": versions(), "table": args.table, "shape": shape}))

@@ -72,12 +72,30 @@ SHAPES = {  # published config.json values of the public models
                             shared_expert_intermediate_size=512, num_experts=256,
                             num_experts_per_tok=8, vocab_size=248320, rope_theta=10000000.0,
                             partial_rotary_factor=0.25, tie_word_embeddings=False),
+    # Gemma 4 31B (google/gemma-4-31B's text_config): 50 sliding layers (window 1024, 16 KV
+    # heads of 256) and 10 full ones (4 KV heads of 512, keys as values, proportional RoPE)
+    "gemma-4-31b": dict(model_type="gemma4_text", hidden_size=5376, intermediate_size=21504,
+                        num_hidden_layers=60, num_attention_heads=32, num_key_value_heads=16,
+                        num_global_key_value_heads=4, head_dim=256, global_head_dim=512,
+                        attention_k_eq_v=True, vocab_size=262144, sliding_window=1024,
+                        final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                        num_kv_shared_layers=0, rms_norm_eps=1e-6,
+                        hidden_activation="gelu_pytorch_tanh",
+                        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 10,
+                        tie_word_embeddings=True),
     "small-qwen3.5": dict(model_type="qwen3_5_text", hidden_size=256, intermediate_size=688,  # CPU
                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
                           linear_key_head_dim=32, linear_value_head_dim=32,
                           linear_conv_kernel_dim=4, vocab_size=2048, partial_rotary_factor=0.25,
                           tie_word_embeddings=False),
+    "small-gemma4": dict(model_type="gemma4_text", hidden_size=256, intermediate_size=688,  # CPU
+                         num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                         num_global_key_value_heads=1, head_dim=64, global_head_dim=128,
+                         attention_k_eq_v=True, vocab_size=2048, sliding_window=16,
+                         final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+                         layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                         tie_word_embeddings=True),
     "small-gpt-oss": dict(model_type="gpt_oss", hidden_size=256, intermediate_size=256,  # CPU
                           num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=2, head_dim=64,

@@ -67,15 +67,18 @@ def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling) -> torch.Tensor:
-    """Inverse frequencies (head_dim/2,) in fp32, with linear, llama3, YaRN or proportional
-    ``scaling`` (a spec's sorted items, or None) applied."""
+def rope_inv_freq(head_dim: int, theta: float, scaling, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,) in fp32, with linear, llama3, YaRN, proportional or
+    LongRoPE ``scaling`` (a spec's sorted items, or None) applied; ``long``: LongRoPE's
+    ``long_factor`` (else its ``short_factor``)."""
     hd = head_dim
     inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
     if not scaling:
         return inv
     rs = dict(scaling)
     kind = rs.get("rope_type", rs.get("type"))
+    if kind == "longrope":
+        return inv / torch.tensor(rs["long_factor" if long else "short_factor"])
     if kind == "proportional":
         # Gemma 4's full layers: the first int(p * hd / 2) pairs keep the frequencies of a RoPE
         # over the whole head (not of a RoPE over p * hd dims), the others turn at frequency 0
@@ -121,11 +124,14 @@ def _yarn_inv_freq(inv: torch.Tensor, hd: int, theta: float, factor: float,
 
 
 def rope_attention_factor(scaling) -> float:
-    """What YaRN multiplies the cos and sin tables by (1 for other scalings): its
+    """What YaRN and LongRoPE multiply the cos and sin tables by (1 for other scalings): their
     ``attention_factor``, else 0.1 ln(factor) + 1, or with ``mscale`` and ``mscale_all_dim``
     the ratio of that formula at each (transformers' rule)."""
     rs = dict(scaling or ())
-    if rs.get("rope_type", rs.get("type")) != "yarn":
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "longrope":  # set when the config is read (families.base._longrope)
+        return float(rs.get("attention_factor", 1.0))
+    if kind != "yarn":
         return 1.0
     if rs.get("attention_factor") is not None:
         return float(rs["attention_factor"])
@@ -148,6 +154,12 @@ def rope_tables(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype,
     theta, scaling = spec.local_rope if local else (spec.rope_theta, spec.rope_scaling)
     hd = spec.rotary_dim or head_dim or spec.head_dim
     inv = rope_inv_freq(hd, theta, scaling).to(positions.device)
+    rs = dict(scaling or ())
+    if rs.get("rope_type") == "longrope":
+        # LongRoPE: the long factors for a whole forward whose positions pass the original
+        # context (transformers' rule: max position + 1 > original), chosen on the device
+        inv = torch.where(positions.max() + 1 > rs["original_max_position_embeddings"],
+                          rope_inv_freq(hd, theta, scaling, long=True).to(positions.device), inv)
     freqs = positions.float()[..., None] * inv  # (B, T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (B, T, hd)
     f = rope_attention_factor(scaling)

@@ -22,9 +22,9 @@ from slideformer.engine.errors import UserError
 from slideformer.engine.jsonfile import read_json, surrogate_key
 from slideformer.engine.models.families import FAMILIES, SUPPORTED, TEXT_TOWERS
 from slideformer.engine.models.families.base import (FIX, FULL, LINEAR, SLIDING, DeltaNetShape,
-                                                     Family, all_layers, flag,
-                                                     positive_int, positive_real,
-                                                     rope_of, window)
+                                                     Family, all_layers, check_longrope, flag,
+                                                     positive_int, positive_real, rope_of,
+                                                     window)
 
 if TYPE_CHECKING:  # spec reading needs no torch: ``info`` and ``plan`` start without it
     import torch
@@ -562,6 +562,7 @@ def spec_from_config(cfg: dict, path: Path | str = "config.json") -> ModelSpec:
         layer_types=all_layers(FULL, L), moe=moe)
     if fam.configure is not None:
         values.update(fam.configure(cfg, path, L))
+    check_longrope(values["rope_scaling"], values.get("rotary_dim") or hd, path)
     _check_activation(fam, cfg, path)
     if SLIDING in values["layer_types"]:
         values["sliding_window"] = values["sliding_window"] or window(cfg, path)

@@ -124,8 +124,15 @@ BAD_FOLDERS = [
     ("heads-not-multiple", lambda d: edit_json(d / "config.json", num_key_value_heads=4),
      "config.json", r"num_attention_heads=6 is not a multiple of num_key_value_heads=4"),
     ("rope-unknown-type", lambda d: edit_json(
+        d / "config.json", rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+     "config.json", r"rope_scaling type 'dynamic' is not supported"),
+    ("longrope-no-factors", lambda d: edit_json(
         d / "config.json", rope_scaling={"rope_type": "longrope", "factor": 4.0}),
-     "config.json", r"rope_scaling type 'longrope' is not supported"),
+     "config.json", r"rope_scaling.short_factor is None, not a list of positive numbers"),
+    ("longrope-factors-too-few", lambda d: edit_json(
+        d / "config.json", rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 3,
+                                         "long_factor": [2.0] * 3}),
+     "config.json", r"rope_scaling.short_factor has 3 numbers, but RoPE turns 8 pairs"),
     ("yarn-incomplete", lambda d: edit_json(
         d / "config.json", rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": -1}),
      "config.json", r"lacks a positive original_max_position_embeddings, beta_fast"),

@@ -29,6 +29,11 @@ YARN_ROPE = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 3
                               "beta_slow": 1.0, "original_max_position_embeddings": 64},
              "max_position_embeddings": 256}
 
+PHI4_ROPE = {"partial_rotary_factor": 0.75, "original_max_position_embeddings": 16,
+             "max_position_embeddings": 256,
+             "rope_scaling": {"type": "longrope", "short_factor": [1.0, 1.1, 1.3, 2.0, 3.0, 5.0],
+                              "long_factor": [1.0, 1.5, 4.0, 9.0, 20.0, 40.0]}}
+
 VARIANTS = [
     pytest.param("llama", TinyShape(), None, id="llama"),
     pytest.param("mistral", TinyShape(), None, id="mistral"),
@@ -60,6 +65,9 @@ VARIANTS = [
     pytest.param("smollm3", TinyShape(), None, id="smollm3"),
     pytest.param("phi3", TinyShape(), None, id="phi3"),
     pytest.param("phi3", TinyShape(), {"sliding_window": 8}, id="phi3-window8"),
+    # Phi-4-mini's RoPE: 12 of 16 dimensions turn, LongRoPE from an original context of 16,
+    # so 19-token rows take the long factors (and 8-token rows the short ones: below)
+    pytest.param("phi3", TinyShape(), PHI4_ROPE, id="phi4-partial-rope_longrope"),
     pytest.param("gemma3_text", TinyShape(), None, id="gemma3"),
     # three gated DeltaNet layers and a gated full-attention layer with RoPE on 4 of 16 dims
     pytest.param("qwen3_5_text", TinyShape(), None, id="qwen3_5"),
@@ -138,6 +146,21 @@ def test_rope_scaling_is_applied(arch, shape, extra, tiny_model_factory, load_de
     ids = batch(scaled.spec.vocab_size)
     with torch.no_grad():
         assert rel_err(plain.logits(ids), scaled.logits(ids)) > 1e-3
+
+
+def test_longrope_short_and_long_factors_follow_the_rows(tiny_model_factory, load_dense,
+                                                         load_hf):
+    """LongRoPE picks its factors per forward, by the rows' last position against the original
+    context (16 here): rows of 8 tokens take the short factors, rows of 19 the long ones;
+    both equal transformers, and the two sets give different logits on the same 8 tokens."""
+    folder = tiny_model_factory("phi3", TinyShape(), PHI4_ROPE)
+    ours, ref = load_dense(folder), load_hf(folder)
+    ids = batch(ours.spec.vocab_size)
+    with torch.no_grad():
+        for T in (8, 16, 17, 19):
+            assert rel_err(ours.logits(ids[:, :T]), ref(input_ids=ids[:, :T]).logits) < 1e-4
+        short, long_ = ours.logits(ids[:, :8]), ours.logits(ids)[:, :8]
+    assert rel_err(short, long_) > 1e-3
 
 
 @pytest.mark.parametrize("arch,shape,extra", VARIANTS)

@@ -32,7 +32,7 @@ from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor
 from slideformer.engine.runtime.host_state import AdamHyper
 from slideformer.engine.train.schedule import lr_at
 from slideformer.engine.train.state import build_host_state, load_weights
-from tests.engine.models.test_models import hf_as_ours
+from tests.engine.models.test_models import PHI4_ROPE, hf_as_ours
 from tests.engine.runtime.test_sliding_equivalence import make_batches
 
 FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "olmo3", "phi3", "smollm3", "gemma3_text",
@@ -42,8 +42,9 @@ OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=1
                     max_grad_norm=0.5)
 FLOOR = 2e-5
 """Relative differences that fp32 summation order alone makes (see the module docstring)."""
-EXTRA = {"mixtral": {"sliding_window": 16}}
-"""Mixtral's window (16 of the 24-token rows) on top of its experts."""
+EXTRA = {"mixtral": {"sliding_window": 16}, "phi3": PHI4_ROPE}
+"""Mixtral's window (16 of the 24-token rows) on top of its experts; Phi-3 as Phi-4-mini is:
+RoPE on 12 of 16 dimensions, LongRoPE (the 24-token rows pass its original context of 16)."""
 ALT = {"gpt_oss": {"dtype": torch.float64, "attn_implementation": "eager"}}
 """The noise run of families whose transformers code has no SDPA path (GPT-OSS's sinks): the
 eager model in float64, whose distance from the fp32 run is fp32's rounding itself."""

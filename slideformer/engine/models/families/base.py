@@ -269,9 +269,11 @@ _ROPE_KEYS = {"linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                          "original_max_position_embeddings"),
               "yarn": ("factor", "original_max_position_embeddings"),
-              "proportional": ()}
+              "proportional": (),
+              "longrope": ("original_max_position_embeddings",)}
 _OPTIONAL = {"yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"),
-             "proportional": ("factor", "partial_rotary_factor")}
+             "proportional": ("factor", "partial_rotary_factor"),
+             "longrope": ("factor", "attention_factor")}
 """Optional numbers of a rope_scaling type (positive where given; transformers' defaults
 otherwise). Gemma 4's "proportional" RoPE: models.layers.rope_inv_freq."""
 
@@ -297,9 +299,13 @@ def rope_of(cfg: dict, path: Path, default_theta: float = 10000.0
     kind = rs.get("rope_type", rs.get("type"))
     if not rs or kind == "default":
         return theta, None
+    if kind == "su":  # early Phi-3 releases' name of LongRoPE (transformers' Phi3Config)
+        rs, kind = {**rs, "rope_type": "longrope"}, "longrope"
     if not isinstance(kind, str) or kind not in _ROPE_KEYS:
         raise UserError(path, f"{key} type {kind!r} is not supported",
-                        "supported: none, linear, llama3, yarn, proportional")
+                        "supported: none, linear, llama3, yarn, proportional, longrope")
+    if kind == "longrope":
+        rs = _longrope(cfg, rs, key, path)
     missing = [k for k in _ROPE_KEYS[kind] if isinstance(rs.get(k), bool)
                or not isinstance(rs.get(k), (int, float)) or not 0 < rs[k] < math.inf]
     missing += [k for k in _OPTIONAL.get(kind, ()) if rs.get(k) is not None and (
@@ -316,6 +322,68 @@ def rope_of(cfg: dict, path: Path, default_theta: float = 10000.0
                         f"{', '.join(missing)}", FIX)
     return theta, tuple(sorted((k, v) for k, v in rs.items()
                                if v is not None and not isinstance(v, (list, dict))))
+
+
+def _longrope(cfg: dict, rs: dict, key: str, path: Path) -> dict:
+    """LongRoPE (Ding et al. 2024; Phi-3 and Phi-4 configs), as transformers computes it: the
+    frequencies are divided by ``short_factor`` (one number per rotated pair) while a forward's
+    positions stay within ``original_max_position_embeddings`` and by ``long_factor`` past
+    it; the tables scale by ``attention_factor``, else sqrt(1 + ln f / ln original) with f =
+    ``factor`` or max_position_embeddings / original. A top-level
+    ``original_max_position_embeddings`` (Phi-3's spelling) wins over the dict's, which
+    defaults to max_position_embeddings. The factor
+    lists become tuples (a spec is hashable); their length is checked against the rotated
+    dimensions in :func:`check_longrope`."""
+    rs = {k: v for k, v in rs.items() if k != "type"} | {"rope_type": "longrope"}
+    if cfg.get("original_max_position_embeddings") is not None:
+        rs["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    rs.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+    for name in ("short_factor", "long_factor"):
+        v = rs.get(name)
+        if not isinstance(v, list) or not v or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf
+                for x in v):
+            raise UserError(path, f"{key}.{name} is {str(v)[:60]}, not a list of positive "
+                            "numbers (LongRoPE needs one per rotated pair of dimensions)", FIX)
+        rs[name] = tuple(float(x) for x in v)
+    old = rs.get("original_max_position_embeddings")
+    if isinstance(old, bool) or not isinstance(old, int) or old < 2:
+        raise UserError(path, f"LongRoPE's original_max_position_embeddings is {old!r}, not an "
+                        "integer of at least 2", FIX)
+    if rs.get("attention_factor") is None:
+        factor = rs.get("factor")
+        if factor is None:
+            factor = positive_int(cfg, "max_position_embeddings", path) / old \
+                if cfg.get("max_position_embeddings") is not None else 1.0
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0:
+            rs["attention_factor"] = 1.0 if factor <= 1 else \
+                math.sqrt(1 + math.log(factor) / math.log(old))
+    return rs
+
+
+def rotary_dims(cfg: dict, path: Path, head_dim: int, default: float = 1.0) -> int | None:
+    """The dimensions of a head RoPE turns, ``int(head_dim * partial_rotary_factor)`` as
+    transformers computes them (the factor in ``rope_parameters`` or at the top level), or
+    None when it is the whole head."""
+    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
+    factor = positive_real(rope if "partial_rotary_factor" in rope else cfg,
+                           "partial_rotary_factor", path, default, below=1.0 + 1e-9)
+    rotary = int(head_dim * factor)  # transformers' rule
+    if rotary < 2 or rotary % 2:
+        raise UserError(path, f"partial_rotary_factor {factor:g} of head_dim {head_dim} rotates "
+                        f"{rotary} dimensions, not an even number of at least 2", FIX)
+    return rotary if rotary < head_dim else None
+
+
+def check_longrope(scaling, rotary: int, path: Path) -> None:
+    """LongRoPE's factor lists hold one number per rotated pair of dimensions."""
+    rs = dict(scaling or ())
+    if rs.get("rope_type") != "longrope":
+        return
+    for name in ("short_factor", "long_factor"):
+        if len(rs[name]) != rotary // 2:
+            raise UserError(path, f"rope_scaling.{name} has {len(rs[name])} numbers, but "
+                            f"RoPE turns {rotary // 2} pairs of dimensions", FIX)
 
 
 def rope_per_type(cfg: dict, path: Path, full_theta: float, local_theta: float) -> dict:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.models.families.base import (FIX, FULL, LINEAR, DeltaNetShape, Family,
-                                                     layer_types, positive_int, positive_real)
+                                                     layer_types, positive_int, positive_real,
+                                                     rotary_dims)
 
 
 def text_tower(cfg: dict, path: Path, text_type: str = "qwen3_5_text") -> dict:
@@ -40,15 +41,8 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
         every = positive_int(cfg, "full_attention_interval", path) \
             if cfg.get("full_attention_interval") is not None else 4
         types = tuple(LINEAR if (i + 1) % every else FULL for i in range(num_layers))
-    rope = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else cfg
-    factor = positive_real(rope if "partial_rotary_factor" in rope else cfg,
-                           "partial_rotary_factor", path, 0.25, below=1.0 + 1e-9)
     hd = positive_int(cfg, "head_dim", path) if cfg.get("head_dim") is not None else \
         positive_int(cfg, "hidden_size", path) // positive_int(cfg, "num_attention_heads", path)
-    rotary = int(hd * factor)  # transformers' rule
-    if rotary < 2 or rotary % 2:
-        raise UserError(path, f"partial_rotary_factor {factor:g} of head_dim {hd} rotates "
-                        f"{rotary} dimensions, not an even number of at least 2", FIX)
     linear = None
     if LINEAR in types:
         linear = DeltaNetShape(
@@ -59,7 +53,7 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
         if linear.num_v_heads % linear.num_k_heads:
             raise UserError(path, f"linear_num_value_heads={linear.num_v_heads} is not a "
                             f"multiple of linear_num_key_heads={linear.num_k_heads}", FIX)
-    return {"layer_types": types, "rotary_dim": rotary if rotary < hd else None, "linear": linear}
+    return {"layer_types": types, "rotary_dim": rotary_dims(cfg, path, hd, 0.25), "linear": linear}
 
 
 FAMILY = Family(
