@@ -47,6 +47,13 @@ class Finished:
 @torch.no_grad()
 def forward(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Logits (V,) in fp32 at the last of the new tokens ``ids`` (1, T); the cache grows by T."""
+    return forward_rows(spec, weights, ids, cache)[0]
+
+
+@torch.no_grad()
+def forward_rows(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Logits (B, V) in fp32 at the last of the new tokens ``ids`` (B, T) of B rows at the same
+    positions (a cache of batch B); the cache grows by T."""
     emb = spec.embed_layout.views(weights.embed_w)
     head = spec.head_layout.views(weights.head_w)
     T = ids.shape[1]
@@ -57,8 +64,8 @@ def forward(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache) -> torc
     for i, p in enumerate(weights.layers()):  # to the end: a streamed window frees its slots
         x = decoder_layer(spec, p, x, *inp.at(i), cache.layers[i])
     cache.advance(T)
-    h = final_norm(spec, head["norm.weight"], x[:, -1])  # (1, H)
-    return lm_logits(spec, h, head_weight(spec, head, emb))[0].float()
+    h = final_norm(spec, head["norm.weight"], x[:, -1])  # (B, H)
+    return lm_logits(spec, h, head_weight(spec, head, emb)).float()
 
 
 def generate(spec: ModelSpec, weights, prompt: list[int], cfg: SamplingConfig,

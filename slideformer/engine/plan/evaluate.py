@@ -85,9 +85,10 @@ class Knobs:
     """The adapters' slideformer.engine.models.lora.LoraSpec (lora, qlora)."""
     regen: int | None = None
     """Regenerated layers with clipping (train.clip_regen); None: the planner's choice."""
-    rollout: bool = False
-    """GRPO (train.objective): the model is also held resident to sample replies between steps
-    (memory.rollout_allocations)."""
+    rollout: int = 0
+    """GRPO (train.objective): the replies of one prompt decoded together (grpo.group_size) by
+    the model, also held resident to sample them between steps (memory.rollout_allocations);
+    0: no sampling."""
     speculate: bool = True
     """Speculative layers with clipping; False: a rank of a data-parallel run, which has none
     (slideformer.engine.dist.ranks.rank_shape)."""
@@ -190,7 +191,8 @@ class Evaluator:
             allocs = frozen_allocations(self.spec, shape, k.precision, self.device, k.packed,
                                         k.method, k.lora, disk_layers)
         if k.rollout:
-            allocs = (*allocs, *rollout_allocations(self.spec, k.precision, k.seq_len))
+            allocs = (*allocs, *rollout_allocations(self.spec, k.precision, k.seq_len,
+                                                    k.rollout))
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),

@@ -181,7 +181,7 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
                  checkpoints=b.checkpoints, gpu_layers=b.gpu_layers, clip=o.max_grad_norm > 0,
                  packed=cfg.data.packing and t.objective == "sft", method=t.method,
                  regen=None if t.clip_regen == "auto" else t.clip_regen,
-                 rollout=t.objective == "grpo",
+                 rollout=cfg.grpo.group_size if t.objective == "grpo" else 0,
                  lora=None if t.method == "full" else for_model(lora_spec(cfg.lora), spec))
 
 

@@ -58,7 +58,7 @@ from slideformer.engine.data.records import Record, RecordReader, source_files
 from slideformer.engine.data.stream import same_position
 from slideformer.engine.errors import UserError
 from slideformer.engine.generate.cache import KVCache
-from slideformer.engine.generate.decoder import forward
+from slideformer.engine.generate.decoder import forward, forward_rows
 from slideformer.engine.generate.sampling import SamplingConfig, next_token
 from slideformer.engine.kernels import IGNORE
 
@@ -214,6 +214,31 @@ def sample_reply(spec, weights, prompt: list[int], cfg: SamplingConfig, stop_ids
     return out, False
 
 
+@torch.no_grad()
+def sample_group(spec, weights, prompt: list[int], cfgs: list[SamplingConfig],
+                 stop_ids: frozenset, device, dtype) -> list[tuple[list[int], bool]]:
+    """The replies to one prompt for each of ``cfgs`` (their seeds), decoded together: the
+    prompt runs once as a batch of G identical rows, then each forward takes one token of every
+    row, so a step of decoding reads the weights once for G replies instead of G times. Each
+    row samples with its own seeded generator, as :func:`sample_reply` would alone; a row that
+    has ended is fed its last token again and what follows is dropped."""
+    G, n = len(cfgs), max(c.max_new_tokens for c in cfgs)
+    cache = KVCache(spec, len(prompt) + n, dtype, device, batch=G)
+    gens = [torch.Generator().manual_seed(c.seed) for c in cfgs]
+    logits = forward_rows(spec, weights, torch.tensor([prompt] * G, device=device), cache)
+    out: list[list[int]] = [[] for _ in range(G)]
+    ended = [False] * G
+    while True:
+        for g in range(G):
+            if not ended[g]:
+                out[g].append(next_token(logits[g], cfgs[g], gens[g]))
+                ended[g] = out[g][-1] in stop_ids or len(out[g]) >= cfgs[g].max_new_tokens
+        if all(ended):
+            return [(o, o[-1] in stop_ids) for o in out]
+        last = torch.tensor([[o[-1]] for o in out], device=device)
+        logits = forward_rows(spec, weights, last, cache)
+
+
 def replies_batch(prompts: list[Prompt], replies: list[list[int]], adv: torch.Tensor,
                   seq_len: int, pad_id: int, P: int, G: int) -> GrpoBatch:
     """Row r: ``prompts[r]`` + ``replies[r]`` (cut at ``seq_len``), the reply's tokens the
@@ -250,7 +275,7 @@ class PolicyReader:
 
 
 class Sampler:
-    """``policy(prompt_ids, seed) -> (reply ids, stopped)`` of a GRPO run: the weights being
+    """``policy.group(prompt_ids, seeds) -> [(reply ids, stopped)]`` of a GRPO run: the weights being
     trained, made resident once per step (:meth:`start`, after ``drain`` finished the updates)
     and freed by :meth:`done` before the step trains; sampling stops at the tokenizer's eos or
     the chat template's end-of-turn token."""
@@ -273,18 +298,20 @@ class Sampler:
     def done(self) -> None:
         self.weights = None
 
-    def __call__(self, prompt: list[int], seed: int) -> tuple[list[int], bool]:
+    def group(self, prompt: list[int], seeds: list[int]) -> list[tuple[list[int], bool]]:
+        """One reply per seed to ``prompt``, decoded as one batch (:func:`sample_group`)."""
         g = self.cfg
-        cfg = SamplingConfig(temperature=g.temperature, top_p=g.top_p, seed=seed,
-                             max_new_tokens=min(g.max_new_tokens, self.seq_len - len(prompt)))
-        return sample_reply(self.spec, self.weights, prompt, cfg, self.stops,
+        cfgs = [SamplingConfig(temperature=g.temperature, top_p=g.top_p, seed=seed,
+                               max_new_tokens=min(g.max_new_tokens, self.seq_len - len(prompt)))
+                for seed in seeds]
+        return sample_group(self.spec, self.weights, prompt, cfgs, self.stops,
                             self.backend.device, self.dtype)
 
 
 class GrpoStream:
     """Steps of P = micro_batch x grad_accum / G prompts, each sampled G times by ``policy``
-    (a :class:`Sampler`: ``start()``, then ``policy(prompt_ids, seed) -> (reply ids, stopped)``
-    for each reply, then ``done()``); the prompts reshuffled (seeded) every epoch. Its position is a checkpoint's
+    (a :class:`Sampler`: ``start()``, then ``policy.group(prompt_ids, seeds) -> [(reply ids,
+    stopped)]`` for each prompt's G replies, then ``done()``); the prompts reshuffled (seeded) every epoch. Its position is a checkpoint's
     ``data`` entry, as the other streams'."""
 
     def __init__(self, prompts: list[Prompt], cfg: GrpoConfig, micro_batch: int,
@@ -313,10 +340,9 @@ class GrpoStream:
         replies, scores = [], []
         self.policy.start()
         for q, p in enumerate(chosen):
-            for g in range(self.G):
-                seed = int(np.random.default_rng([self.seed, self.epoch, self.pos, q, g])
-                           .integers(1 << 62))
-                ids, stopped = self.policy(p.ids, seed)
+            seeds = [int(np.random.default_rng([self.seed, self.epoch, self.pos, q, g])
+                         .integers(1 << 62)) for g in range(self.G)]
+            for ids, stopped in self.policy.group(p.ids, seeds):
                 replies.append(ids)
                 text = self.tok.decode(ids[:-1] if stopped else ids)
                 scores.append(self.reward(p, text))

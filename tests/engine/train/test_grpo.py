@@ -69,7 +69,10 @@ class FixedReplies:
     def done(self) -> None:
         pass
 
-    def __call__(self, prompt, seed):
+    def group(self, prompt, seeds):
+        return [self.reply() for _ in seeds]
+
+    def reply(self):
         rng = self.rng
         ids = [int(i) for i in rng.integers(10, 300, int(rng.integers(1, 9)))]
         if rng.random() < 0.5:
@@ -277,8 +280,9 @@ def test_grpo_settings_that_cannot_work_are_refused(tiny_run, tmp_path, over, ke
 
 
 def test_the_plan_counts_what_sampling_holds(tiny_model_factory, tiny_run, tmp_path):
-    """The planner's rollout rows are the bytes ResidentWeights and one KVCache allocate, and a
-    GRPO plan holds them (peak = state + run + rollout when sampling is the larger part)."""
+    """The planner's rollout rows are the bytes ResidentWeights and a group's KVCache
+    allocate, and a GRPO plan holds them (peak = state + run + rollout when sampling is the
+    larger part)."""
     from slideformer.engine.generate.cache import KVCache
     from slideformer.engine.generate.window import ResidentWeights
     from slideformer.engine.plan import plan_run
@@ -286,12 +290,13 @@ def test_the_plan_counts_what_sampling_holds(tiny_model_factory, tiny_run, tmp_p
     from slideformer.engine.train.grpo import PolicyReader
     spec = load_spec(tiny_model_factory("llama", TinyShape()))
     rows = {a.purpose: a.bytes for a in rollout_allocations(
-        spec, Precision(torch.float32, torch.float32), T)}
+        spec, Precision(torch.float32, torch.float32), T, G)}
     host = build_host_state(spec, CpuBackend(), torch.float32, torch.float32)
     w = ResidentWeights(spec, PolicyReader(host, None), torch.float32, CpuBackend())
     held = sum(t.numel() * t.element_size() for t in (w.embed_w, *w.layer_w, w.head_w))
     assert rows["sampling: the weights resident"] == held
-    assert rows["sampling: one reply's KV cache"] == KVCache(spec, T, torch.float32, "cpu").nbytes()
+    assert rows["sampling: a group's KV cache"] == KVCache(spec, T, torch.float32, "cpu",
+                                                           batch=G).nbytes()
     cfg = grpo_run(tiny_run, tmp_path / "r", tmp_path, 1)
     plan = plan_run(cfg, load_spec(cfg.model.path), device="cpu")
     sampling = [a for a in plan.allocations if a.phase == "rollout"]
@@ -317,3 +322,28 @@ def test_data_inspect_prompts_shows_what_the_model_is_asked(tiny_run, tmp_path, 
     err = capsys.readouterr().err
     assert "GRPO's prompts" in err and "--objective grpo" in err and "--prompts" in err
 
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("llama", None), ("mistral", {"sliding_window": 4}), ("qwen3_5_text", None),
+    ("gpt_oss", None)])
+def test_a_group_decoded_together_gives_each_reply_sampled_alone(arch, extra, tiny_model_factory):
+    """sample_group (G rows per forward) against sample_reply (one row), seed by seed, on
+    families whose generation carries different state: KV, a sliding window over a prompt
+    longer than it, a gated DeltaNet's recurrence, attention sinks. Replies end at different
+    lengths (stop tokens and the token limit both occur)."""
+    from slideformer.engine.generate.sampling import SamplingConfig
+    from slideformer.engine.generate.window import ResidentWeights
+    from slideformer.engine.models.weights import Checkpoint
+    from slideformer.engine.train.grpo import sample_group, sample_reply
+    folder = tiny_model_factory(arch, TinyShape(), extra)
+    spec = load_spec(folder)
+    weights = ResidentWeights(spec, Checkpoint(folder), torch.float32, CpuBackend())
+    prompt = [3, 17, 42, 9, 11, 5, 77]
+    cfgs = [SamplingConfig(temperature=1.5, top_p=0.95, max_new_tokens=12, seed=s)
+            for s in range(8)]
+    stops = frozenset(range(0, spec.vocab_size, 9))  # every ninth id ends a reply
+    together = sample_group(spec, weights, prompt, cfgs, stops, "cpu", torch.float32)
+    alone = [sample_reply(spec, weights, prompt, c, stops, "cpu", torch.float32) for c in cfgs]
+    assert together == alone
+    assert {len(r) for r, _ in alone} != {12} and any(s for _, s in alone)
