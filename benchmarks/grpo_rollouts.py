@@ -1,0 +1,94 @@
+"""GRPO's sampling speed: a prompt's G replies decoded together (train.grpo.sample_group)
+against the same replies decoded one at a time (train.grpo.sample_reply), on a random-init
+model of a SHAPES entry resident on the device in the compute dtype, as a GRPO step samples.
+
+    python benchmarks/grpo_rollouts.py --shape llama-3.1-8b --group 8 --new-tokens 128
+
+Stop tokens are ignored so every reply decodes exactly ``--new-tokens`` tokens; the prompt is
+``--prompt`` random ids. Reports replies/s and generated tokens/s of each way, the ratio, peak
+VRAM allocated, and whether the two ways gave the same tokens (bf16 batched matmuls may round
+differently from single-row ones, so a sampled token can differ: reported, not asserted).
+One JSON line at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from slideformer.engine.generate.sampling import SamplingConfig  # noqa: E402
+from slideformer.engine.generate.window import ResidentWeights  # noqa: E402
+from slideformer.engine.runtime.backend import make_backend  # noqa: E402
+from slideformer.engine.train.grpo import sample_group, sample_reply  # noqa: E402
+from benchmarks.shapes import SHAPES, shape_spec  # noqa: E402
+
+
+class RandomReader:
+    """Each item's weights drawn N(0, 0.02) where they land (norm weights 1: a usable model)."""
+
+    def read_item(self, spec, item: str, out: torch.Tensor) -> torch.Tensor:
+        layout = spec.layout(int(item[5:])) if item.startswith("layer") else \
+            spec.embed_layout if item == "embed" else spec.head_layout
+        for name, view in layout.views(out).items():
+            view.fill_(1.0) if name.endswith("norm.weight") else view.normal_(0, 0.02)
+        return out
+
+    def close(self) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=SHAPES, default="llama-3.1-8b")
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    spec = shape_spec(args.shape)
+    backend = make_backend(args.device)
+    dtype = torch.bfloat16 if backend.is_cuda else torch.float32
+    t0 = time.perf_counter()
+    weights = ResidentWeights(spec, RandomReader(), dtype, backend)
+    setup_s = time.perf_counter() - t0
+    prompt = torch.randint(0, spec.vocab_size, (args.prompt,),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    cfgs = [SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens, seed=s)
+            for s in range(args.group)]
+    sync = torch.cuda.synchronize if backend.is_cuda else (lambda: None)
+    dev = backend.device
+    sample_group(spec, weights, prompt, cfgs[:2], frozenset(), dev, dtype)  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    together = sample_group(spec, weights, prompt, cfgs, frozenset(), dev, dtype)
+    sync()
+    t_group = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    alone = [sample_reply(spec, weights, prompt, c, frozenset(), dev, dtype) for c in cfgs]
+    sync()
+    t_alone = time.perf_counter() - t0
+    tokens = args.group * args.new_tokens
+    row = {"shape": args.shape, "params": spec.num_params, "device": str(
+        torch.cuda.get_device_name() if backend.is_cuda else "cpu"), "dtype": str(dtype),
+        "group": args.group, "prompt_tokens": args.prompt, "new_tokens": args.new_tokens,
+        "setup_s": round(setup_s, 1),
+        "together_s": round(t_group, 3), "alone_s": round(t_alone, 3),
+        "together_replies_per_s": round(args.group / t_group, 3),
+        "alone_replies_per_s": round(args.group / t_alone, 3),
+        "together_tokens_per_s": round(tokens / t_group, 1),
+        "alone_tokens_per_s": round(tokens / t_alone, 1),
+        "speedup": round(t_alone / t_group, 2),
+        "same_tokens": sum(a == b for a, b in zip(together, alone)),
+        "peak_vram_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if backend.is_cuda else None}
+    print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
