@@ -62,7 +62,7 @@ def forward_rows(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache) ->
     inp = LayerInputs(spec, cache.positions(T, ids.device), x.dtype, cache.mask(T, ids.device),
                       None if window is None else cache.mask(T, ids.device, window))
     for i, p in enumerate(weights.layers()):  # to the end: a streamed window frees its slots
-        x = decoder_layer(spec, p, x, *inp.at(i), cache.layers[i])
+        x = decoder_layer(spec, p, x, *inp.at(i), cache.layers[i], lora=weights.adapters(i))
     cache.advance(T)
     h = final_norm(spec, head["norm.weight"], x[:, -1])  # (B, H)
     return lm_logits(spec, h, head_weight(spec, head, emb)).float()

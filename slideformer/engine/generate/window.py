@@ -1,7 +1,9 @@
 """Where a generating model's weights live: all resident, or layers streamed through a window.
 
 Both hold the embedding and the head (final norm + LM head) on the device and hand out decoder
-layers in order through :meth:`layers`, so the decoder does not know which it has:
+layers in order through :meth:`layers` (and adapters to apply over a layer through
+``adapters(i)``: none here, their weights are merged), so the decoder does not know which it
+has (GRPO's sampling adds a third, the training window itself: train.grpo.WindowWeights):
 
 - :class:`ResidentWeights`: every layer in its own device buffer, read once. What fits the
   device's memory (VRAM, or RAM on a CPU) runs this way.
@@ -46,6 +48,9 @@ class ResidentWeights:
     def layers(self) -> Iterator[dict]:
         """Each decoder layer's parameter views, layer 0 first."""
         yield from self._views
+
+    def adapters(self, layer: int) -> None:
+        return None
 
     def close(self) -> None:
         self.layer_w.clear()
@@ -106,6 +111,9 @@ class StreamedWeights:
             yield spec.layout(i).views(self.pool.acquire(i, spec.layout(i).numel))
             self.pool.release(i, evict=True)
             self._request(i + self.k)
+
+    def adapters(self, layer: int) -> None:
+        return None
 
     def close(self) -> None:
         self.reader_thread.shutdown(wait=True)

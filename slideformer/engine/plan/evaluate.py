@@ -86,9 +86,9 @@ class Knobs:
     regen: int | None = None
     """Regenerated layers with clipping (train.clip_regen); None: the planner's choice."""
     rollout: int = 0
-    """GRPO (train.objective): the replies of one prompt decoded together (grpo.group_size) by
-    the model, also held resident to sample them between steps (memory.rollout_allocations);
-    0: no sampling."""
+    """GRPO (train.objective): the replies of one prompt decoded together (grpo.group_size)
+    between steps, by the model made resident (full) or through the window (lora, qlora):
+    memory.rollout_allocations; 0: no sampling."""
     speculate: bool = True
     """Speculative layers with clipping; False: a rank of a data-parallel run, which has none
     (slideformer.engine.dist.ranks.rank_shape)."""
@@ -192,7 +192,7 @@ class Evaluator:
                                         k.method, k.lora, disk_layers)
         if k.rollout:
             allocs = (*allocs, *rollout_allocations(self.spec, k.precision, k.seq_len,
-                                                    k.rollout))
+                                                    k.rollout, window=k.method != "full"))
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),

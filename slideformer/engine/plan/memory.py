@@ -356,20 +356,24 @@ def peak_phase(allocs, tiers: tuple[str, ...]) -> str:
     return max(STEP_PARTS, key=lambda p: s[p])
 
 
-def rollout_allocations(spec: ModelSpec, prec: Precision, seq_len: int,
-                        rows: int = 1) -> list[Allocation]:
-    """GRPO's sampling between steps (slideformer.engine.train.grpo): the whole model resident
+def rollout_allocations(spec: ModelSpec, prec: Precision, seq_len: int, rows: int = 1,
+                        window: bool = False) -> list[Allocation]:
+    """GRPO's sampling between steps (slideformer.engine.train.grpo): the KV cache of one
+    prompt's ``rows`` replies decoded together (grpo.sample_group), of at most ``seq_len``
+    tokens each (generate.cache.KVCache); with a full fine-tune also the whole model resident
     on the device in the compute dtype (generate.window.ResidentWeights, read from the host
-    state one item at a time as fp32 masters: the largest item's copy, two for a LoRA merge),
-    and the KV cache of one prompt's ``rows`` replies decoded together (grpo.sample_group), of
-    at most ``seq_len`` tokens each (generate.cache.KVCache). Freed before the step trains."""
+    state one item at a time as fp32 masters). A LoRA or QLoRA run (``window``) samples
+    through its training window (grpo.WindowWeights): nothing more. Freed before the step
+    trains."""
     c = prec.c
+    kv = [Allocation("gpu", "sampling: a group's KV cache",
+                     spec.kv_values_per_token * seq_len * c * rows,
+                     f"{spec.kv_values_per_token:,} keys and values x {seq_len} tokens "
+                     f"x {rows} replies x {c} B", "rollout")]
+    if window:
+        return kv
     item = max(spec.params_per_layer, spec.embed_layout.numel, spec.head_layout.numel)
-    kv = spec.kv_values_per_token * seq_len * c * rows
     return [Allocation("gpu", "sampling: the weights resident", spec.num_params * c,
-                       f"{spec.num_params:,} parameters x {c} B", "rollout"),
-            Allocation("gpu", "sampling: a group's KV cache", kv,
-                       f"{spec.kv_values_per_token:,} keys and values x {seq_len} tokens "
-                       f"x {rows} replies x {c} B", "rollout"),
-            Allocation("host", "sampling: an item read as fp32", 2 * item * 4,
-                       f"the largest item ({item:,}) x 4 B, and its merged copy", "rollout")]
+                       f"{spec.num_params:,} parameters x {c} B", "rollout"), *kv,
+            Allocation("host", "sampling: an item read as fp32", item * 4,
+                       f"the largest item ({item:,}) x 4 B", "rollout")]

@@ -380,17 +380,11 @@ class SlidingExecutor(ResidentEnds):
 
         ``save`` keeps each layer's inputs as activation checkpoints (training).
         """
-        spec, L, k = self.spec, self.spec.num_layers, self.k
-        self._read_ahead(range(self.G, L), tl)
+        spec = self.spec
         emb = spec.embed_layout.views(self.embed_w)
         with torch.no_grad():
             xs = [embed(spec, emb, ids).to(self.act) for ids, *_ in inp]
-            for i in range(L):
-                self._load(i, tl)
-                ahead = max(i + 1, self.G)  # the device layers need no slot
-                for j in range(ahead, min(ahead + k - 1, L)):
-                    self._prefetch(j, tl)
-                p = self._norm_views(f"layer{i}", spec.layout(i).views(self._weights(i)))
+            for i, p in self.window_layers(tl):
                 t0 = self.backend.mark()
                 for mb, (_, _, layers) in enumerate(inp):
                     if save:
@@ -399,10 +393,24 @@ class SlidingExecutor(ResidentEnds):
                                            lora=self._adapters(i, mb, save),
                                            aux=self.aux[mb] if save and self.aux else None)
                 tl.device_span("compute", self.layers[i].name, t0, self.backend.mark())
-                if i >= self.G:
-                    self.pool.release(i, evict=i < L - k)
-        self.base.settle()
         return xs
+
+    def window_layers(self, tl: StepTimeline):
+        """(i, parameter views) of each decoder layer in order, through the slots: the next
+        ``k - 1`` layers load while one computes, and a layer's slot is given back when the
+        caller asks for the next (the forward's order; also GRPO's sampling, train.grpo)."""
+        spec, L, k = self.spec, self.spec.num_layers, self.k
+        self.pool.keep_only(range(self.G, self.G + k))  # after a forward: its last layers
+        self._read_ahead(range(self.G, L), tl)
+        for i in range(L):
+            self._load(i, tl)
+            ahead = max(i + 1, self.G)  # the device layers need no slot
+            for j in range(ahead, min(ahead + k - 1, L)):
+                self._prefetch(j, tl)
+            yield i, self._norm_views(f"layer{i}", spec.layout(i).views(self._weights(i)))
+            if i >= self.G:
+                self.pool.release(i, evict=i < L - k)
+        self.base.settle()
 
     def _read_ahead(self, layers, tl: StepTimeline) -> None:
         """Start reading the base weights on disk of the ``layers`` not in a slot, in order."""

@@ -50,6 +50,18 @@ class SlotPool:
     def has(self, layer: int) -> bool:
         return self.state[layer] is not Residency.ON_HOST
 
+    def keep_only(self, layers) -> None:
+        """Free the slots holding layers outside ``layers`` (a forward pass about to start
+        needs only its first layers; what a forward left in slots is its last ones, which its
+        first loads would otherwise have to evict one by one, perhaps the one just loaded).
+        Their pending compute marks stay with the slots."""
+        keep = set(layers)
+        for s in self.slots:
+            if s.layer is not None and s.layer not in keep:
+                self.state[s.layer] = Residency.ON_HOST
+                del self.where[s.layer]
+                s.layer = None
+
     def _free_slot(self, protect: set[int]) -> Slot:
         for s in self.slots:
             if s.layer is None:

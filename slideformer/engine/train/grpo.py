@@ -259,7 +259,8 @@ def replies_batch(prompts: list[Prompt], replies: list[list[int]], adv: torch.Te
 class PolicyReader:
     """The weights being trained, for sampling (generate.window's reader protocol): each item's
     fp32 master from the host state (dequantised for a QLoRA base), a LoRA run's adapters folded
-    in. The executor must be drained first (its updates finished, device items pulled)."""
+    in (GRPO samples those through :class:`WindowWeights` instead; the tests compare the two).
+    The executor must be drained first (its updates finished, device items pulled)."""
 
     def __init__(self, host: dict, lora):
         self.host, self.lora = host, lora
@@ -274,26 +275,51 @@ class PolicyReader:
         pass
 
 
+class WindowWeights:
+    """A LoRA or QLoRA run's own window as the sampling model (generate.decoder's weights
+    protocol): the frozen base through the executor's slots, as its forward reads it (NF4
+    dequantised on the device, layers on the NVMe tier read ahead), the adapters where they
+    train, on the device. Nothing is copied or merged for sampling: the base is resident when
+    the slots hold every layer and streamed through them when not, and the memory is the
+    training step's own."""
+
+    mode = "window"
+
+    def __init__(self, executor):
+        from slideformer.engine.runtime.timeline import StepTimeline
+        self.ex, self.embed_w, self.head_w = executor, executor.embed_w, executor.head_w
+        self.tl = StepTimeline(executor.backend, enabled=False)
+
+    def layers(self):
+        for _, p in self.ex.window_layers(self.tl):
+            yield p
+
+    def adapters(self, layer: int):
+        return self.ex._adapters(layer, 0, False)
+
+
 class Sampler:
-    """``policy.group(prompt_ids, seeds) -> [(reply ids, stopped)]`` of a GRPO run: the weights being
-    trained, made resident once per step (:meth:`start`, after ``drain`` finished the updates)
-    and freed by :meth:`done` before the step trains; sampling stops at the tokenizer's eos or
-    the chat template's end-of-turn token."""
+    """``policy.group(prompt_ids, seeds) -> [(reply ids, stopped)]`` of a GRPO run, with the
+    weights being trained, once ``executor.drain()`` finished the step's updates
+    (:meth:`start`; :meth:`done` before the step trains). A full fine-tune's model is made
+    resident for the sampling from the host state (fp32 masters, in the compute dtype) and
+    freed after; a LoRA or QLoRA run samples through its own window (:class:`WindowWeights`).
+    Sampling stops at the tokenizer's eos or the chat template's end-of-turn token."""
 
     def __init__(self, spec, host: dict, lora, backend, dtype, tok, cfg: GrpoConfig,
-                 seq_len: int, drain: Callable[[], None]):
+                 seq_len: int, executor):
         from slideformer.engine.generate.session import end_of_turn_ids
         self.spec, self.host, self.lora, self.backend, self.dtype = spec, host, lora, backend, dtype
-        self.cfg, self.seq_len, self.drain = cfg, seq_len, drain
+        self.cfg, self.seq_len, self.executor = cfg, seq_len, executor
         eos = {tok.eos_id} if tok.eos_id is not None else set()
         self.stops = frozenset(eos | end_of_turn_ids(tok))
         self.weights = None
 
     def start(self) -> None:
         from slideformer.engine.generate.window import ResidentWeights
-        self.drain()
-        self.weights = ResidentWeights(self.spec, PolicyReader(self.host, self.lora), self.dtype,
-                                       self.backend)
+        self.executor.drain()
+        self.weights = WindowWeights(self.executor) if self.lora is not None else \
+            ResidentWeights(self.spec, PolicyReader(self.host, None), self.dtype, self.backend)
 
     def done(self) -> None:
         self.weights = None

@@ -190,7 +190,7 @@ class Trainer:
             from slideformer.engine.train.grpo import Sampler
             self.stream.policy = Sampler(self.spec, self.host, self.lora, self.backend, self.dtype,
                                          self.tok, cfg.grpo, cfg.data.max_seq_len,
-                                         self.executor.drain)
+                                         self.executor)
         elif cfg.train.objective != "sft":
             self.executor.objective = (cfg.train.objective, cfg.preference)
         if cpu_adam.unavailable_reason() and self.lora is None:

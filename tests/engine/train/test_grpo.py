@@ -307,6 +307,10 @@ def test_the_plan_counts_what_sampling_holds(tiny_model_factory, tiny_run, tmp_p
     sft = plan_run(config_mod.override(cfg, {"train.objective": "sft"}),
                    load_spec(cfg.model.path), device="cpu")
     assert not any(a.phase == "rollout" for a in sft.allocations)
+    lora = plan_run(config_mod.override(cfg, {"train.method": "lora"}),
+                    load_spec(cfg.model.path), device="cpu")  # samples through its window
+    assert [a.purpose for a in lora.allocations if a.phase == "rollout"] == \
+        ["sampling: a group's KV cache"]
 
 
 def test_data_inspect_prompts_shows_what_the_model_is_asked(tiny_run, tmp_path, capsys):
@@ -347,3 +351,43 @@ def test_a_group_decoded_together_gives_each_reply_sampled_alone(arch, extra, ti
     alone = [sample_reply(spec, weights, prompt, c, stops, "cpu", torch.float32) for c in cfgs]
     assert together == alone
     assert {len(r) for r, _ in alone} != {12} and any(s for _, s in alone)
+
+
+@pytest.mark.parametrize("nf4", [False, True], ids=["lora", "qlora"])
+def test_a_lora_run_samples_through_its_window_as_from_the_merged_model(nf4, tiny_model_factory,
+                                                                       tmp_path):
+    """GRPO's sampling of a LoRA / QLoRA run goes through the training window (base in 2 of 3
+    slots, NF4 dequantised on the device, adapters unmerged) after a step moved the adapters:
+    its logits equal the merged model's (ResidentWeights over PolicyReader) and its replies
+    are the same tokens."""
+    from slideformer.engine.config import LoraConfig
+    from slideformer.engine.generate.cache import KVCache
+    from slideformer.engine.generate.decoder import forward_rows
+    from slideformer.engine.generate.sampling import SamplingConfig
+    from slideformer.engine.generate.window import ResidentWeights
+    from slideformer.engine.models.lora import for_model, lora_spec
+    from slideformer.engine.train.grpo import PolicyReader, WindowWeights, sample_group
+    from tests.engine.runtime.test_lora_equivalence import lora_host
+    folder = tiny_model_factory("llama", TinyShape(layers=3), seed=1)
+    spec = load_spec(folder)
+    lora = for_model(lora_spec(LoraConfig(rank=4, alpha=8.0)), spec)
+    host = lora_host(spec, folder, lora, nf4=nf4)
+    ex = SlidingExecutor(spec, CpuBackend(), host, ExecShape(micro_batch=MICRO, seq_len=T,
+                                                             n_micro=ACCUM, slots=2),
+                         torch.float32, lora=lora)
+    ex.objective = ("grpo", GrpoConfig())
+    hyper = lambda coef: AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, 1, coef)  # noqa: E731
+    ex.train_step(fixed_steps(folder, tmp_path)[0], hyper, 1.0)
+    ex.drain()
+    window = WindowWeights(ex)
+    merged = ResidentWeights(spec, PolicyReader(host, lora), torch.float32, CpuBackend())
+    prompt = [3, 17, 42, 9, 11]
+    ids = torch.tensor([prompt, prompt[::-1]])
+    a, b = (forward_rows(spec, w, ids, KVCache(spec, 8, torch.float32, "cpu", batch=2))
+            for w in (window, merged))
+    assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    cfgs = [SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=10, seed=s)
+            for s in range(4)]
+    assert sample_group(spec, window, prompt, cfgs, frozenset(), "cpu", torch.float32) == \
+        sample_group(spec, merged, prompt, cfgs, frozenset(), "cpu", torch.float32)
+    ex.close()
