@@ -19,12 +19,11 @@ import numpy as np
 import torch
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.gguf import qwen35
+from slideformer.engine.gguf import archs, qwen35
 from slideformer.engine.gguf.kinds import EXPORT_KINDS
 from slideformer.engine.gguf.names import arch_name, tensor_names
 from slideformer.engine.gguf.tokenizer import gguf_vocab
 from slideformer.engine.gguf.transforms import gguf_shape, to_gguf
-from slideformer.engine.models.layers import rope_inv_freq
 from slideformer.engine.models.spec import ModelSpec, load_spec
 from slideformer.engine.models.tokenizer import load_tokenizer
 from slideformer.engine.models.weights import Checkpoint, hf_name, item_layout, item_names
@@ -141,6 +140,7 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
             w.add_expert_shared_feed_forward_length(spec.moe.shared_width)
     if spec.family.linear:
         qwen35.write_metadata(w, spec, model_dir)
+    archs.write_metadata(w, spec)
     _write_tokenizer(w, spec, model_dir)
 
 
@@ -221,17 +221,18 @@ def export_gguf(model_dir: Path | str, out: Path | str, kind: str = "bf16",
         raise UserError(out, "exists", "choose another --out, or move the old file away first")
     spec = load_spec(model_dir)
     Checkpoint(model_dir).check(spec)
-    planned = plan(spec, kind)
+    planned = plan(spec, kind)  # a family without a GGUF conversion: refused here
+    archs.check(spec, model_dir)
     tmp = out.with_name(out.name + ".partial")
     w = gguf.GGUFWriter(tmp, arch_name(spec.model_type))
     _write_metadata(w, spec, model_dir, model_name(model_dir, spec), kind)
-    extra = _rope_freqs(spec)
+    extra = archs.extra_tensors(spec)
     for p in planned:
         bshape, dtype, nbytes = _byte_shape(p.shape, p.qtype)
         w.add_tensor_info(p.gguf, bshape, np.dtype(dtype), nbytes,
                           raw_dtype=None if p.qtype in (Q.F32, Q.F16) else p.qtype)
-    if extra is not None:
-        w.add_tensor_info("rope_freqs.weight", extra.shape, np.dtype(np.float32), extra.nbytes)
+    for name, data in extra.items():
+        w.add_tensor_info(name, data.shape, np.dtype(np.float32), data.nbytes)
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -240,19 +241,11 @@ def export_gguf(model_dir: Path | str, out: Path | str, kind: str = "bf16",
             w.write_tensor_data(data)
             if progress is not None:
                 progress(i + 1, len(planned))
-        if extra is not None:
-            w.write_tensor_data(extra)
+        for data in extra.values():
+            w.write_tensor_data(data)
         w.close()
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
     return out
 
-
-def _rope_freqs(spec: ModelSpec) -> np.ndarray | None:
-    """llama.cpp's per-frequency RoPE divisors for Llama 3 scaling (None for other RoPE)."""
-    rs = dict(spec.rope_scaling or ())
-    if rs.get("rope_type", rs.get("type")) != "llama3":
-        return None
-    plain = rope_inv_freq(spec.head_dim, spec.rope_theta, None)
-    return (plain / rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling)).numpy().astype(np.float32)

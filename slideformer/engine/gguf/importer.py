@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.gguf import metadata, qwen35
+from slideformer.engine.gguf import archs, metadata, qwen35
 from slideformer.engine.gguf.names import GGUF_ARCHS, model_type_of, tensor_names
 from slideformer.engine.gguf.reader import GGUFFile
 from slideformer.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
@@ -35,10 +35,11 @@ def _family(g: GGUFFile) -> tuple[str, str]:
         raise UserError(g.path, f"is a GGUF of architecture {arch!r}, which is not supported",
                         f"use a GGUF of a supported family: {', '.join(SUPPORTED)} "
                         f"(architectures {', '.join(GGUF_ARCHS)})")
+    family = archs.model_type(g, arch, model_type_of(arch))  # Mixtral: llama with experts
     # llama.cpp writes Mistral as "llama"; the name tells them apart (as transformers reads it)
-    if arch == "llama" and "mistral" in metadata.value(g, "general.name", str, "").lower():
+    if family == "llama" and "mistral" in metadata.value(g, "general.name", str, "").lower():
         return arch, "mistral"
-    return arch, model_type_of(arch)
+    return arch, family
 
 
 def _float(v) -> float:
@@ -54,8 +55,10 @@ def _rope_scaling(g: GGUFFile, arch: str) -> dict | None:
                         "import the model from its Hugging Face folder instead")
     if kind in (None, "none"):
         return None
+    if kind == "yarn":
+        return archs.yarn_config(g, arch)
     if kind != "linear":
-        raise UserError(g.path, f"uses RoPE scaling {kind!r}", "supported: none, linear")
+        raise UserError(g.path, f"uses RoPE scaling {kind!r}", "supported: none, linear, yarn")
     factor = metadata.value(g, f"{arch}.rope.scaling.factor", float)
     if factor is None:
         raise UserError(g.path, f"has linear RoPE scaling without '{arch}.rope.scaling.factor'",
@@ -96,6 +99,7 @@ def gguf_config(g: GGUFFile) -> dict:
                                  cfg.pop("rope_theta")))
     if fam.moe is not None:
         cfg.update(_experts(g, arch, fam.moe, shape.intermediate))
+    cfg = archs.config(g, arch, family, shape.layers, shape.head_dim or hidden // heads, cfg)
     for key, gkey in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                       ("pad_token_id", "padding_token_id")):
         if (token := metadata.value(g, f"tokenizer.ggml.{gkey}", int)) is not None:
@@ -104,11 +108,14 @@ def gguf_config(g: GGUFFile) -> dict:
 
 
 def _experts(g: GGUFFile, arch: str, moe: Moe, dense: int) -> dict:
-    """The experts' config keys. llama.cpp always renormalises the top-k routing weights
-    (Qwen3-MoE's ``norm_topk_prob``); a shared expert's width defaults to the dense one."""
+    """The experts' config keys, as the family names them (Mixtral: ``num_local_experts`` and
+    ``intermediate_size``). llama.cpp always renormalises the top-k routing weights (Qwen3-MoE's
+    ``norm_topk_prob``); a shared expert's width defaults to the dense one; a Mixtral expert's
+    width is ``feed_forward_length`` (what llama.cpp's llama sizes its experts by)."""
     need = lambda key: _required(g, f"{arch}.{key}")  # noqa: E731
-    out = {"num_experts": need("expert_count"), "num_experts_per_tok": need("expert_used_count"),
-           "moe_intermediate_size": need("expert_feed_forward_length")}
+    width = dense if arch == "llama" else need("expert_feed_forward_length")
+    out = {moe.count_keys[0]: need("expert_count"), moe.top_k_key: need("expert_used_count"),
+           moe.width_key: width}
     if isinstance(moe.renormalise, str):
         out[moe.renormalise] = True
     if moe.shared is not None:
@@ -316,8 +323,9 @@ def _check_tensors(g: GGUFFile, spec, names: dict[str, str]) -> None:
     """Every tensor the model needs is in the file with its shape, and nothing else is but
     the multi-token-prediction block after the layers (llama.cpp's nextn layers)."""
     layout = _layout_shapes(spec)
-    for hf, gg in names.items():
-        want = gguf_shape(hf, layout[hf])
+    wanted = {gg: (hf, gguf_shape(hf, layout[hf])) for hf, gg in names.items()}
+    wanted |= {name: (name, shape) for name, shape in archs.extra_shapes(spec).items()}
+    for gg, (hf, want) in wanted.items():
         if gg not in g.tensors:
             raise UserError(g.path, f"has no tensor '{gg}' (the model's {hf})",
                             "use a complete GGUF file of a supported family")
@@ -325,7 +333,7 @@ def _check_tensors(g: GGUFFile, spec, names: dict[str, str]) -> None:
             raise UserError(g.path, f"tensor '{gg}' has shape {list(g.shape(gg))}, its "
                                     f"metadata implies {list(want)}", "use a consistent GGUF file")
     blocks = metadata.value(g, f"{spec.family.gguf}.block_count", int)
-    extra = sorted(t for t in set(g.tensors) - set(names.values())
+    extra = sorted(t for t in set(g.tensors) - set(wanted)
                    if _block(t) not in range(spec.num_layers, blocks))
     if extra:
         raise UserError(g.path, f"has tensors a {spec.model_type} model does not use: "

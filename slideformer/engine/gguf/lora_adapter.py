@@ -30,6 +30,7 @@ import numpy as np
 
 from slideformer.engine.errors import UserError
 from slideformer.engine.generate.adapter import Adapter, read_adapter
+from slideformer.engine.gguf import archs
 from slideformer.engine.gguf.exporter import TYPES, convert, tensor_type
 from slideformer.engine.gguf.names import arch_name, tensor_names
 from slideformer.engine.gguf.transforms import qk_heads, to_gguf_order
@@ -55,6 +56,7 @@ def export_lora_gguf(adapter_dir: Path | str, out: Path | str, kind: str = "f32"
         raise UserError(out, "exists", "choose another --out, or move the old file away first")
     adapter = read_adapter(adapter_dir, base_dir)
     pairs = _pairs(adapter)
+    archs.check(adapter.spec, adapter.base)  # a base llama.cpp would compute otherwise
     tmp = out.with_name(out.name + ".partial")
     w = gguf.GGUFWriter(tmp, arch_name(adapter.spec.model_type))
     w.add_type(gguf.GGUFType.ADAPTER)

@@ -13,10 +13,12 @@ from slideformer.engine.models.families import FAMILIES
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.models.weights import hf_name, item_layout, item_names
 
-# Hugging Face model_type -> GGUF general.architecture (each family's ``gguf``). Mistral is
-# "llama" in llama.cpp's converter; the family survives through general.name (transformers'
-# loader reads it so).
-ARCH = {mt: gguf.MODEL_ARCH[f.gguf.upper()] for mt, f in FAMILIES.items() if f.gguf}
+_BY_NAME = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+# Hugging Face model_type -> GGUF general.architecture (each family's ``gguf``, as llama.cpp
+# names it: "gpt-oss" is MODEL_ARCH.GPT_OSS). Several families share one architecture in
+# llama.cpp's converter: Mistral and Mixtral are "llama" (told apart by general.name and by
+# the experts), OLMo 3 is "olmo2" (told apart by its sliding window): importer._family.
+ARCH = {mt: _BY_NAME[f.gguf] for mt, f in FAMILIES.items() if f.gguf}
 GGUF_ARCHS = {gguf.MODEL_ARCH_NAMES[a]: a for a in ARCH.values()}
 """GGUF architecture name ("llama", "qwen2", "gemma3", ...) -> MODEL_ARCH."""
 RENAMED = {"linear_attn.dt_bias": "linear_attn.dt_proj.bias"}

@@ -3,10 +3,10 @@
 :func:`to_gguf` is what ``convert_hf_to_gguf.py`` does to one Hugging Face tensor; :func:`from_gguf`
 undoes it (export and import share these two, so one cannot drift from the other):
 
-- **Q/K order** (``llama`` only): llama.cpp rotates interleaved pairs (dims 2i, 2i+1) in
+- **Q/K order** (``llama`` and ``smollm3``): llama.cpp rotates interleaved pairs (dims 2i, 2i+1) in
   Llama-style RoPE, Hugging Face rotates halves (i, i + d/2), so the rows of each head of the
-  q and k projections (weights and biases) are reordered. Qwen2/Qwen3/Qwen3.5 and Gemma 3 use
-  llama.cpp's "neox" (halves) RoPE and are stored unchanged.
+  q and k projections (weights and biases) are reordered. Qwen2/Qwen3/Qwen3.5, Gemma 3, Phi-3
+  and OLMo 2/3 use llama.cpp's "neox" (halves) RoPE and are stored unchanged.
 - **Norms that scale by (1 + w)** (Gemma 3, Qwen3.5: ``Family.norm_offset``) are stored as
   1 + w, the scale llama.cpp multiplies by; Qwen3.5's gated DeltaNet norm
   (``linear_attn.norm``) scales by w and is stored as it is.
@@ -31,8 +31,9 @@ import numpy as np
 
 from slideformer.engine.models.spec import ModelSpec
 
-PERMUTED_ARCHS = ("llama",)
-"""GGUF architectures whose q/k rows llama.cpp's converter reorders."""
+PERMUTED_ARCHS = ("llama", "smollm3")
+"""GGUF architectures whose q/k rows llama.cpp's converter reorders (Llama's, and the families
+it writes as Llama or as Llama's subclass: Mistral, Mixtral, SmolLM3)."""
 _LINEAR = ".linear_attn."
 
 

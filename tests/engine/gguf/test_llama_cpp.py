@@ -1,12 +1,17 @@
 """The GGUF files we write, loaded by llama.cpp itself (llama-cpp-python): the same token ids as
 our tokenizer and the same logits as transformers, for every family llama.cpp has; for Qwen3.5
-the same greedy tokens from an f16 file as transformers from the folder; and a LoRA adapter GGUF
-applied by llama.cpp equals the merged model.
+and Phi-4-mini's RoPE (partial, LongRoPE) the same greedy tokens from an f16 file as
+transformers from the folder; LongRoPE's long factors where llama.cpp's context passes the
+original one; YaRN as transformers computes it; and a LoRA adapter GGUF applied by llama.cpp
+equals the merged model.
 
 llama-cpp-python builds llama.cpp from source (minutes), so it is not a test dependency: these
 tests skip where it is not installed.
 """
 from __future__ import annotations
+
+import json
+import shutil
 
 import numpy as np
 import pytest
@@ -21,29 +26,39 @@ from slideformer.engine.models.lora import LoraSpec  # noqa: E402
 from slideformer.engine.models.tiny import TinyShape  # noqa: E402
 from slideformer.engine.models.tokenizer import load_tokenizer  # noqa: E402
 from tests.engine.gguf.test_gguf import QWEN35  # noqa: E402
+from tests.engine.gguf.test_gguf_families import (OLMO3, PHI4_MINI, YARN_MODELS,  # noqa: E402
+                                                   sharpened)
 from tests.engine.gguf.test_gguf_lora import TARGETS, merged_folder, write_peft_adapter  # noqa: E402
 from tests.engine.gguf.test_gguf_qwen35 import MARKS, qwen35_tokenizer_folder  # noqa: E402
 
 TEXT = "hello world, this is a test 123 of the tokenizer"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "qwen3_5_text",
-            "qwen3_5_moe_text"]
+            "qwen3_5_moe_text", "phi3", "olmo2", "olmo3", "smollm3", "mixtral"]
 GEMMA3 = {"layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 8,
           "query_pre_attn_scalar": 16}
 """A Gemma 3 as llama.cpp computes one: every sixth layer global, scores by head_dim ** -0.5."""
 MODELS = {"gemma3_text": (TinyShape(layers=6), GEMMA3), "qwen3_5_text": (TinyShape(), QWEN35),
-          "qwen3_5_moe_text": (TinyShape(), QWEN35)}
+          "qwen3_5_moe_text": (TinyShape(), QWEN35), "phi3": (TinyShape(), PHI4_MINI),
+          "olmo3": (TinyShape(), OLMO3)}
 """Families whose tiny model is shaped for llama.cpp: (shape, config.json keys over it)."""
+SHARP = ("phi3", "smollm3", "mixtral")
+"""Families tested with their q and k scaled up (test_gguf_families.sharpened), so that how a
+position turns decides the logits: Phi-3's partial LongRoPE, SmolLM3's NoPE layer. (OLMo's q/k
+norms give it scores of order 1 as it is: without its window llama.cpp is 1.4 off.)"""
+N_CTX = 128
+"""llama.cpp's context: within PHI4_MINI's original 1024, so llama.cpp turns by the short
+factors, as transformers does for these short sequences."""
 GREEDY = 32
 """Greedy tokens compared. The smallest gap between transformers' two best logits on these
-models is 1.1e-3 (Qwen3.5) and 8.1e-3 (MoE), of logits up to 0.84; llama.cpp's f16 logits are
-within 4.7e-4 of transformers' (measured)."""
+models is 1.1e-3 (Qwen3.5), 8.1e-3 (MoE) and 9.9e-4 (Phi-4-mini's RoPE), of logits up to 0.84;
+llama.cpp's f16 logits are within 4.7e-4 (Phi-3: 5.2e-4) of transformers' (measured)."""
 TOL = 2e-3
 """llama.cpp's logits against transformers' (fp32 weights), relative to the largest logit:
 measured 3e-4 to 1e-3 on these models (its KV cache is f16)."""
 
 
-def llama_logits(path, ids: list[int]) -> np.ndarray:
-    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, verbose=False, n_ctx=128,
+def llama_logits(path, ids: list[int], n_ctx: int = N_CTX) -> np.ndarray:
+    llm = llama_cpp.Llama(model_path=str(path), logits_all=True, verbose=False, n_ctx=n_ctx,
                           n_threads=2)
     llm.eval(ids)
     return np.array(llm.scores[:len(ids)])
@@ -58,7 +73,7 @@ def hf_logits(folder, ids: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_llama_cpp_reads_our_gguf_as_transformers_reads_the_folder(arch, tiny_model_factory,
                                                                    tmp_path):
-    folder = tiny_model_factory(arch, *MODELS.get(arch, (TinyShape(), None)), seed=2)
+    folder = model_folder(arch, tiny_model_factory, tmp_path)
     out = export_gguf(folder, tmp_path / "m.gguf", "f32")
     tok = load_tokenizer(folder)
     ids = tok.tok.encode(TEXT, add_special_tokens=True).ids
@@ -69,12 +84,18 @@ def test_llama_cpp_reads_our_gguf_as_transformers_reads_the_folder(arch, tiny_mo
     assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text"])
+def model_folder(arch: str, tiny_model_factory, tmp_path):
+    """The tiny model of ``arch`` as MODELS shapes it, sharpened for the SHARP families."""
+    folder = tiny_model_factory(arch, *MODELS.get(arch, (TinyShape(), None)), seed=2)
+    return sharpened(folder, tmp_path / "sharp") if arch in SHARP else folder
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text", "phi3"])
 def test_llama_cpp_greedy_tokens_equal_transformers(arch, tiny_model_factory, tmp_path):
-    folder = tiny_model_factory(arch, *MODELS[arch], seed=2)
+    folder = model_folder(arch, tiny_model_factory, tmp_path)
     out = export_gguf(folder, tmp_path / "m.gguf", "f16")
     ids = load_tokenizer(folder).tok.encode(TEXT, add_special_tokens=True).ids
-    llm = llama_cpp.Llama(model_path=str(out), logits_all=True, verbose=False, n_ctx=128,
+    llm = llama_cpp.Llama(model_path=str(out), logits_all=True, verbose=False, n_ctx=N_CTX,
                           n_threads=2)
     llm.eval(ids)
     got = []  # one token at a time: the DeltaNet state and the KV cache carry the context
@@ -87,6 +108,33 @@ def test_llama_cpp_greedy_tokens_equal_transformers(arch, tiny_model_factory, tm
         for _ in range(GREEDY):
             ref.append(int(model(torch.tensor([ref])).logits[0, -1].argmax()))
     assert got == ref[len(ids):]
+
+
+def test_llama_cpp_turns_by_the_long_factors_past_the_original_context(tiny_model_factory,
+                                                                      tmp_path):
+    """llama.cpp picks LongRoPE's factors by its context size (n_ctx 2048 > the original 1024:
+    the long ones) where transformers picks them by the positions: llama.cpp's logits are then
+    those transformers computes with the long factors in place of the short ones."""
+    folder = model_folder("phi3", tiny_model_factory, tmp_path)
+    out = export_gguf(folder, tmp_path / "m.gguf", "f32")
+    long = shutil.copytree(folder, tmp_path / "long")
+    cfg = json.loads((long / "config.json").read_text())
+    cfg["rope_scaling"]["short_factor"] = cfg["rope_scaling"]["long_factor"]
+    (long / "config.json").write_text(json.dumps(cfg))
+    ids = load_tokenizer(folder).tok.encode(TEXT, add_special_tokens=True).ids
+    got, ref = llama_logits(out, ids, n_ctx=2048), hf_logits(long, ids)
+    assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
+    assert np.abs(got - hf_logits(folder, ids)).max() > 10 * TOL * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("arch", list(YARN_MODELS))
+def test_llama_cpp_computes_yarn_as_transformers(arch, tiny_model_factory, tmp_path):
+    folder = tiny_model_factory(arch, TinyShape(), YARN_MODELS[arch], seed=2)
+    folder = sharpened(folder, tmp_path / "sharp")  # without YaRN: 6e-2 to 1.4 apart (measured)
+    out = export_gguf(folder, tmp_path / "m.gguf", "f32")
+    ids = load_tokenizer(folder).tok.encode(TEXT, add_special_tokens=True).ids
+    got, ref = llama_logits(out, ids), hf_logits(folder, ids)
+    assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
 
 
 def test_llama_cpp_reads_the_qwen35_pre_tokenizer(tiny_model_factory, tmp_path):

@@ -11,4 +11,4 @@ FAMILY = Family(
     "mixtral", "MixtralForCausalLM", "Mixtral", configure=configure,
     moe=Moe("block_sparse_moe.gate.weight", "block_sparse_moe.experts", "w1", "w3", "w2",
             ("num_local_experts", "num_experts"), "intermediate_size", renormalise=True),
-    refuse=(("router_jitter_noise", 0.0),))
+    refuse=(("router_jitter_noise", 0.0),), gguf="llama")

@@ -18,4 +18,4 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
 
 
 FAMILY = Family("olmo3", "Olmo3ForCausalLM", "OLMo 3", norm="post", qk_norm="full",
-                configure=configure)
+                configure=configure, gguf="olmo2")

@@ -27,4 +27,5 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
     return out
 
 
-FAMILY = Family("phi3", "Phi3ForCausalLM", "Phi-3", fused=True, configure=configure)
+FAMILY = Family("phi3", "Phi3ForCausalLM", "Phi-3", fused=True, configure=configure,
+                gguf="phi3")

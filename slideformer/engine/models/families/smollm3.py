@@ -26,4 +26,5 @@ def configure(cfg: dict, path: Path, num_layers: int) -> dict:
     return {"layer_types": types, "rope_layers": tuple(bool(r) for r in nope)}
 
 
-FAMILY = Family("smollm3", "SmolLM3ForCausalLM", "SmolLM3", configure=configure)
+FAMILY = Family("smollm3", "SmolLM3ForCausalLM", "SmolLM3", configure=configure,
+                gguf="smollm3")
