@@ -174,7 +174,7 @@ def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int
     no weight grads at any of them, only its adapters' (held from the end of autograd.grad
     until they join the adapters' fp32 gradient), the adapters' saved activations beside the
     MLP's, and no embedding backward. ``into``: the projection weights' grads are added to the
-    fp32 slot inside their matmuls (executor.grads_into), so only the norms' and biases' exist
+    fp32 slot inside their matmuls (runtime.backward.grads_into), so only the norms' and biases' exist
     in the compute dtype."""
     c, H, P = prec.c, spec.hidden_size, spec.params_per_layer
     rest = [math.prod(s) for n, _, s in spec.largest_layout.entries if not n.endswith("_proj.weight")]
