@@ -1,8 +1,12 @@
 """GRPO's sampling speed: a prompt's G replies decoded together (train.grpo.sample_group)
 against the same replies decoded one at a time (train.grpo.sample_reply), on a random-init
-model of a SHAPES entry resident on the device in the compute dtype, as a GRPO step samples.
+model of a SHAPES entry, as a GRPO step samples: ``--method full`` from the weights resident on
+the device in the compute dtype; ``lora`` / ``qlora`` through the run's own training window
+(train.grpo.WindowWeights: the executor the planner shapes for a GRPO run under ``--vram-cap``,
+the NF4 base dequantised on the device, resident or streamed through its slots).
 
     python benchmarks/grpo_rollouts.py --shape llama-3.1-8b --group 8 --new-tokens 128
+    python benchmarks/grpo_rollouts.py --shape llama-3.1-8b --method qlora --vram-cap 24
 
 Stop tokens are ignored so every reply decodes exactly ``--new-tokens`` tokens; the prompt is
 ``--prompt`` random ids. Reports replies/s and generated tokens/s of each way, the ratio, peak
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lora_bench
 
 from slideformer.engine.generate.sampling import SamplingConfig  # noqa: E402
 from slideformer.engine.generate.window import ResidentWeights  # noqa: E402
@@ -43,6 +48,31 @@ class RandomReader:
         pass
 
 
+def window_weights(spec, backend, dtype, args):
+    """A LoRA / QLoRA GRPO run's window over a random base (lora_bench's), shaped by the plan of
+    that run under the VRAM cap (the cap applied after set-up, as lora_bench does); the adapters
+    as initialised (B = 0: the base's replies)."""
+    from lora_bench import cap, random_frozen_state
+    from slideformer.engine.config import RunConfig, override
+    from slideformer.engine.models.lora import for_model, lora_spec
+    from slideformer.engine.plan import plan_run
+    from slideformer.engine.runtime.executor import SlidingExecutor
+    from slideformer.engine.train.grpo import WindowWeights
+    dev = "cuda" if backend.is_cuda else "cpu"
+    cfg = override(RunConfig(), {"train.method": args.method, "train.objective": "grpo",
+                                 "train.micro_batch": 2 * args.group, "grpo.group_size": args.group,
+                                 "grpo.max_new_tokens": args.new_tokens,
+                                 "data.max_seq_len": args.seq, "data.packing": False,
+                                 "budget.vram": f"{args.vram_cap}GiB", "train.device": dev})
+    plan = plan_run(cfg, spec, device=dev)
+    lora = for_model(lora_spec(cfg.lora), spec)
+    host = random_frozen_state(spec, backend, lora, args.method == "qlora", dev, dtype)
+    cap(args.vram_cap)
+    ex = SlidingExecutor(spec, backend, host, plan.exec_shape, dtype, lora=lora)
+    return WindowWeights(ex), {"slots": ex.k, "layers": spec.num_layers,
+                               "vram_cap_gib": args.vram_cap, "plan_verdict": plan.verdict}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", choices=SHAPES, default="llama-3.1-8b")
@@ -50,12 +80,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--method", choices=["full", "lora", "qlora"], default="full")
+    ap.add_argument("--vram-cap", type=float, default=24.0, help="GiB (lora, qlora)")
+    ap.add_argument("--seq", type=int, default=1024, help="data.max_seq_len of the planned run")
+    ap.add_argument("--skip-alone", action="store_true", help="time only the group decoding")
     args = ap.parse_args()
     spec = shape_spec(args.shape)
     backend = make_backend(args.device)
     dtype = torch.bfloat16 if backend.is_cuda else torch.float32
     t0 = time.perf_counter()
-    weights = ResidentWeights(spec, RandomReader(), dtype, backend)
+    extra = {}
+    if args.method == "full":
+        weights = ResidentWeights(spec, RandomReader(), dtype, backend)
+    else:
+        weights, extra = window_weights(spec, backend, dtype, args)
     setup_s = time.perf_counter() - t0
     prompt = torch.randint(0, spec.vocab_size, (args.prompt,),
                            generator=torch.Generator().manual_seed(0)).tolist()
@@ -70,11 +108,13 @@ def main() -> None:
     sync()
     t_group = time.perf_counter() - t0
     t0 = time.perf_counter()
-    alone = [sample_reply(spec, weights, prompt, c, frozenset(), dev, dtype) for c in cfgs]
+    alone = [] if args.skip_alone else \
+        [sample_reply(spec, weights, prompt, c, frozenset(), dev, dtype) for c in cfgs]
     sync()
-    t_alone = time.perf_counter() - t0
+    t_alone = (time.perf_counter() - t0) or float("nan")
     tokens = args.group * args.new_tokens
-    row = {"shape": args.shape, "params": spec.num_params, "device": str(
+    row = {"shape": args.shape, "method": args.method, **extra,
+           "params": spec.num_params, "device": str(
         torch.cuda.get_device_name() if backend.is_cuda else "cpu"), "dtype": str(dtype),
         "group": args.group, "prompt_tokens": args.prompt, "new_tokens": args.new_tokens,
         "setup_s": round(setup_s, 1),
@@ -84,7 +124,7 @@ def main() -> None:
         "together_tokens_per_s": round(tokens / t_group, 1),
         "alone_tokens_per_s": round(tokens / t_alone, 1),
         "speedup": round(t_alone / t_group, 2),
-        "same_tokens": sum(a == b for a, b in zip(together, alone)),
+        "same_tokens": sum(a == b for a, b in zip(together, alone)) if alone else None,
         "peak_vram_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if backend.is_cuda else None}
     print(json.dumps(row), flush=True)
