@@ -72,6 +72,13 @@ SHAPES = {  # published config.json values of the public models
                             shared_expert_intermediate_size=512, num_experts=256,
                             num_experts_per_tok=8, vocab_size=248320, rope_theta=10000000.0,
                             partial_rotary_factor=0.25, tie_word_embeddings=False),
+    # OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924's config.json): 64 experts of 1024, top 8; a
+    # mixture of experts whose full fine-tune the reference host holds (6.9 B parameters)
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024,
+                        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                        num_experts=64, num_experts_per_tok=8, norm_topk_prob=False,
+                        vocab_size=50304, rope_theta=10000.0, max_position_embeddings=4096,
+                        rms_norm_eps=1e-5, tie_word_embeddings=False),
     # Gemma 4 31B (google/gemma-4-31B's text_config): 50 sliding layers (window 1024, 16 KV
     # heads of 256) and 10 full ones (4 KV heads of 512, keys as values, proportional RoPE)
     "gemma-4-31b": dict(model_type="gemma4_text", hidden_size=5376, intermediate_size=21504,

@@ -96,6 +96,8 @@ MODEL_FOLDERS = [
          cfg(model_type="gemma3_text", final_logit_softcapping=30.0, hidden_act=DELETE)),
     Case("an activation the family does not compute", plan(), ("config.json", "hidden_act"),
          cfg(hidden_act="gelu")),
+    Case("OLMoE clamping q, k and v", plan(), ("config.json", "clip_qkv", "null"),
+         cfg(model_type="olmoe", num_experts=4, num_experts_per_tok=2, clip_qkv=8.0)),
     Case("partial rotary embeddings over the whole head", plan(),
          ("config.json", "partial_rotary_factor"),
          cfg(model_type="phi3", partial_rotary_factor=1.5)),

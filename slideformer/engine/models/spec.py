@@ -479,8 +479,8 @@ def _moe_shape(fam: Family, cfg: dict, path: Path) -> MoeShape | None:
                      limit=positive_real(cfg, "swiglu_limit", path, 7.0))
     aux = 0.0
     if m.aux_loss and flag(cfg, "output_router_logits", path):  # (Gemma 4's LM adds none)
-        # MixtralConfig's, Qwen3MoeConfig's default
-        aux = 0.001 if cfg.get("router_aux_loss_coef") is None else cfg["router_aux_loss_coef"]
+        aux = m.aux_default if cfg.get("router_aux_loss_coef") is None \
+            else cfg["router_aux_loss_coef"]
         if isinstance(aux, bool) or not isinstance(aux, (int, float)) or not 0 <= aux < math.inf:
             raise UserError(path, f"'router_aux_loss_coef' is {aux!r}, not a number >= 0", _FIX)
     shared = _need(cfg, "shared_expert_intermediate_size", path) if m.shared else 0

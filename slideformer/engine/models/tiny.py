@@ -90,7 +90,8 @@ FAMILY_TOKENS["gpt_oss"] = FamilyTokens(
 for _a, _b in (("qwen3", "qwen2"), ("qwen3_moe", "qwen2"), ("qwen3_5_text", "qwen2"),
                ("qwen3_5_moe_text", "qwen2"),
                ("mixtral", "mistral"),
-               ("olmo2", "llama"), ("olmo3", "llama"), ("smollm3", "llama"), ("phi3", "llama")):
+               ("olmo2", "llama"), ("olmo3", "llama"), ("olmoe", "llama"), ("smollm3", "llama"),
+               ("phi3", "llama")):
     FAMILY_TOKENS[_a] = FAMILY_TOKENS[_b]
 
 _WORDS = ("the a model layer train token data learn small large fast slow reverse number sum "
@@ -166,6 +167,10 @@ def tiny_config(arch: str, shape: TinyShape, tok: Tokenizer | None = None) -> di
     hd = shape.head_dim or shape.hidden // shape.heads
     if arch in ("llama", "olmo2", "olmo3", "smollm3"):
         cfg.update(attention_bias=False, mlp_bias=False)
+    if arch == "olmoe":  # OlmoeConfig's routing: top-k weights as the softmax gave them
+        cfg.update(attention_bias=False, num_experts=4, num_experts_per_tok=2,
+                   intermediate_size=shape.intermediate // 2, norm_topk_prob=False,
+                   output_router_logits=False, clip_qkv=None)
     if arch in ("mistral", "mixtral", "phi3"):
         cfg["sliding_window"] = None
     if arch in ("qwen2", "qwen3", "qwen3_moe", "smollm3"):

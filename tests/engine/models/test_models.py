@@ -61,6 +61,8 @@ VARIANTS = [
     pytest.param("qwen3_moe", TinyShape(), {"mlp_only_layers": [0], "decoder_sparse_step": 2},
                  id="qwen3_moe-dense_layers"),
     pytest.param("olmo2", TinyShape(), None, id="olmo2"),
+    pytest.param("olmoe", TinyShape(), None, id="olmoe"),
+    pytest.param("olmoe", TinyShape(kv_heads=3), {"norm_topk_prob": True}, id="olmoe-gqa-normed"),
     pytest.param("olmo3", TinyShape(), None, id="olmo3"),
     pytest.param("smollm3", TinyShape(), None, id="smollm3"),
     pytest.param("phi3", TinyShape(), None, id="phi3"),

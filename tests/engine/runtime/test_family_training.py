@@ -35,8 +35,8 @@ from slideformer.engine.train.state import build_host_state, load_weights
 from tests.engine.models.test_models import PHI4_ROPE, hf_as_ours
 from tests.engine.runtime.test_sliding_equivalence import make_batches
 
-FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "olmo3", "phi3", "smollm3", "gemma3_text",
-            "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "gemma4_text"]
+FAMILIES = ["llama", "mixtral", "qwen3_moe", "olmo2", "olmo3", "olmoe", "phi3", "smollm3",
+            "gemma3_text", "gpt_oss", "qwen3_5_text", "qwen3_5_moe_text", "gemma4_text"]
 STEPS = 3
 OPTIM = OptimConfig(lr=3e-3, weight_decay=0.1, schedule="cosine", warmup_steps=1,
                     max_grad_norm=0.5)
@@ -114,7 +114,9 @@ AUX = {"output_router_logits": True, "router_aux_loss_coef": 0.05}
 gradient of it shows in the weights."""
 CASES = [pytest.param(a, EXTRA.get(a), id=a) for a in FAMILIES] + [
     pytest.param(a, {**EXTRA.get(a, {}), **AUX}, id=f"{a}-router_aux")
-    for a in ("mixtral", "qwen3_moe", "gpt_oss", "qwen3_5_moe_text")] + [
+    for a in ("mixtral", "qwen3_moe", "olmoe", "gpt_oss", "qwen3_5_moe_text")] + [
+    # OlmoeConfig's own weight (0.01) where config.json names none
+    pytest.param("olmoe", {"output_router_logits": True}, id="olmoe-router_aux_default"),
     pytest.param("qwen3_moe", {"mlp_only_layers": [0], **AUX}, id="qwen3_moe-dense_layer-router_aux"),
     # experts beside every dense MLP (transformers' Gemma 4 adds no router loss)
     pytest.param("gemma4_text", {"enable_moe_block": True}, id="gemma4_text-moe")]

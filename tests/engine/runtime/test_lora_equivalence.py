@@ -141,8 +141,8 @@ layer too), Gemma 4's experts beside the dense MLP (which PEFT adapts) of slidin
 layers (no v_proj: its keys are the values)."""
 
 
-@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "phi3",
-                                        "gemma3_text", "gpt_oss", "gemma4_text", *EXTRA])
+@pytest.fixture(scope="module", params=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "olmoe",
+                                        "phi3", "gemma3_text", "gpt_oss", "gemma4_text", *EXTRA])
 def family_model(request, tmp_path_factory):
     arch, extra = EXTRA.get(request.param, (request.param, None))
     d = make_tiny_model(tmp_path_factory.mktemp(arch) / "m", arch,

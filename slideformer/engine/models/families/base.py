@@ -83,6 +83,9 @@ class Moe:
     aux_loss: bool = True
     """The causal LM adds the router's load-balancing loss while ``output_router_logits`` is
     on (Gemma 4's does not)."""
+    aux_default: float = 0.001
+    """Its weight where config.json gives no ``router_aux_loss_coef`` (MixtralConfig's and
+    Qwen3MoeConfig's default; OlmoeConfig's is 0.01)."""
 
     def stacked(self, proj: str) -> str:
         return f"{self.experts}.{proj}" + ("" if self.fused_stacked else ".weight")
