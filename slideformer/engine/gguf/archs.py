@@ -21,6 +21,9 @@ What llama.cpp reads (its ``src/models/*.cpp`` and ``llama-model.cpp``), family 
   RoPE base without scaling. The LM head is always its own matrix.
 - **SmolLM3** (``smollm3``): Llama's layer (q/k rows reordered as Llama's); llama.cpp leaves
   RoPE out of every fourth layer, a rule the GGUF cannot change.
+- **Gemma 4** (``gemma4``): :mod:`slideformer.engine.gguf.gemma4` (two head sizes, a layer
+  pattern, proportional RoPE as ``rope_freqs``); windowed, no biases, RoPE default, linear or
+  proportional on the full layers.
 - **Mixtral** (``llama``, as llama.cpp's converter writes it): Llama's attention with the experts
   as ``ffn_{gate,up,down}_exps`` and the router as ``ffn_gate_inp``; ``feed_forward_length`` is
   one expert's width. Import tells it from Llama by its ``expert_count``.
@@ -41,7 +44,7 @@ import gguf
 import numpy as np
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.gguf import metadata
+from slideformer.engine.gguf import gemma4, metadata
 from slideformer.engine.models.families.base import FULL, SLIDING
 from slideformer.engine.models.layers import rope_attention_factor, rope_inv_freq
 from slideformer.engine.models.spec import ModelSpec
@@ -50,18 +53,19 @@ KEEP = "keep the model in its Hugging Face folder"
 ROPE_TYPES = {"llama": ("linear", "llama3", "yarn"), "phi3": ("linear", "longrope"),
               "qwen2": ("linear", "yarn"), "qwen3": ("linear", "yarn"),
               "qwen3moe": ("linear", "yarn"), "smollm3": ("linear", "yarn"),
-              "olmo2": ("linear", "yarn")}
+              "olmo2": ("linear", "yarn"), "gemma4": ("linear", "proportional")}
 """The RoPE scaling types export writes for each GGUF architecture (others: linear, which every
 llama.cpp graph applies through ``rope.scaling.factor``). YaRN: where llama.cpp's graph turns
-every layer (OLMo 3: its full layers) by the YaRN parameters of the context."""
+every layer (OLMo 3: its full layers) by the YaRN parameters of the context. Gemma 4's full
+layers: proportional RoPE (:mod:`slideformer.engine.gguf.gemma4`)."""
 YARN_ARCHS = tuple(arch for arch, kinds in ROPE_TYPES.items() if "yarn" in kinds)
 YARN_BETAS = (32.0, 1.0)
 """llama.cpp's YaRN beta_fast and beta_slow, fixed for these architectures (its loader reads no
 other; transformers' defaults too)."""
-WINDOWED = ("gemma3", "olmo2")
+WINDOWED = ("gemma3", "olmo2", "gemma4")
 """Architectures whose llama.cpp graph windows the layers the GGUF marks (the others attend to
 the whole context)."""
-NO_BIAS = ("phi3", "olmo2", "smollm3")
+NO_BIAS = ("phi3", "olmo2", "smollm3", "gemma4")
 """Architectures whose llama.cpp loader has no attention-output or MLP bias."""
 WHOLE_HEADS = ("phi3", "olmo2")
 """Architectures whose llama.cpp loader sizes the query and output matrices by hidden_size
@@ -81,6 +85,8 @@ def check(spec: ModelSpec, model_dir: Path) -> None:
     for rule in (_check_rope, _check_window, _check_biases, _check_heads, _check_lm_head,
                  _check_nope, _check_local_rope):
         rule(spec, cfg)
+    if _arch(spec) == gemma4.ARCH:
+        gemma4.check(spec, cfg)
 
 
 def _arch(spec: ModelSpec) -> str:
@@ -97,7 +103,10 @@ def _check_rope(spec: ModelSpec, cfg: Path) -> None:
     kind, rs = scaling(spec)
     allowed = ROPE_TYPES.get(_arch(spec), ("linear",))
     if kind is not None and kind not in allowed:
-        raise UserError(cfg, f"sets rope_scaling of type {kind!r}, which a GGUF of llama.cpp's "
+        key = "rope_scaling" if "rope_parameters" not in spec.raw_config else "rope_parameters"
+        if isinstance(spec.raw_config.get(key), dict) and FULL in spec.raw_config[key]:
+            key = f"rope_parameters.{FULL}"  # RoPE per layer type (Gemma 4)
+        raise UserError(cfg, f"sets {key} of type {kind!r}, which a GGUF of llama.cpp's "
                         f"{_arch(spec)} architecture does not carry (it carries "
                         f"{', '.join(allowed)}): llama.cpp would compute another model",
                         KEEP)
@@ -215,7 +224,8 @@ def yarn_mscale(factor: float) -> float:
 
 def extra_tensors(spec: ModelSpec) -> dict[str, np.ndarray]:
     """Tensors the GGUF holds beside the model's own (f32): llama.cpp's per-frequency RoPE
-    divisors of Llama 3 scaling (``rope_freqs``), LongRoPE's two factor lists."""
+    divisors of Llama 3 scaling and of Gemma 4's proportional RoPE (``rope_freqs``), LongRoPE's
+    two factor lists."""
     kind, rs = scaling(spec)
     if kind == "llama3":
         plain = rope_inv_freq(spec.head_dim, spec.rope_theta, None)
@@ -224,6 +234,8 @@ def extra_tensors(spec: ModelSpec) -> dict[str, np.ndarray]:
     if kind == "longrope":
         return {name: np.array(rs[key], np.float32)
                 for name, key in zip(LONGROPE_TENSORS, ("long_factor", "short_factor"))}
+    if _arch(spec) == gemma4.ARCH:
+        return {gemma4.ROPE_FREQS: gemma4.rope_freqs(spec)}
     return {}
 
 
@@ -268,6 +280,8 @@ def config(g, arch: str, family: str, layers: int, head_dim: int, cfg: dict) -> 
                           cfg.pop("rope_scaling", None)))
     if family == "smollm3":
         cfg.update(no_rope_layer_interval=NOPE_EVERY, use_sliding_window=False)
+    if arch == gemma4.ARCH:
+        cfg = gemma4.config(g, arch, layers, cfg)
     return cfg
 
 
@@ -348,7 +362,9 @@ def _olmo3(g, arch: str, layers: int, theta: float, full_scaling: dict | None) -
 
 def extra_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     """The tensors beside the model's own that import expects in the file, with their shapes
-    (LongRoPE's factors; Llama 3's rope_freqs is refused before)."""
+    (LongRoPE's factors, Gemma 4's rope_freqs; Llama 3's rope_freqs is refused before)."""
+    if _arch(spec) == gemma4.ARCH:
+        return gemma4.extra_shapes(spec)
     kind, rs = scaling(spec)
     if kind != "longrope":
         return {}

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.gguf import archs, qwen35
+from slideformer.engine.gguf import archs, gemma4, qwen35
 from slideformer.engine.gguf.kinds import EXPORT_KINDS
 from slideformer.engine.gguf.names import arch_name, tensor_names
 from slideformer.engine.gguf.tokenizer import gguf_vocab
@@ -112,12 +112,13 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
     w.add_embedding_length(spec.hidden_size)
     w.add_feed_forward_length(spec.intermediate_size)
     w.add_head_count(spec.num_heads)
-    w.add_head_count_kv(spec.num_kv_heads)
+    kv, head_dim, rotary = _attention_sizes(spec)
+    w.add_head_count_kv(kv)
     w.add_rope_freq_base(spec.rope_theta)
     w.add_layer_norm_rms_eps(spec.rms_norm_eps)
-    w.add_rope_dimension_count(spec.rotary_dim or spec.head_dim)
-    w.add_key_length(spec.head_dim)
-    w.add_value_length(spec.head_dim)
+    w.add_rope_dimension_count(rotary)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(spec.vocab_size)
     w.add_file_type(FILE_TYPES[kind])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -140,8 +141,20 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
             w.add_expert_shared_feed_forward_length(spec.moe.shared_width)
     if spec.family.linear:
         qwen35.write_metadata(w, spec, model_dir)
+    if spec.family.gguf == gemma4.ARCH:
+        gemma4.write_metadata(w, spec)
     archs.write_metadata(w, spec)
     _write_tokenizer(w, spec, model_dir)
+
+
+def _attention_sizes(spec: ModelSpec) -> tuple[int | list[int], int, int]:
+    """(``head_count_kv``, ``key_length``, ``rope.dimension_count``): Gemma 4's are its full
+    layers' head size (both: the proportional RoPE turns pairs of the whole head) and a KV
+    head count per layer (:mod:`slideformer.engine.gguf.gemma4`)."""
+    if spec.family.gguf == gemma4.ARCH:
+        hd = gemma4.full_head_dim(spec)
+        return gemma4.kv_heads(spec), hd, hd
+    return spec.num_kv_heads, spec.head_dim, spec.rotary_dim or spec.head_dim
 
 
 def _check_gemma3(spec: ModelSpec, model_dir: Path) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from slideformer.engine.errors import UserError
-from slideformer.engine.gguf import archs, metadata, qwen35
+from slideformer.engine.gguf import archs, gemma4, metadata, qwen35
 from slideformer.engine.gguf.names import GGUF_ARCHS, model_type_of, tensor_names
 from slideformer.engine.gguf.reader import GGUFFile
 from slideformer.engine.gguf.tokenizer import build_tokenizer, tokenizer_config
@@ -49,7 +49,7 @@ def _float(v) -> float:
 
 def _rope_scaling(g: GGUFFile, arch: str) -> dict | None:
     kind = metadata.value(g, f"{arch}.rope.scaling.type", str)
-    if "rope_freqs.weight" in g.tensors:
+    if "rope_freqs.weight" in g.tensors and arch != gemma4.ARCH:  # Gemma 4's: archs.config
         raise UserError(g.path, "uses per-frequency RoPE factors (rope_freqs, e.g. Llama 3.1 "
                                 "scaling), which import cannot turn back into rope_scaling",
                         "import the model from its Hugging Face folder instead")
@@ -78,7 +78,7 @@ def gguf_config(g: GGUFFile) -> dict:
     head_dim = key_length or (hidden // heads if fam.linear else rope_dims)  # partial RoPE
     ffn = number("feed_forward_length", int) if fam.moe else need("feed_forward_length")
     shape = TinyShape(layers=_layers(g, arch), hidden=hidden, heads=heads,
-                      kv_heads=number("attention.head_count_kv", int, heads),
+                      kv_heads=_kv_heads(g, arch, heads),
                       intermediate=ffn or need("expert_feed_forward_length"), vocab=vocab,
                       head_dim=head_dim if head_dim and head_dim != hidden // heads else None,
                       tie="output.weight" not in g.tensors,
@@ -97,7 +97,8 @@ def gguf_config(g: GGUFFile) -> dict:
     if fam.linear:  # Qwen3.5: the RoPE base goes into rope_parameters
         cfg.update(qwen35.config(g, arch, shape.layers, shape.head_dim or hidden // heads,
                                  cfg.pop("rope_theta")))
-    if fam.moe is not None:
+    if fam.moe is not None and (fam.moe.enable_key is None
+                                or g.get(f"{arch}.expert_count") is not None):
         cfg.update(_experts(g, arch, fam.moe, shape.intermediate))
     cfg = archs.config(g, arch, family, shape.layers, shape.head_dim or hidden // heads, cfg)
     for key, gkey in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
@@ -105,6 +106,15 @@ def gguf_config(g: GGUFFile) -> dict:
         if (token := metadata.value(g, f"tokenizer.ggml.{gkey}", int)) is not None:
             cfg[key] = token
     return cfg
+
+
+def _kv_heads(g: GGUFFile, arch: str, heads: int) -> int:
+    """``attention.head_count_kv``; Gemma 4's holds one per layer (the first stands in here,
+    archs.config reads them all)."""
+    key = f"{arch}.attention.head_count_kv"
+    if arch == gemma4.ARCH and isinstance(g.get(key), list):
+        return (metadata.array(g, key, int) or [heads])[0]
+    return metadata.value(g, key, int, heads)
 
 
 def _experts(g: GGUFFile, arch: str, moe: Moe, dense: int) -> dict:

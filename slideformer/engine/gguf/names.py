@@ -24,6 +24,14 @@ GGUF_ARCHS = {gguf.MODEL_ARCH_NAMES[a]: a for a in ARCH.values()}
 RENAMED = {"linear_attn.dt_bias": "linear_attn.dt_proj.bias"}
 """Layout names llama.cpp's converter renames before it maps them (Qwen3.5's ``dt_bias`` is
 stored as the bias of a ``dt_proj``: ``ssm_dt.bias``)."""
+SCALES = {"router.scale": (gguf.MODEL_TENSOR.FFN_GATE_INP, "scale"),
+          "router.per_expert_scale": (gguf.MODEL_TENSOR.FFN_DOWN_EXP, "scale")}
+"""Layout names the ``gguf`` package's map does not hold, as llama.cpp's converter stores them:
+Gemma 4's router scale as ``ffn_gate_inp.scale`` and its per-expert scale (a factor on each
+expert's output) as ``ffn_down_exps.scale``."""
+WEIGHT_ADDED = ("layer_scalar", "experts.gate_up_proj", "experts.down_proj")
+"""Layout names without ``.weight`` whose GGUF name llama.cpp's converter gives one (Gemma 4's
+layer scalar and stacked experts; Qwen3.5's ``A_log`` stays ``ssm_a``)."""
 
 
 def arch_name(model_type: str) -> str:
@@ -47,11 +55,19 @@ def tensor_names(spec: ModelSpec) -> dict[str, str]:
     out = {}
     for item in item_names(spec):
         for local in item_layout(spec, item).names():
-            asked = hf_name(item, RENAMED.get(local, local))
-            name = name_map.get_name(asked, try_suffixes=(".weight", ".bias"))
-            if name is None:  # a family whose layout the gguf package does not map
-                raise ValueError(f"gguf has no {spec.family.gguf} tensor for {asked}")
-            out[hf_name(item, local)] = name
+            out[hf_name(item, local)] = _tensor_name(name_map, item, local, spec.family.gguf)
     if spec.tie_word_embeddings:
         out.pop("lm_head.weight", None)
     return out
+
+
+def _tensor_name(name_map, item: str, local: str, arch: str) -> str:
+    """The GGUF name of ``local`` of ``item`` (:data:`SCALES`, :data:`WEIGHT_ADDED`)."""
+    if local in SCALES:
+        kind, suffix = SCALES[local]
+        return f"{gguf.TENSOR_NAMES[kind].format(bid=item[5:])}.{suffix}"
+    asked = hf_name(item, RENAMED.get(local, local))
+    name = name_map.get_name(asked, try_suffixes=(".weight", ".bias"))
+    if name is None:  # a family whose layout the gguf package does not map
+        raise ValueError(f"gguf has no {arch} tensor for {asked}")
+    return f"{name}.weight" if local in WEIGHT_ADDED else name

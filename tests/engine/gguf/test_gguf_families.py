@@ -1,5 +1,6 @@
 """GGUF export and import of Phi-3 (with Phi-4-mini's partial rotary and LongRoPE), OLMo 2,
-OLMo 3, SmolLM3 and Mixtral, and of YaRN RoPE scaling: our import of our export is the same
+OLMo 3, SmolLM3, Mixtral and Gemma 4 (dense, with experts, with and without keys as values),
+and of YaRN RoPE scaling: our import of our export is the same
 model (the same tensors, config and logits), and a model llama.cpp would compute otherwise is
 refused before anything is written, naming config.json and the key.
 
@@ -12,6 +13,7 @@ import json
 import shutil
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -42,6 +44,16 @@ YARN_MODELS = {"olmo3": OLMO3 | {"rope_scaling": YARN},
                "qwen3_moe": {"rope_scaling": YARN}, "smollm3": {"rope_scaling": YARN}}
 """Families whose GGUF carries YaRN: config.json keys over the tiny model (one with an
 attention factor of its own, which llama.cpp takes as a multiple of its default)."""
+GEMMA4_V_PROJ = {"attention_k_eq_v": False, "rope_parameters": {
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+    "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0,
+                       "rope_theta": 100000.0}}}
+"""Gemma 4 with a v_proj on the full layers (keys as values off: their KV heads are the sliding
+layers'), RoPE bases of its own and a proportional RoPE turning half of the pairs, scaled x2."""
+GEMMA4 = {"gemma4": (TinyShape(), None), "gemma4-moe": (TinyShape(), {"enable_moe_block": True}),
+          "gemma4-v_proj": (TinyShape(tie=True), GEMMA4_V_PROJ)}
+"""Test id -> (shape, config.json keys) of the tiny Gemma 4 models (test_models.py's variants:
+sliding and full layers alternate, the full ones with a head size and KV heads of their own)."""
 CASES = {"phi3": ("phi3", None), "phi4-mini": ("phi3", PHI4_MINI), "olmo2": ("olmo2", None),
          "olmo3": ("olmo3", OLMO3), "smollm3": ("smollm3", None), "mixtral": ("mixtral", None),
          "olmo3-yarn": ("olmo3", YARN_MODELS["olmo3"]),
@@ -74,11 +86,12 @@ def logits(folder, ids) -> torch.Tensor:
         return model(torch.tensor([ids])).logits
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, *GEMMA4])
 def test_import_of_our_export_is_the_same_model(case, tiny_model_factory, tmp_path):
     pytest.importorskip("transformers")
-    arch, extra = CASES[case]
-    src = tiny_model_factory(arch, TinyShape(), extra, seed=2)
+    arch, shape, extra = ("gemma4_text", *GEMMA4[case]) if case in GEMMA4 else \
+        (CASES[case][0], TinyShape(), CASES[case][1])
+    src = tiny_model_factory(arch, shape, extra, seed=2)
     f = export_gguf(src, tmp_path / "m.gguf", "f32")
     back = import_gguf(f, tmp_path / "back")
     a, b = load_file(str(src / "model.safetensors")), load_file(str(back / "model.safetensors"))
@@ -128,6 +141,40 @@ def test_a_mixtral_named_mistral_imports_as_mixtral(tiny_model_factory, tmp_path
     assert cfg["model_type"] == "mixtral" and cfg["num_local_experts"] == 4
 
 
+def test_a_one_layer_gemma4_is_refused(tiny_model_factory, tmp_path):
+    """llama.cpp's gemma4 stops with an assertion on a one-layer model (its KV cache)."""
+    folder = tiny_model_factory("gemma4_text", TinyShape(layers=1), seed=2)
+    with pytest.raises(UserError, match="num_hidden_layers = 1") as e:
+        export_gguf(folder, tmp_path / "m.gguf", "f32")
+    assert e.value.where == str(folder / "config.json") and not list(tmp_path.iterdir())
+
+
+def test_gemma4_is_written_as_llama_cpp_reads_it(tiny_model_factory, tmp_path):
+    """The keys and tensors llama.cpp's gemma4 reads (src/models/gemma4.cpp): the full layers'
+    head size and the sliding layers' apart, KV heads per layer, which layers slide, the
+    proportional RoPE as rope_freqs (1 for the pairs that turn, 1e30 for the others), the
+    layer scalars and the routers' scales under the converter's names."""
+    f = export_gguf(tiny_model_factory("gemma4_text", *GEMMA4["gemma4-moe"], seed=2),
+                    tmp_path / "m.gguf", "q8_0")
+    r = gguf.GGUFReader(f)
+    field = lambda key: r.fields[f"gemma4.{key}"].contents()  # noqa: E731
+    assert (field("attention.key_length"), field("attention.key_length_swa")) == (32, 16)
+    assert (field("rope.dimension_count"), field("rope.dimension_count_swa")) == (32, 16)
+    assert field("attention.head_count_kv") == [2, 1, 2, 1]
+    assert field("attention.sliding_window_pattern") == [True, False, True, False]
+    assert (field("rope.freq_base"), field("rope.freq_base_swa")) == (1e6, 1e4)
+    assert field("final_logit_softcapping") == 0.5 and field("attention.sliding_window") == 8
+    tensors = {t.name: t for t in r.tensors}
+    assert tensors["rope_freqs.weight"].data.tolist() == np.array([1.0] * 4 + [1e30] * 12,
+                                                                  np.float32).tolist()
+    assert "blk.1.attn_v.weight" not in tensors and "blk.0.attn_v.weight" in tensors
+    for name in ("blk.0.layer_output_scale.weight", "blk.0.ffn_gate_inp.scale",
+                 "blk.0.ffn_down_exps.scale", "blk.0.ffn_gate_up_exps.weight"):
+        assert name in tensors, name
+    listed = importable(read_header(f))  # the header alone: shapes, heads, layer types
+    assert listed.attn_shapes == ((16, 2), (32, 1), (16, 2), (32, 1)) and listed.moe.experts == 4
+
+
 @pytest.mark.parametrize("arch, extra, match", [
     # Phi-3-mini-4k's window: llama.cpp disables Phi's sliding window
     ("phi3", {"sliding_window": 2047}, r"sliding_window 2047, shorter than "
@@ -149,6 +196,19 @@ def test_a_mixtral_named_mistral_imports_as_mixtral(tiny_model_factory, tmp_path
     ("smollm3", {"rope_scaling": YARN | {"truncate": False}}, "rope_scaling.truncate = false"),
     ("qwen2", {"rope_scaling": YARN | {"beta_fast": 16.0}}, "rope_scaling.beta_fast = 16.0"),
     ("mixtral", {"sliding_window": 16}, "sliding_window 16, shorter than"),
+    # Gemma 4: llama.cpp turns the sliding layers unscaled, by the neox RoPE (or proportional)
+    ("gemma4_text", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 1e6}}},
+     r"RoPE scaling for the sliding_attention layers \(rope_parameters.sliding_attention\)"),
+    ("gemma4_text", {"rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": YARN | {"rope_theta": 1e6}}},
+     "rope_parameters.full_attention of type 'yarn'"),
+    ("gemma4_text", {"per_layer_config": {"1": {"head_dim": 32}, "3": {"head_dim": 48}}},
+     r"full_attention layers head sizes \[32, 48\] \(per_layer_config\)"),
+    ("gemma4_text", {"attention_bias": True}, "attention_bias = true"),
 ])
 def test_a_model_llama_cpp_would_compute_otherwise_is_refused(arch, extra, match,
                                                               tiny_model_factory, tmp_path):

@@ -1,6 +1,6 @@
 """The GGUF files we write, loaded by llama.cpp itself (llama-cpp-python): the same token ids as
-our tokenizer and the same logits as transformers, for every family llama.cpp has; for Qwen3.5
-and Phi-4-mini's RoPE (partial, LongRoPE) the same greedy tokens from an f16 file as
+our tokenizer and the same logits as transformers, for every family llama.cpp has; for Qwen3.5,
+Phi-4-mini's RoPE (partial, LongRoPE) and Gemma 4 the same greedy tokens from an f16 file as
 transformers from the folder; LongRoPE's long factors where llama.cpp's context passes the
 original one; YaRN as transformers computes it; and a LoRA adapter GGUF applied by llama.cpp
 equals the merged model.
@@ -26,8 +26,8 @@ from slideformer.engine.models.lora import LoraSpec  # noqa: E402
 from slideformer.engine.models.tiny import TinyShape  # noqa: E402
 from slideformer.engine.models.tokenizer import load_tokenizer  # noqa: E402
 from tests.engine.gguf.test_gguf import QWEN35  # noqa: E402
-from tests.engine.gguf.test_gguf_families import (OLMO3, PHI4_MINI, YARN_MODELS,  # noqa: E402
-                                                   sharpened)
+from tests.engine.gguf.test_gguf_families import (GEMMA4, OLMO3, PHI4_MINI,  # noqa: E402
+                                                   YARN_MODELS, sharpened)
 from tests.engine.gguf.test_gguf_lora import TARGETS, merged_folder, write_peft_adapter  # noqa: E402
 from tests.engine.gguf.test_gguf_qwen35 import MARKS, qwen35_tokenizer_folder  # noqa: E402
 
@@ -51,15 +51,26 @@ factors, as transformers does for these short sequences."""
 GREEDY = 32
 """Greedy tokens compared. The smallest gap between transformers' two best logits on these
 models is 1.1e-3 (Qwen3.5), 8.1e-3 (MoE) and 9.9e-4 (Phi-4-mini's RoPE), of logits up to 0.84;
-llama.cpp's f16 logits are within 4.7e-4 (Phi-3: 5.2e-4) of transformers' (measured)."""
+llama.cpp's f16 logits are within 4.7e-4 (Phi-3: 5.2e-4) of transformers' (measured). Gemma 4
+(f16 file, f16 cache): smallest gaps 8.1e-4 (dense), 2.8e-4 (experts), 2.4e-3 (v_proj), of
+logits capped at 0.5; 32 of 32 equal for each (measured)."""
 TOL = 2e-3
 """llama.cpp's logits against transformers' (fp32 weights), relative to the largest logit:
 measured 3e-4 to 1e-3 on these models (its KV cache is f16)."""
+F32_CACHE = {"type_k": 0, "type_v": 0}
+"""llama.cpp's KV cache in f32 (GGML_TYPE_F32): Gemma 4's scores are not scaled (q and k are
+RMS-normed, so a score is of order sqrt(head_dim)), and its f16 cache moves the tiny models'
+logits by 4.4e-3 to 7.7e-3 of the largest, all of it rounding (f32 cache: 2.0e-3 to 2.4e-3;
+the largest is the soft cap's 0.47, not the raw logits')."""
+GEMMA4_TOL = 4e-3
+"""Gemma 4's tolerance with the f32 cache. Mistakes move these logits far more (measured): the
+full layers' RoPE without the proportional rule 0.22, the sliding layers turned by the full
+layers' base 1.04, no window 1.49."""
 
 
-def llama_logits(path, ids: list[int], n_ctx: int = N_CTX) -> np.ndarray:
+def llama_logits(path, ids: list[int], n_ctx: int = N_CTX, **params) -> np.ndarray:
     llm = llama_cpp.Llama(model_path=str(path), logits_all=True, verbose=False, n_ctx=n_ctx,
-                          n_threads=2)
+                          n_threads=2, **params)
     llm.eval(ids)
     return np.array(llm.scores[:len(ids)])
 
@@ -84,13 +95,30 @@ def test_llama_cpp_reads_our_gguf_as_transformers_reads_the_folder(arch, tiny_mo
     assert np.abs(got - ref).max() <= TOL * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("case", list(GEMMA4))
+def test_llama_cpp_computes_gemma4_as_transformers(case, tiny_model_factory, tmp_path):
+    """Heads of two sizes, keys as values (and not), the value norm, proportional RoPE (scaled),
+    layer scalars, soft-capped logits, experts beside the MLP: llama.cpp's gemma4 reads the
+    layer pattern from the file, so the tiny models need no shaping."""
+    folder = model_folder(case, tiny_model_factory, tmp_path)
+    out = export_gguf(folder, tmp_path / "m.gguf", "f32")
+    ids = load_tokenizer(folder).tok.encode(TEXT, add_special_tokens=True).ids
+    llm = llama_cpp.Llama(model_path=str(out), vocab_only=True, verbose=False)
+    assert llm.tokenize(TEXT.encode(), add_bos=True, special=False) == ids
+    got, ref = llama_logits(out, ids, **F32_CACHE), hf_logits(folder, ids)
+    assert np.abs(got - ref).max() <= GEMMA4_TOL * np.abs(ref).max()
+
+
 def model_folder(arch: str, tiny_model_factory, tmp_path):
-    """The tiny model of ``arch`` as MODELS shapes it, sharpened for the SHARP families."""
+    """The tiny model of ``arch`` as MODELS shapes it, sharpened for the SHARP families (a
+    Gemma 4 test id: test_gguf_families.GEMMA4's model)."""
+    if arch in GEMMA4:
+        return tiny_model_factory("gemma4_text", *GEMMA4[arch], seed=2)
     folder = tiny_model_factory(arch, *MODELS.get(arch, (TinyShape(), None)), seed=2)
     return sharpened(folder, tmp_path / "sharp") if arch in SHARP else folder
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text", "phi3"])
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text", "phi3", *GEMMA4])
 def test_llama_cpp_greedy_tokens_equal_transformers(arch, tiny_model_factory, tmp_path):
     folder = model_folder(arch, tiny_model_factory, tmp_path)
     out = export_gguf(folder, tmp_path / "m.gguf", "f16")

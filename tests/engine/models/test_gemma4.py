@@ -76,10 +76,13 @@ def test_per_layer_inputs_are_refused_where_the_default_turns_them_on(tmp_path):
         spec_from_config(text, tmp_path / "config.json")
 
 
-def test_gguf_export_is_refused(tiny_model_factory, tmp_path):
+def test_gguf_export_writes_the_gemma4_architecture(tiny_model_factory, tmp_path):
+    """GGUF export is llama.cpp's gemma4 (round trips and llama.cpp's logits:
+    tests/engine/gguf/test_gguf_families.py and test_llama_cpp.py)."""
+    gguf = pytest.importorskip("gguf")
     from slideformer.engine.gguf.exporter import export_gguf
-    with pytest.raises(UserError, match="no GGUF conversion"):
-        export_gguf(tiny_model_factory("gemma4_text"), tmp_path / "m.gguf")
+    f = export_gguf(tiny_model_factory("gemma4_text"), tmp_path / "m.gguf")
+    assert gguf.GGUFReader(f).fields["general.architecture"].contents() == "gemma4"
 
 
 # ---- the soft cap -------------------------------------------------------------------------

@@ -166,4 +166,5 @@ FAMILY = Family(
     layer_scalar=True,
     moe=Moe("router.proj.weight", "experts", "gate_up_proj", "gate_up_proj", "down_proj",
             ("num_experts",), "moe_intermediate_size", renormalise=True, gemma4=True,
-            top_k_key="top_k_experts", enable_key="enable_moe_block", aux_loss=False))
+            top_k_key="top_k_experts", enable_key="enable_moe_block", aux_loss=False),
+    gguf="gemma4")
