@@ -26,7 +26,7 @@ def our_args(cfg: BenchConfig, micro_batch: int, slots: int, checkpoints: str = 
                            clip=cfg.clip, vram_cap=cfg.vram_cap,
                            warmup=cfg.warmup if warmup is None else warmup,
                            steps=cfg.steps if steps is None else steps, precision="bf16",
-                           objective="sft")
+                           objective="sft", moments="float32")
 
 
 def our_row(cfg: BenchConfig, res: dict) -> dict:

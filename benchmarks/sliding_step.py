@@ -95,12 +95,14 @@ def residual(precision: str):
 
 
 def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_gib: float,
-               device: str = "cuda", precision: str = "bf16", ram_gib: float = 0.0):
+               device: str = "cuda", precision: str = "bf16", ram_gib: float = 0.0,
+               moments: str = "float32"):
     """The plan the engine's planner makes for this run: VRAM budget ``vram_gib`` (0: the GPU's
     free memory less a margin), RAM budget ``ram_gib`` (0: the machine's available RAM), its
     measured or reference hardware profile. Its exec_shape is what ``slideformer train`` would
     run with the same budgets."""
     from slideformer.engine.config import BudgetConfig
+    from slideformer.engine.devices import moments_torch_dtype
     from slideformer.engine.plan import Knobs, Precision, make_plan, resolve_budgets
     from slideformer.engine.plan.targets import load_profile
     from slideformer.engine.plan.machine import gpu_memory, host_memory
@@ -109,7 +111,8 @@ def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_g
     ram = f"{int(ram_gib * 2**30)}" if ram_gib else "auto"
     budgets = resolve_budgets(BudgetConfig(vram=vram, ram=ram), device, hw, gpu_memory(), host_memory())
     knobs = Knobs(seq_len=seq, micro_batch=micro_batch, grad_accum=accum,
-                  precision=Precision(torch.bfloat16, torch.float32, residual=residual(precision)),
+                  precision=Precision(torch.bfloat16, moments_torch_dtype(moments),
+                                      residual=residual(precision)),
                   clip=clip > 0, packed=False)
     return make_plan(spec, knobs, device, budgets, hw)
 
@@ -125,7 +128,8 @@ def planned_state(spec, args) -> tuple[list[int], list[str]]:
     for mb in args.micro_batch:
         for accum in args.grad_accum:
             s = plan_shape(spec, mb, args.seq, accum, args.clip, args.vram_cap,
-                           device=args.device, precision=args.precision, ram_gib=args.ram).exec_shape
+                           device=args.device, precision=args.precision, ram_gib=args.ram,
+                           moments=args.moments).exec_shape
             mine = set(borrowed_layers(s, L)) if args.clip > 0 else set()
             common = mine if common is None else common & mine
             items = set(device_items(s, L))
@@ -165,7 +169,8 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
     busy = {lane: round(sum(s.end - s.start for s in spans if s.lane == lane), 4)
             for lane in ("compute", "h2d", "d2h", "optimizer")}
     opt_params = sum(host[s.item].numel for s in opt)
-    res = dict(config=args.shape, objective=args.objective, micro_batch=args.micro_batch,
+    res = dict(config=args.shape, objective=args.objective, moments=args.moments,
+               micro_batch=args.micro_batch,
                grad_accum=accum, seq=args.seq,
                tokens_per_step=tokens, slots=ex.k, checkpoints=shape.checkpoints, clip=args.clip,
                precision=args.precision,
@@ -245,7 +250,7 @@ def main() -> None:
     ap.add_argument("--checkpoints", choices=["gpu", "host"], default="gpu")
     ap.add_argument("--head-chunk", type=int, default=2048)
     ap.add_argument("--clip", type=float, default=1.0)
-    ap.add_argument("--moments", default="float32")
+    ap.add_argument("--moments", choices=["float32", "bfloat16", "int8"], default="float32")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: the CPU backend in bf16 (timings of the small shapes)")
     ap.add_argument("--precision", choices=["autocast", "bf16"], default="bf16",
@@ -278,7 +283,8 @@ def main() -> None:
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(args.vram_cap * 2**30 / total)
     spec = shape_spec(args.shape)
-    moments = torch.bfloat16 if args.moments == "bfloat16" else torch.float32
+    from slideformer.engine.devices import moments_torch_dtype
+    moments = moments_torch_dtype(args.moments)  # int8: the 8-bit block format
     borrowed, on_device = planned_state(spec, args)
     host = random_state(spec, backend, moments, layer_grads=args.clip > 0,
                         borrowed=borrowed, on_device=on_device)
@@ -299,7 +305,8 @@ def run_micro_batch(spec, host, backend, args) -> None:
         shape = None
         if args.plan:
             plan = plan_shape(spec, args.micro_batch, args.seq, accum, args.clip, args.vram_cap,
-                              device=args.device, precision=args.precision, ram_gib=args.ram)
+                              device=args.device, precision=args.precision, ram_gib=args.ram,
+                              moments=args.moments)
             shape = plan.exec_shape
             if args.spec_layers is not None:  # the planner's shape with another speculation depth
                 shape = replace(shape, spec_layers=args.spec_layers)

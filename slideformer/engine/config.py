@@ -265,7 +265,7 @@ class GrpoConfig:
     """A Python file defining ``reward(prompt, completion, record) -> float`` (prompt and
     completion as text, record the data line as a dict); empty: the answer check below."""
     answer_regex: str = r"(?s)(.*)"
-    """The answer check when no reward file is given: 1.0 when the regex's first group, found
+    r"""The answer check when no reward file is given: 1.0 when the regex's first group, found
     in the reply, equals the record's "answer" (both stripped), else 0.0. The default compares
     the whole reply; e.g. r"answer is (\S+)" takes the word after "answer is"."""
     kl_beta: float = 0.0

@@ -33,8 +33,32 @@ def _chunk_rule():
 
 
 def fla_usable(v: torch.Tensor) -> bool:
-    """Whether the rule on inputs like ``v`` takes fla's kernel: CUDA, 16-bit, fla importable."""
-    return v.is_cuda and v.dtype in (torch.bfloat16, torch.float16) and _chunk_rule() is not None
+    """Whether the rule on inputs like ``v`` takes fla's kernel: CUDA, 16-bit, fla importable,
+    and not a GPU where fla's backward refuses to run (:func:`fla_refused_on`)."""
+    return v.is_cuda and v.dtype in (torch.bfloat16, torch.float16) and \
+        _chunk_rule() is not None and not fla_refused_on(v.device)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("+")[0].split(".")[:3] if p.isdigit())
+
+
+@functools.cache
+def fla_refused_on(device) -> bool:
+    """fla (0.6) raises in the gated rule's backward on Hopper GPUs (compute capability 9.x)
+    with Triton >= 3.4.0 and < 3.7.1 unless tilelang is installed: Triton miscompiles its
+    ``chunk_bwd_dqkwg`` there (fla's issue 640). Measured on the reference H100 (torch 2.11,
+    Triton 3.6.0): the first backward stops with that error. On such a machine the PyTorch
+    chunked rule of models.deltanet runs instead (the same maths; measured there: Qwen3.5
+    16-layer full fine-tune, benchmarks/RESULTS.md)."""
+    import importlib.util
+    try:
+        import triton
+    except ImportError:
+        return False
+    major = torch.cuda.get_device_capability(device)[0]
+    bad = (3, 4, 0) <= _version(triton.__version__) < (3, 7, 1)
+    return major == 9 and bad and importlib.util.find_spec("tilelang") is None
 
 
 def fla_gated_delta_rule(q, k, v, g, beta, state=None, starts=None):

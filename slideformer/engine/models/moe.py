@@ -51,9 +51,16 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor,
     wt = w if in_out else w.transpose(-2, -1)  # (E, in, out)
     if ends is not None:
         count_launch("grouped_mm")
-        return _GROUPED_MM(x, wt, offs=ends)
+        # the kernel takes operands at 16-byte aligned addresses only; a layer's flat buffer
+        # places a stacked tensor wherever the tensors before it end (tiny models: anywhere),
+        # so such a view is copied (clone keeps its strides), an aligned one used in place
+        return _GROUPED_MM(_aligned(x), _aligned(wt), offs=ends)
     blocks = torch.split(x, counts.tolist())
     return torch.cat([xb @ wt[e] for e, xb in enumerate(blocks)])
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def route(logits: torch.Tensor, top_k: int, renormalise: bool, top_first: bool = False):

@@ -262,9 +262,19 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="needs fla")
 
 
+def _fla_refused() -> bool:
+    from slideformer.engine.kernels.deltanet_gpu import fla_refused_on
+    return torch.cuda.is_available() and fla_refused_on(torch.device("cuda"))
+
+
+fla_runs = pytest.mark.skipif(_fla_refused(), reason="fla's backward refuses this GPU and "
+                              "Triton (deltanet_gpu.fla_refused_on): the PyTorch rule runs")
+
+
 @pytest.mark.gpu
 @cuda
 @fla
+@fla_runs
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("with_state", [False, True])
 def test_fla_rule_matches_the_reference(packed, with_state):
@@ -315,3 +325,28 @@ def test_bf16_deltanet_on_the_gpu_matches_fp32_on_the_cpu(packed):
         with torch.no_grad():
             out[dev] = dn.gated_deltanet(shape, pd, x.to(dev, dt), docs).float().cpu()
     assert rel(out["cuda"], out["cpu"]) < 2e-2
+
+
+@pytest.mark.parametrize("capability,triton_version,tilelang,refused", [
+    ((9, 0), "3.6.0", False, True),  # the reference H100: fla's backward raises there
+    ((9, 0), "3.4.0", False, True),
+    ((9, 0), "3.7.1", False, False),
+    ((9, 0), "3.3.1", False, False),
+    ((9, 0), "3.6.0", True, False),  # fla's other backend, tilelang, is installed
+    ((8, 9), "3.6.0", False, False),  # Ada (RTX 4090)
+    ((12, 0), "3.6.0", False, False)])  # Blackwell consumer cards
+def test_fla_is_left_out_where_its_backward_refuses_to_run(monkeypatch, capability,
+                                                           triton_version, tilelang, refused):
+    import sys
+    import types
+
+    from slideformer.engine.kernels import deltanet_gpu
+    deltanet_gpu.fla_refused_on.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__=triton_version))
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "tilelang" and tilelang else
+                        None if name == "tilelang" else real(name, *a))
+    assert deltanet_gpu.fla_refused_on("cuda:0") is refused
+    deltanet_gpu.fla_refused_on.cache_clear()

@@ -28,9 +28,11 @@ def rel(a, b) -> float:
 @pytest.mark.parametrize("tokens,experts,in_out", [(1000, 8, False), (4096, 128, False),
                                                     (7, 16, False), (1000, 8, True),
                                                     (7, 16, True)])
-def test_grouped_experts_match_the_loop(tokens, experts, in_out):
+@pytest.mark.parametrize("offset", [0, 1])
+def test_grouped_experts_match_the_loop(tokens, experts, in_out, offset):
     """Forward and gradients of the three grouped projections, with empty experts included;
-    ``in_out``: GPT-OSS's (E, in, out) storage."""
+    ``in_out``: GPT-OSS's (E, in, out) storage; ``offset``: the experts at that many elements
+    into a flat buffer, as a layer's buffer holds them (1: 2 bytes past an aligned address)."""
     g = torch.Generator("cuda").manual_seed(0)
     H, I = 256, 128
     ids = torch.randint(0, experts, (tokens,), generator=g, device="cuda")
@@ -42,13 +44,17 @@ def test_grouped_experts_match_the_loop(tokens, experts, in_out):
     gy = torch.randn(tokens, I, generator=g, device="cuda").to(torch.bfloat16)
     out = {}
     for path in ("grouped", "loop"):
-        xs, ws = x.clone().requires_grad_(), w.clone().requires_grad_()
+        xs = x.clone().requires_grad_()
+        flat = torch.zeros(w.numel() + offset, dtype=w.dtype, device=w.device)
+        flat[offset:].copy_(w.reshape(-1))
+        ws = flat.requires_grad_()
+        wv = ws[offset:].view(w.shape)
         ends = counts.cumsum(0).to(torch.int32) if path == "grouped" else None
         before = LAUNCHES["grouped_mm"]
-        y = moe.grouped_linear(xs, ws, counts, ends, in_out=in_out)
+        y = moe.grouped_linear(xs, wv, counts, ends, in_out=in_out)
         assert (LAUNCHES["grouped_mm"] > before) == (path == "grouped")
         y.backward(gy)
-        out[path] = (y, xs.grad, ws.grad)
+        out[path] = (y, xs.grad, ws.grad[offset:].view(w.shape))
     for a, b in zip(out["grouped"], out["loop"]):
         assert rel(a, b) < 1e-2
 

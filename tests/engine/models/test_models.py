@@ -243,3 +243,16 @@ def test_packed_documents_equal_separate_runs(tiny_model, load_dense):
     separate.backward()
     for g_packed, p in zip(packed_grads, model.parameters()):
         assert rel_err(g_packed, p.grad) < 1e-5
+
+
+def test_grouped_matmul_operands_are_moved_to_aligned_memory_only_when_they_are_not():
+    """torch's grouped matmul takes 16-byte aligned operands only; a stacked expert tensor is a
+    view of its layer's flat buffer at wherever the tensors before it end (tiny models: any
+    offset), so a misaligned one is copied with its strides, an aligned one used in place."""
+    from slideformer.engine.models.moe import _aligned
+    flat = torch.zeros(8 + 4 * 6 * 8, dtype=torch.bfloat16)
+    odd = flat[1:1 + 4 * 6 * 8].view(4, 6, 8).transpose(-2, -1)  # 2 bytes past aligned
+    assert odd.data_ptr() % 16 and _aligned(odd).data_ptr() % 16 == 0
+    assert _aligned(odd).stride() == odd.stride() and torch.equal(_aligned(odd), odd)
+    even = flat[8:8 + 4 * 6 * 8].view(4, 6, 8)
+    assert even.data_ptr() % 16 == 0 and _aligned(even) is even
