@@ -257,10 +257,88 @@ def run_hf(a: dict) -> dict:
                 peak_rss_gib=round(peak_rss(), 2))
 
 
+# ---- TRL's DPOTrainer (+ PEFT, + bitsandbytes) -------------------------------------------------
+def word_tokenizer(vocab: int):
+    """A tokenizer whose words are the token ids ("t17" is id 17, "</s>" the last id), so random
+    ids written as text come back from TRL's own tokenisation as exactly those ids."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    words = {f"t{i}": i for i in range(vocab - 1)} | {"</s>": vocab - 1}
+    tk = Tokenizer(models.WordLevel(words, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>",
+                                                pad_token="</s>", unk_token="t0")
+
+
+def run_trl(a: dict) -> dict:
+    """TRL's DPOTrainer as its users run it with PEFT: LoRA of the same targets and rank on the
+    random model of hf_model (bf16, or loaded in NF4 for qlora), gradient checkpointing, bf16,
+    the reference log-probabilities computed before training (``precompute_ref_log_probs``: the
+    adapters off, one forward pass, as ours does before step 1), clipping at 1.0. A step holds
+    micro_batch / 2 pairs x accum, each pair a prompt of seq / 2 tokens and two responses of
+    seq / 2 (EOS included), the same tokens as ours. Step time: from one optimizer step's end
+    to the next (data collation included), after a CUDA synchronise."""
+    import datasets
+    import peft
+    import transformers
+    import trl
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    model = hf_model(dict(a, contender=a["contender"].replace("trl-", "hf-")), dev)
+    model.config.use_cache = False
+    cap(a["vram_cap"])  # the reference pass runs under the cap too
+    V, half = model.config.vocab_size, a["seq"] // 2
+    pairs = a["micro_batch"] // 2
+    n = pairs * a["accum"] * (a["warmup"] + a["steps"])
+    g = torch.Generator().manual_seed(1)
+    text = lambda k: " ".join(f"t{i}" for i in torch.randint(1, V - 1, (k,), generator=g).tolist())  # noqa: E731
+    ds = datasets.Dataset.from_dict({"prompt": [text(half) for _ in range(n)],
+                                     "chosen": [" " + text(half - 1) + " </s>" for _ in range(n)],
+                                     "rejected": [" " + text(half - 1) + " </s>" for _ in range(n)]})
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    times: list[float] = []
+
+    class Timer(transformers.TrainerCallback):
+        def on_train_begin(self, *args, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, *args, **kw):
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - self.t)
+            self.t = time.perf_counter()
+
+    with tempfile.TemporaryDirectory(dir=a.get("tmp")) as out:
+        args = trl.DPOConfig(
+            output_dir=out, per_device_train_batch_size=pairs, gradient_accumulation_steps=a["accum"],
+            max_length=a["seq"], beta=0.1, loss_type=["sigmoid"], learning_rate=1e-4,
+            lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
+            max_steps=a["warmup"] + a["steps"], bf16=dev == "cuda", use_cpu=dev == "cpu",
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
+            precompute_ref_log_probs=True, logging_steps=10**6, save_strategy="no",
+            report_to="none", dataloader_num_workers=0, seed=0)
+        trainer = trl.DPOTrainer(model=model, args=args, train_dataset=ds,
+                                 processing_class=word_tokenizer(V), callbacks=[Timer()],
+                                 peft_config=peft.LoraConfig(r=8, lora_alpha=8, lora_dropout=0.0,
+                                                             target_modules=targets))
+        setup = time.perf_counter() - t0
+        SETUP.update(setup_s=round(setup, 1))
+        tokens_seen = sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"])
+                          for r in trainer.train_dataset.select(range(pairs * a["accum"])))
+        trainer.train()
+    med = statistics.median(times[a["warmup"]:])
+    tokens = a["micro_batch"] * a["seq"] * a["accum"]
+    assert tokens_seen == tokens, f"TRL's first step holds {tokens_seen} tokens, ours {tokens}"
+    return dict(tokens_per_s=round(tokens / med, 1), step_time_s=round(med, 3),
+                setup_s=round(setup, 1), **vram(), peak_rss_gib=round(peak_rss(), 2),
+                trl=trl.__version__)
+
+
 # ---- driver ------------------------------------------------------------------------------------
 def one(a: dict) -> None:
     try:
-        res = run_ours(a) if a["contender"].startswith("ours") else run_hf(a)
+        res = run_ours(a) if a["contender"].startswith("ours") else \
+            run_trl(a) if a["contender"].startswith("trl") else run_hf(a)
     except torch.cuda.OutOfMemoryError as e:
         res = {**SETUP, "error": f"out of memory: {str(e).splitlines()[0]}"}
     except ImportError as e:
@@ -270,7 +348,7 @@ def one(a: dict) -> None:
 
 def versions() -> dict:
     out = {"torch": torch.__version__, "cuda": torch.cuda.is_available() and torch.cuda.get_device_name(0)}
-    for mod in ("transformers", "peft", "bitsandbytes"):
+    for mod in ("transformers", "peft", "bitsandbytes", "trl"):
         try:
             out[mod] = __import__(mod).__version__
         except ImportError:
@@ -291,7 +369,8 @@ def main() -> None:
                     "(e.g. 16384), to split a table over calls of limited length")
     ap.add_argument("--only", help="comma-separated contenders of the table to run (default: all)")
     ap.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo"), default="sft",
-                    help="ours only: a preference objective (a micro-batch's rows are half as "
+                    help="a preference objective; with dpo the HF contenders are TRL's "
+                         "DPOTrainer + PEFT (+ bitsandbytes) (a micro-batch's rows are half as "
                          "many pairs, half of each row the prompt)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -313,7 +392,9 @@ def main() -> None:
     for mb, acc in sizes:
         for c in contenders:
             if args.objective != "sft" and not c.startswith("ours"):
-                continue  # Hugging Face's side of a preference objective is TRL: not here
+                if args.objective != "dpo":
+                    continue  # TRL's DPOTrainer is the contender of DPO only
+                c = c.replace("hf-", "trl-")  # Hugging Face's side of DPO: TRL + PEFT (+ bnb)
             a = dict(contender=c, shape=shape, seq=seq, micro_batch=mb, accum=acc, tmp=SCRATCH,
                      vram_cap=args.vram_cap, warmup=args.warmup, steps=args.steps,
                      objective=args.objective)
@@ -338,7 +419,8 @@ def attempts(a: dict):
             **a, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"}
         yield rec
         oom = "out of memory" in rec.get("error", "")
-        if not (oom and a["contender"].startswith("hf") and a["micro_batch"] > 1):
+        if not (oom and a["contender"].startswith(("hf", "trl")) and a["micro_batch"] > 1 + a[
+                "contender"].startswith("trl")):  # TRL's micro-batch counts pairs: 2 rows at least
             return
         a = dict(a, micro_batch=a["micro_batch"] // 2, accum=a["accum"] * 2)
 

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 import torch
 
 from slideformer.engine.generate.cache import KVCache
-from slideformer.engine.generate.sampling import SamplingConfig, next_token
+from slideformer.engine.generate.sampling import SamplingConfig, generator, next_token
 from slideformer.engine.models.inputs import LayerInputs
 from slideformer.engine.models.layers import decoder_layer
 from slideformer.engine.models.model import embed, final_norm, head_weight, lm_logits
@@ -78,7 +78,7 @@ def generate(spec: ModelSpec, weights, prompt: list[int], cfg: SamplingConfig,
     """
     capacity = min(len(prompt) + cfg.max_new_tokens, spec.max_position_embeddings)
     cache = KVCache(spec, capacity, dtype, device)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = generator(cfg.seed, device)
     t0 = time.perf_counter()
     logits = forward(spec, weights, torch.tensor([prompt], device=device), cache)
     t1 = time.perf_counter()

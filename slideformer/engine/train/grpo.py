@@ -59,7 +59,7 @@ from slideformer.engine.data.stream import same_position
 from slideformer.engine.errors import UserError
 from slideformer.engine.generate.cache import KVCache
 from slideformer.engine.generate.decoder import forward, forward_rows
-from slideformer.engine.generate.sampling import SamplingConfig, next_token
+from slideformer.engine.generate.sampling import SamplingConfig, generator, next_token, next_tokens
 from slideformer.engine.kernels import IGNORE
 
 _FIX = ('write each record as {"prompt": ..., "answer": ...} (the prompt a string or a list of '
@@ -202,7 +202,7 @@ def sample_reply(spec, weights, prompt: list[int], cfg: SamplingConfig, stop_ids
                  device, dtype) -> tuple[list[int], bool]:
     """(the reply's token ids, whether it ended with a stop token, which is the last id)."""
     cache = KVCache(spec, len(prompt) + cfg.max_new_tokens, dtype, device)
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = generator(cfg.seed, device)
     logits = forward(spec, weights, torch.tensor([prompt], device=device), cache)
     out: list[int] = []
     while len(out) < cfg.max_new_tokens:
@@ -224,15 +224,16 @@ def sample_group(spec, weights, prompt: list[int], cfgs: list[SamplingConfig],
     has ended is fed its last token again and what follows is dropped."""
     G, n = len(cfgs), max(c.max_new_tokens for c in cfgs)
     cache = KVCache(spec, len(prompt) + n, dtype, device, batch=G)
-    gens = [torch.Generator().manual_seed(c.seed) for c in cfgs]
+    gens = [generator(c.seed, device) for c in cfgs]
     logits = forward_rows(spec, weights, torch.tensor([prompt] * G, device=device), cache)
     out: list[list[int]] = [[] for _ in range(G)]
     ended = [False] * G
     while True:
-        for g in range(G):
-            if not ended[g]:
-                out[g].append(next_token(logits[g], cfgs[g], gens[g]))
-                ended[g] = out[g][-1] in stop_ids or len(out[g]) >= cfgs[g].max_new_tokens
+        live = [g for g in range(G) if not ended[g]]  # an ended row draws nothing more
+        for g, tok in zip(live, next_tokens(logits[live], [cfgs[g] for g in live],
+                                            [gens[g] for g in live])):
+            out[g].append(tok)
+            ended[g] = tok in stop_ids or len(out[g]) >= cfgs[g].max_new_tokens
         if all(ended):
             return [(o, o[-1] in stop_ids) for o in out]
         last = torch.tensor([[o[-1]] for o in out], device=device)

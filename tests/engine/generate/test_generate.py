@@ -155,6 +155,31 @@ def test_sampling_is_seeded_and_a_tiny_nucleus_is_greedy():
     assert next_token(logits, SamplingConfig(temperature=1.0, top_p=1e-6), g) == int(logits.argmax())
 
 
+def test_draws_follow_the_filtered_distribution_row_by_row():
+    """The exponential race against the filtered probabilities: 40,000 draws (200 rows of a
+    batch, 200 steps, each row its own generator) pass a chi-square test at p = 0.001, never pick
+    a token outside the nucleus, and a row draws the same tokens alone as in the batch."""
+    from slideformer.engine.generate.sampling import generator, next_tokens
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, -3.0, -4.0])
+    cfg = SamplingConfig(temperature=0.8, top_p=0.97)
+    probs = filter_logits(logits, cfg.temperature, cfg.top_p).softmax(-1)
+    assert (probs == 0).sum() == 3  # the three least likely tokens are outside the nucleus
+    rows = 200
+    gens = [generator(seed, "cpu") for seed in range(rows)]
+    counts = torch.zeros(len(logits))
+    first_row = []
+    for _ in range(200):
+        toks = next_tokens(logits.expand(rows, -1), [cfg] * rows, gens)
+        counts += torch.bincount(torch.tensor(toks), minlength=len(logits))
+        first_row.append(toks[0])
+    assert counts[probs == 0].sum() == 0
+    expected = probs[probs > 0] * counts.sum()
+    chi2 = float(((counts[probs > 0] - expected) ** 2 / expected).sum())
+    assert chi2 < 16.27, chi2  # 3 degrees of freedom, p = 0.001
+    alone = generator(0, "cpu")
+    assert [next_token(logits, cfg, alone) for _ in range(200)] == first_row
+
+
 def test_a_sampled_reply_repeats_with_its_seed(tiny_model_factory):
     model = ChatModel(tiny_model_factory("llama"), device="cpu")
     prompt = model.prompt_ids(QUESTION)
