@@ -348,7 +348,7 @@ def experts_beside(spec: ModelSpec, p: dict, x: torch.Tensor, c: torch.dtype,
 
 
 def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
-                  cache=None, lora=None, aux=None) -> torch.Tensor:
+                  cache=None, lora=None, aux=None, tile: int = 0) -> torch.Tensor:
     """One decoder layer: x (B, T, H) -> (B, T, H), norms placed as the family says.
 
     Args:
@@ -363,16 +363,49 @@ def decoder_layer(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None,
         lora: the layer's adapters (slideformer.engine.models.lora.LoraForward), or None.
         aux: the micro-batch's router loss (models.moe.RouterAux) of a mixture of experts
             trained with it, or None.
+        tile: run the feed-forward half (:func:`ff_block`) on this many tokens at a time
+            (:func:`tiles`); 0: all at once.
     """
-    if _plain(spec, p):
-        x, z = layer_to_down(spec, p, x, rope, mask, cache, lora)
-        return x + linear(p, "mlp.down_proj", z, lora)
+    m = mixer_block(spec, p, x, rope, mask, cache, lora)
+    if not tiles(tile, m, aux, lora):
+        return ff_block(spec, p, m, lora, aux)
+    flat = m.reshape(1, -1, m.shape[-1])
+    out = None
+    for s in range(0, flat.shape[1], tile):  # no autograd here (layer_backward tiles its own)
+        y = ff_block(spec, p, flat[:, s:s + tile], lora)
+        out = flat.new_empty(flat.shape, dtype=y.dtype) if out is None else out
+        out[:, s:s + tile] = y
+    return out.view(m.shape)
+
+
+def tiles(tile: int, x: torch.Tensor, aux=None, lora=None) -> bool:
+    """Whether the feed-forward runs in tiles of ``tile`` tokens: only where tiling computes
+    what the whole would, token by token. A token's feed-forward reads only that token (norms,
+    MLP, a token's experts), so a long sequence's (B, T, I) intermediates shrink to (tile, I)
+    and the result is the same, up to the order in which the weight gradients are summed.
+    Not with a router loss (``aux``: its load-balancing term multiplies two means over the whole
+    micro-batch) nor with LoRA dropout (its masks are drawn per call)."""
+    return bool(tile) and x.shape[0] * x.shape[1] > tile and aux is None and \
+        not (lora is not None and lora.lora.dropout)
+
+
+def mixer_block(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None, cache=None,
+                lora=None) -> torch.Tensor:
+    """The first half of :func:`decoder_layer`: x plus its token mixing (attention or the gated
+    DeltaNet, with the norms the family places around it): the mid residual."""
     style, c = spec.family.norm, _compute(p)
     h = x.to(c) if style == "post" else norm(spec, p, "input_layernorm", x, c)
     a = attention(spec, p, h, rope, mask, cache, lora)
     if style != "pre":
         a = norm(spec, p, "post_attention_layernorm", a)
-    x = x + a
+    return x + a
+
+
+def ff_block(spec: ModelSpec, p: dict, x: torch.Tensor, lora=None, aux=None) -> torch.Tensor:
+    """The second half of :func:`decoder_layer`: the mid residual x plus its feed-forward (the
+    MLP or experts, Gemma 4's experts beside it, the norms the family places, its layer
+    scalar). Token by token: no position reads another."""
+    style, c = spec.family.norm, _compute(p)
     h = (x.to(c) if style == "post" else
          norm(spec, p, "pre_feedforward_layernorm" if style == "sandwich"
               else "post_attention_layernorm", x, c))
@@ -415,15 +448,6 @@ def _beside(spec: ModelSpec, p: dict) -> bool:
     return m is not None and m.router in p and m.gemma4
 
 
-def layer_to_down(spec: ModelSpec, p: dict, x: torch.Tensor, rope, mask=None, cache=None,
-                  lora=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`decoder_layer` of a pre-norm dense layer short of its last projection: (the mid
-    residual x + attention, the gated MLP activation z that the down projection reads)."""
-    c = _compute(p)
-    x = x + attention(spec, p, norm(spec, p, "input_layernorm", x, c), rope, mask, cache, lora)
-    return x, gated(spec, p, norm(spec, p, "post_attention_layernorm", x, c), lora)
-
-
 class _DownGrads(torch.autograd.Function):
     """y = x1 + down_proj(z) for a backward only: the forward forms no output (a broadcast
     zero of y's shape stands for it), the backward gives dL/dx1 = gy and the matmuls autograd
@@ -449,7 +473,8 @@ class _DownGrads(torch.autograd.Function):
 
 
 def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Tensor, rope,
-                   mask=None, into: dict | None = None, aux=None) -> tuple[torch.Tensor, dict]:
+                   mask=None, into: dict | None = None, aux=None,
+                   tile: int = 0) -> tuple[torch.Tensor, dict]:
     """Recompute one decoder layer from its input ``x`` and backpropagate ``gy`` = dL/dy:
     (dL/dx, {name: dL/d leaf}) for the parameter ``leaves`` (tensors that require grad).
 
@@ -464,22 +489,56 @@ def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Ten
     gradient is the one autograd gives through :func:`decoder_layer` (the same calls; tests
     compare them with ``torch.equal``). Other layer shapes (a down projection with a bias,
     post or sandwich norms, experts) keep the plain autograd path; ``aux`` (models.moe.RouterAux)
-    adds the router loss's terms of this layer to what is backpropagated.
+    adds the router loss's terms of this layer to what is backpropagated. ``tile``: the
+    feed-forward half in tiles of that many tokens (:func:`tiled_grads`).
     """
     into = into or {}
     x = x.detach().requires_grad_()
     p = {k: GradInto(v, into[k]) if k in into else v for k, v in leaves.items()}
-    wanted = [v for k, v in leaves.items() if k not in into]
+    names = [k for k in leaves if k not in into]
+    wanted = [leaves[k] for k in names]
+    plain = _plain(spec, leaves)
+    if plain:  # one expression: the graph alone keeps the mid residual and z alive
+        c, down = _compute(leaves), leaves["mlp.down_proj.weight"]
+        ff = lambda m: _DownGrads.apply(  # noqa: E731
+            m, gated(spec, p, norm(spec, p, "post_attention_layernorm", m, c)), down,
+            into.get("mlp.down_proj.weight"))
+    else:
+        ff = lambda m: ff_block(spec, p, m, aux=aux)  # noqa: E731
+    if tiles(tile, x, aux):
+        gx, grads = tiled_grads(lambda v: mixer_block(spec, p, v, rope, mask), ff, x, gy,
+                                wanted, tile)
+        return gx, dict(zip(names, grads))
     with torch.enable_grad():
-        if not _plain(spec, leaves):
-            y = decoder_layer(spec, p, x, rope, mask, aux=aux)
-        else:  # one expression: the graph alone keeps the mid residual and z alive
-            down = leaves["mlp.down_proj.weight"]
-            y = _DownGrads.apply(*layer_to_down(spec, p, x, rope, mask), down,
-                                 into.get("mlp.down_proj.weight"))
+        y = ff(mixer_block(spec, p, x, rope, mask))
         terms = aux.take() if aux is not None else []
         # materialize: a leaf the layer reads without a gradient (Gemma 4's layer_scalar) gets 0
         grads = torch.autograd.grad([y, *terms], [x, *wanted],
                                     [gy, *(torch.ones_like(t) for t in terms)],
                                     materialize_grads=True)
-    return grads[0], dict(zip([k for k in leaves if k not in into], grads[1:]))
+    return grads[0], dict(zip(names, grads[1:]))
+
+
+def tiled_grads(mixer, ff, x: torch.Tensor, gy: torch.Tensor, params: list[torch.Tensor],
+                tile: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """dL/dx and dL/d ``params`` of y = ff(mixer(x)) for dL/dy = ``gy``, the token-wise ``ff``
+    recomputed and backpropagated ``tile`` tokens at a time: the mixer's graph is kept whole
+    (attention reads every position), each tile's feed-forward graph lives only while its
+    backward runs, and the tiles' dL/d(mid residual) joins into one tensor for the mixer's
+    backward. Parameter grads are summed over the tiles (a leaf neither half reads gets 0)."""
+    with torch.enable_grad():
+        m = mixer(x)
+    flat = m.detach().reshape(1, -1, m.shape[-1])
+    g_out, g_mid = gy.reshape(flat.shape), torch.empty_like(flat)
+    acc: list[torch.Tensor | None] = [None] * len(params)
+    for s in range(0, flat.shape[1], tile):
+        part = flat[:, s:s + tile].requires_grad_()
+        with torch.enable_grad():
+            y = ff(part)
+            got = torch.autograd.grad(y, [part, *params], g_out[:, s:s + tile], allow_unused=True)
+        g_mid[:, s:s + tile] = got[0]
+        acc = [a if g is None else g if a is None else a.add_(g) for a, g in zip(acc, got[1:])]
+        del y, got, part
+    got = torch.autograd.grad(m, [x, *params], g_mid.view(m.shape), allow_unused=True)
+    grads = [a if g is None else g if a is None else a.add_(g) for a, g in zip(acc, got[1:])]
+    return got[0], [torch.zeros_like(w) if g is None else g for w, g in zip(params, grads)]

@@ -41,7 +41,7 @@ from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.memory import (Allocation, Precision, allocations, peak, peak_phase,
                                            rollout_allocations)
 from slideformer.engine.plan.speed import SpeedEstimate, estimate
-from slideformer.engine.runtime.shapes import ExecShape, speculative_layers
+from slideformer.engine.runtime.shapes import ExecShape, ff_tile, speculative_layers
 
 TIGHT = 0.9
 """A budget used above this share is "tight"."""
@@ -201,9 +201,11 @@ class Evaluator:
         return Evaluation(shape, allocs, tiers, _within(tiers, 1.0), disk_layers)
 
     def _shape(self, k: Knobs, slots: int, ckpt: str) -> ExecShape:
+        dropout = k.lora.dropout if k.lora is not None else 0.0
         return ExecShape(micro_batch=k.micro_batch, seq_len=k.seq_len, n_micro=k.grad_accum,
                          slots=slots, checkpoints=ckpt, head_chunk=head_chunk(self.spec.vocab_size),
-                         spec_layers=SPEC_LAYERS if k.clip and k.speculate else 0)
+                         spec_layers=SPEC_LAYERS if k.clip and k.speculate else 0,
+                         ff_tokens=ff_tile(self.spec, k.micro_batch * k.seq_len, dropout))
 
     def _most_slots(self, k: Knobs, ckpt: str) -> Evaluation:
         """As many slots as fit (at least 2, at most L) keeping the budgets' last 10% free, or

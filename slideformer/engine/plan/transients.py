@@ -49,7 +49,7 @@ def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, kernels:
     hidden = n * N * H * r
     out += [Allocation("gpu", "hidden states or their grads", hidden, f"{mb}x{H} x {r} B", "step"),
             Allocation("gpu", "hidden-state grads beside them", hidden, f"{mb}x{H} x {r} B", "head")]
-    fwd, *bwd = layer_transients(spec, N, B, T, prec, kernels, frozen)
+    fwd, *bwd = layer_transients(spec, N, B, T, prec, kernels, frozen, shape.ff_tokens)
     head = head_scratch(spec, shape, prec, kernels.fused_ce, kernels.fused_ops, frozen is not None,
                         kernels.fp32_grads)
     out += [fwd, head, *bwd]
@@ -72,28 +72,43 @@ def attention_masks(shape: ExecShape, kernels: KernelPath) -> Allocation:
 
 
 def layer_transients(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
-                     kernels: KernelPath, frozen: FrozenBase | None = None) -> list[Allocation]:
+                     kernels: KernelPath, frozen: FrozenBase | None = None,
+                     tile: int = 0) -> list[Allocation]:
     """One decoder layer on one micro-batch: its forward scratch, then the recompute's
     activations and the layer's grads, on the PyTorch ops or the fused Triton ones, for a
-    trained base or a ``frozen`` one."""
+    trained base or a ``frozen`` one, the feed-forward in tiles of ``tile`` tokens
+    (ExecShape.ff_tokens; 0: none)."""
     masked = kernels.attention == "mask"
     into = kernels.fp32_grads and frozen is None and prec.c < 4
     if kernels.fused_ops:
-        return [fused_forward_scratch(spec, N, B, T, prec, masked),
-                *fused_recompute_scratch(spec, N, B, T, prec, masked, frozen, into)]
-    return [forward_scratch(spec, N, B, T, prec, masked),
-            *recompute_scratch(spec, N, B, T, prec, masked, frozen, into)]
+        return [fused_forward_scratch(spec, N, B, T, prec, masked, tile),
+                *fused_recompute_scratch(spec, N, B, T, prec, masked, frozen, into, tile)]
+    return [forward_scratch(spec, N, B, T, prec, masked, tile),
+            *recompute_scratch(spec, N, B, T, prec, masked, frozen, into, tile)]
 
 
-def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, masked: bool) -> Allocation:
+def _ff_tokens(N: int, tile: int) -> int:
+    """Tokens whose feed-forward intermediates are alive at once (models.layers.tiles)."""
+    return min(N, tile) if tile else N
+
+
+def forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision, masked: bool,
+                    tile: int = 0) -> Allocation:
     """decoder_layer without autograd, one micro-batch, PyTorch ops: SwiGLU's gate, up, silu and
     product (N x I each) next to the residual and its norm (in the residual dtype); or RMSNorm's
-    fp32 temporaries. ``masked``: attention takes a boolean document mask."""
+    fp32 temporaries. ``masked``: attention takes a boolean document mask. In tiles of ``tile``
+    tokens: a tile's intermediates (and its output) beside the whole mid residual and the
+    layer's output buffer."""
     c, H, I = prec.c, spec.hidden_size, spec.ffn_width
-    mlp = N * ((4 * I + H) * c + H * prec.r)
+    t = _ff_tokens(N, tile)
+    mlp = t * ((4 * I + H) * c + H * prec.r) + (N * H * prec.r * 2 if t < N else 0)
     norm = N * H * (c + 12)  # x, and x.float(), its square, the normalised fp32 copy
     mask = B * T * T * c if masked else 0  # SDPA turns the bool mask into an additive one
-    return Allocation("gpu", "layer forward scratch", max(mlp, norm) + mask,
+    # attention, which tiles leave the peak to: the normed input, rotated q, k and v, the keys
+    # and values repeated to the query heads (GQA), the output and its (B, T, H) copy
+    q, kv = spec.q_width, spec.kv_width
+    attn = N * (H * c + 2 * q * c + 2 * kv * c + (2 * q * c if q > kv else 0) + 4 * spec.num_heads)
+    return Allocation("gpu", "layer forward scratch", max(mlp, norm, attn) + mask,
                       f"one micro-batch of {N:,} tokens, one layer, no autograd", "forward")
 
 
@@ -132,7 +147,7 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
 
 def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
                       masked: bool, frozen: FrozenBase | None = None,
-                      into: bool = False) -> list[Allocation]:
+                      into: bool = False, tile: int = 0) -> list[Allocation]:
     """_layer_backward for one micro-batch, PyTorch ops: the recompute's saved activations and
     the grads (``masked``: attention takes a boolean document mask).
 
@@ -157,13 +172,33 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     out = 0 if frozen is None else prec.r  # per H element: the frozen recompute's output
     if frozen is not None:
         norms -= 2 * c
+    ff = H * norms // 2 + 6 * I * c  # the feed-forward's share: its norm, the MLP's
     per_token = (H * (norms + out) + 2 * q * c + 2 * kv * c + 6 * I * c + qk + wide
                  + 4 * spec.num_heads + 8)
     mask = B * T * T * c if masked else 0
     # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
     # fp32 temporaries of the norm's backward, the residual grad and dL/dh (and the output)
-    return _backward_peak(spec, N, prec, (N * per_token + mask, H * I * c),
+    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff) + mask,
+                                          H * I * c),
                           (N * H * (20 + 2 * c + out), P * c), frozen, into)
+
+
+def _tiled(spec: ModelSpec, prec: Precision, N: int, tile: int, per_token: int, ff: int) -> int:
+    """Bytes saved at the feed-forward's backward for N tokens of ``per_token`` bytes, of which
+    ``ff`` are the feed-forward's own. In tiles (models.layers.tiled_grads) the larger of two
+    moments: a tile's backward (the mixer's part for every token, the tile's feed-forward part,
+    the detached mid residual, dL/d(mid residual) and the tile's output), and the attention's
+    backward after the tiles, where the mixer's part meets its grads: dL/d(mid residual) and
+    dL/dx (residual dtype), dL/dh, dL/d(output), its (B, T, H) copy and dL/dq, dL/dk and dL/dv
+    as repeated to the query heads (GQA) and as reduced to the KV heads."""
+    t = _ff_tokens(N, tile)
+    if t >= N:
+        return N * per_token
+    c, r, H, q, kv = prec.c, prec.r, spec.hidden_size, spec.q_width, spec.kv_width
+    mixer = per_token - ff
+    tiles = N * (mixer + 2 * H * r) + t * (ff + H * r)
+    grads = 2 * H * r + H * c + 3 * q * c + 2 * (q if q > kv else kv) * c + 2 * kv * c
+    return max(tiles, N * (mixer + grads))
 
 
 def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int],
@@ -198,7 +233,7 @@ def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int
 
 
 def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
-                          masked: bool) -> Allocation:
+                          masked: bool, tile: int = 0) -> Allocation:
     """decoder_layer without autograd, one micro-batch, fused Triton RMSNorm, RoPE and SwiGLU.
 
     The MLP peaks in the Triton SwiGLU, which writes its product without a silu(g) (the PyTorch
@@ -211,7 +246,8 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
     """
     c, r, H, I = prec.c, prec.r, spec.hidden_size, spec.ffn_width
     q, kv = spec.q_width, spec.kv_width  # the widest layer's (Gemma 4's full layers)
-    mlp = N * (3 * I * c + H * c + H * r)
+    t = _ff_tokens(N, tile)  # in tiles: a tile's beside the mid residual and the output
+    mlp = t * (3 * I * c + H * c + H * r) + (N * H * r * 2 if t < N else 0)
     rotate = (q + kv) * (r + c) + kv * c if spec.qk_norm else 2 * q * c + 3 * kv * c
     attn = N * (H * c + rotate + 4 * spec.num_heads) + (B * T * T * c if masked else 0)
     return Allocation("gpu", "layer forward scratch", max(mlp, attn),
@@ -221,7 +257,7 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
 
 def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
                             masked: bool, frozen: FrozenBase | None = None,
-                            into: bool = False) -> list[Allocation]:
+                            into: bool = False, tile: int = 0) -> list[Allocation]:
     """_layer_backward for one micro-batch on the fused Triton RMSNorm, RoPE and SwiGLU.
 
     Saved per token at the MLP's backward (the peak for long micro-batches): the two normed
@@ -245,7 +281,9 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
     out = 0 if frozen is None else r  # per H element: the frozen recompute's output
     per_token = H * (2 * c + r + out) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8
     mask = B * T * T * c if masked else 0
-    return _backward_peak(spec, N, prec, (N * per_token + mask, H * I * c),
+    ff = H * c + 5 * I * c + 4  # the feed-forward's normed input and rsqrt, its MLP's
+    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff) + mask,
+                                          H * I * c),
                           (N * H * (3 * r + c + out), spec.params_per_layer * c), frozen, into)
 
 

@@ -11,7 +11,8 @@ import math
 import torch
 
 from slideformer.engine.kernels.dispatch import fp32_accumulate
-from slideformer.engine.models.layers import decoder_layer, layer_backward
+from slideformer.engine.models.layers import (decoder_layer, ff_block, layer_backward, mixer_block,
+                                              tiled_grads, tiles)
 from slideformer.engine.models.lora import LoraForward
 from slideformer.engine.models.spec import Layout
 from slideformer.engine.runtime.host_state import AdamHyper
@@ -149,7 +150,7 @@ class WindowBackward:
             into = grads_into(spec.layout(layer), g, w.dtype)
             leaves = {k: v.detach() if k in into else v.detach().requires_grad_()
                       for k, v in base.items()}
-            gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, into, aux)
+            gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, into, aux, self.ff_tile)
             layout = spec.layout(layer).only(grads)
             grads = list(grads.values())
         else:
@@ -158,11 +159,17 @@ class WindowBackward:
             leaves = {k: v.detach().requires_grad_() for k, v in layout.views(item.w).items()}
             adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
             x = x.detach().requires_grad_()
-            with torch.enable_grad():
-                y = decoder_layer(spec, base, x, rope, mask, lora=adapters, aux=aux)
-                terms = aux.take() if aux is not None else []
-                gx, *grads = torch.autograd.grad([y, *terms], [x, *leaves.values()],
-                                                 [gy, *(torch.ones_like(t) for t in terms)])
+            if tiles(self.ff_tile, x, aux, adapters):
+                gx, grads = tiled_grads(
+                    lambda v: mixer_block(spec, base, v, rope, mask, lora=adapters),
+                    lambda m: ff_block(spec, base, m, adapters), x, gy, list(leaves.values()),
+                    self.ff_tile)
+            else:
+                with torch.enable_grad():
+                    y = decoder_layer(spec, base, x, rope, mask, lora=adapters, aux=aux)
+                    terms = aux.take() if aux is not None else []
+                    gx, *grads = torch.autograd.grad([y, *terms], [x, *leaves.values()],
+                                                     [gy, *(torch.ones_like(t) for t in terms)])
         for (_, off, _), gp in zip(layout.entries, grads):
             g[off:off + gp.numel()].add_(gp.reshape(-1))
         return gx

@@ -107,6 +107,7 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
         self.lora, self.seed, self.step_no = lora, seed, 0
         L, n = spec.num_layers, spec.params_per_layer
         self.k = max(1, min(shape.slots, L))
+        self.ff_tile = shape.ff_tokens
         self.G = min(shape.device_layers, L)
         self.quant = getattr(host["layer0"], "quant", None) is not None
         """The decoder layers are NF4 (qlora): a slot holds a layer's NF4 bytes (its host
@@ -382,7 +383,8 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
                         self.store.save(i, mb, xs[mb])
                     xs[mb] = decoder_layer(spec, p, xs[mb], *layers.at(i),
                                            lora=self._adapters(i, mb, save),
-                                           aux=self.aux[mb] if save and self.aux else None)
+                                           aux=self.aux[mb] if save and self.aux else None,
+                                           tile=self.ff_tile)
                 tl.device_span("compute", self.layers[i].name, t0, self.backend.mark())
         return xs
 

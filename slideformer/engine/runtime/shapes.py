@@ -46,6 +46,28 @@ class ExecShape:
     """With exact clipping, the lowest host layers (:func:`regen_layers`) own no host gradient
     buffer: the backward computes their gradient for the global norm only, and a second pass
     recomputes it once the clip coefficient is known (runtime.regen)."""
+    ff_tokens: int = 0
+    """Tokens per tile of each layer's feed-forward half (models.layers.tiles: its forward, and
+    its recompute + backward); 0: a micro-batch's tokens at once. A long sequence's MLP
+    intermediates (tokens x intermediate width, several of them) then take a tile's memory."""
+
+
+FF_TILE = 16384
+"""Tokens per feed-forward tile the planner gives a micro-batch of more tokens than this
+(ExecShape.ff_tokens): a long sequence's MLP intermediates (several tokens x intermediate-width
+tensors: ~10 GiB for one 64K-token sequence of an 8B) then take a 16K-token tile's memory,
+while each tile's matmuls stay large enough to run at the GPU's full rate. Micro-batches of at
+most this many tokens (every shape benchmarked before tiles existed) run untiled."""
+
+
+def ff_tile(spec, tokens: int, lora_dropout: float = 0.0) -> int:
+    """ExecShape.ff_tokens for micro-batches of ``tokens`` tokens: :data:`FF_TILE` where they
+    have more and tiling computes the same (models.layers.tiles: no router loss, no LoRA
+    dropout), else 0."""
+    moe = getattr(spec, "moe", None)
+    if tokens <= FF_TILE or lora_dropout or (moe is not None and moe.aux_coef):
+        return 0
+    return FF_TILE
 
 
 def speculative_layers(num_layers: int, device_layers: int, depth: int,

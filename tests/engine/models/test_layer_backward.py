@@ -147,3 +147,86 @@ def test_gradients_accumulate_in_fp32_inside_the_matmul_on_cuda(arch):
     for name, buf in into.items():  # the bf16 rounding of autograd's gradient bounds the gap
         gap = float((buf - ref[name].float()).abs().max())
         assert gap <= 2 ** -7 * float(ref[name].float().abs().max()), name
+
+
+# ---- the feed-forward in tiles of tokens (long sequences) -----------------------------------------
+def family_layer(arch, layer, B=2, T=24, seed=0, dtype=torch.float32):
+    """Layer ``layer`` of a tiny ``arch`` model (tiny_config puts every layer type in 4 layers)."""
+    spec = spec_from_config(tiny_config(arch, TinyShape(layers=4)))
+    g = torch.Generator().manual_seed(seed)
+    lay = spec.layout(layer)
+    flat = (torch.randn(lay.numel, generator=g) * 0.1).to(dtype)
+    leaves = {k: v.detach().requires_grad_() for k, v in lay.views(flat).items()}
+    x = torch.randn(B, T, spec.hidden_size, generator=g).to(dtype)
+    gy = torch.randn(B, T, spec.hidden_size, generator=g).to(dtype)
+    from slideformer.engine.models.inputs import LayerInputs
+    from slideformer.engine.models.model import positions_for
+    inp = LayerInputs(spec, positions_for(torch.zeros(B, T, dtype=torch.long), None), dtype, None,
+                      None)
+    return spec, leaves, x, gy, inp.at(layer)
+
+
+def assert_near(a, b, what=""):
+    """Within fp32 summation noise: the tiles sum a gradient's tokens in another order."""
+    rel = ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    assert rel < 2e-6, f"{what}: relative difference {rel:.1e}"
+
+
+TILED = [(a, i) for a in ("llama", "qwen3", "olmo2", "gemma3_text", "phi3", "qwen3_moe",
+                          "gpt_oss") for i in (0, 1)] + \
+        [("gemma4_text", i) for i in range(4)] + [("qwen3_5_text", i) for i in (0, 3)] + \
+        [("qwen3_5_moe_text", 0)]
+
+
+@pytest.mark.parametrize("arch,layer", TILED)
+def test_feed_forward_in_tiles_equals_the_whole_layer(arch, layer, monkeypatch):
+    """Every layer style (pre, post and sandwich norms, Phi-3's fused gate-up, experts, GPT-OSS's
+    sinks and biases, Gemma 4's experts beside the MLP and layer scalar, the gated DeltaNet as the
+    mixer): the forward and the recompute + backward in tiles of 7 tokens (48 tokens: the last
+    tile partial) give the untiled layer's output and gradients, up to the order of summation."""
+    from slideformer.engine.models import layers
+    spec, leaves, x, gy, (rope, mask) = family_layer(arch, layer)
+    with torch.no_grad():
+        ref_y = decoder_layer(spec, leaves, x, rope, mask)
+    ref_gx, ref = layer_backward(spec, leaves, x, gy, rope, mask)
+    calls = {"ff_block": [], "tiled_grads": []}
+    for fn in calls:
+        real = getattr(layers, fn)
+        monkeypatch.setattr(layers, fn, lambda *a, _r=real, _n=fn, **k: calls[_n].append(1) or _r(*a, **k))
+    with torch.no_grad():
+        assert_near(decoder_layer(spec, leaves, x, rope, mask, tile=7), ref_y, "output")
+    assert len(calls["ff_block"]) == 7  # 48 tokens in tiles of 7
+    gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, tile=7)
+    assert len(calls["tiled_grads"]) == 1
+    assert list(grads) == list(ref)
+    assert_near(gx, ref_gx, "dL/dx")
+    for name in ref:
+        assert_near(grads[name], ref[name], name)
+
+
+def test_tiles_add_projection_grads_into_their_buffers():
+    """The executor's ``into`` path: each tile's weight-gradient product is added to the fp32
+    buffer, so the buffers end as the untiled layer's gradients."""
+    spec, leaves, x, gy, (rope, mask) = family_layer("llama", 0)
+    names = [n for n in leaves if n.endswith("_proj.weight")]
+    bufs = {n: torch.zeros_like(leaves[n]) for n in names}
+    plain = {k: v.detach() if k in bufs else v for k, v in leaves.items()}
+    gx, grads = layer_backward(spec, plain, x, gy, rope, mask, into=bufs, tile=5)
+    ref_gx, ref = layer_backward(spec, leaves, x, gy, rope, mask)
+    assert_near(gx, ref_gx, "dL/dx")
+    assert set(grads) == set(ref) - set(names)
+    for n in names:
+        assert_near(bufs[n], ref[n], n)
+
+
+def test_no_tiles_with_a_router_loss_or_lora_dropout():
+    """Tiling would change what these compute: the router loss multiplies two means over the
+    micro-batch, and LoRA dropout draws its masks per call."""
+    from types import SimpleNamespace
+
+    from slideformer.engine.models.layers import tiles
+    x = torch.zeros(1, 64, 8)
+    assert tiles(16, x) and not tiles(64, x) and not tiles(0, x)
+    assert not tiles(16, x, aux=object())
+    assert not tiles(16, x, lora=SimpleNamespace(lora=SimpleNamespace(dropout=0.1)))
+    assert tiles(16, x, lora=SimpleNamespace(lora=SimpleNamespace(dropout=0.0)))

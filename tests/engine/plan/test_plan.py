@@ -82,7 +82,7 @@ def test_fixes_that_claim_to_fit_do_fit(tmp_path):
     """Apply each fix's settings to the run config: the re-planned run fits as promised."""
     spec = load_spec(model_folder(tmp_path, "llama-3.2-3b"))
     cfg = override(RunConfig(), {"budget.vram": "24GiB", "budget.ram": "100GiB",
-                                 "data.max_seq_len": 1024, "train.micro_batch": 48,
+                                 "data.max_seq_len": 1024, "train.micro_batch": 64,
                                  "budget.checkpoints": "gpu"})
     plan = plan_run(cfg, spec, hardware=REFERENCE)
     assert plan.verdict == "does not fit" and "GPU memory" in plan.reason
@@ -305,3 +305,27 @@ def test_bf16_residual_stream_is_offered_and_saves_the_checkpoints_half(tmp_path
     assert dict(fix.settings) == {"train.precision": "bf16"} and not fix.exact
     assert fix.saves > 0
     assert not any(f.name == "bf16 residual stream" for f in narrow.fixes)
+
+
+def test_a_long_sequence_plans_its_feed_forward_in_tiles(tmp_path):
+    """One 64K-token sequence of the 3B: the plan runs each layer's feed-forward in tiles of
+    FF_TILE tokens and counts a tile's intermediates, not the sequence's; micro-batches of at
+    most FF_TILE tokens, a router loss or LoRA dropout keep it whole (runtime.shapes.ff_tile)."""
+    from types import SimpleNamespace
+
+    from slideformer.engine.runtime.shapes import FF_TILE, ff_tile
+    spec = load_spec(model_folder(tmp_path, "llama-3.2-3b"))
+    cfg = override(RunConfig(), {"budget.vram": "24GiB", "budget.ram": "100GiB",
+                                 "data.max_seq_len": 65536, "train.micro_batch": 1})
+    plan = plan_run(cfg, spec, hardware=REFERENCE)
+    assert plan.exec_shape.ff_tokens == FF_TILE
+
+    def recompute(p):
+        return next(a.bytes for a in p.allocations if a.purpose == "recompute activations")
+    whole = plan_run(override(cfg, {"data.max_seq_len": FF_TILE}), spec, hardware=REFERENCE)
+    assert whole.exec_shape.ff_tokens == 0
+    # 4x the tokens, but the feed-forward's share stays one tile's
+    assert recompute(plan) < 2.5 * recompute(whole)
+    moe = SimpleNamespace(moe=SimpleNamespace(aux_coef=0.001))
+    assert ff_tile(moe, 65536) == 0 and ff_tile(spec, 65536, lora_dropout=0.05) == 0
+    assert ff_tile(spec, FF_TILE) == 0 and ff_tile(spec, FF_TILE + 1) == FF_TILE

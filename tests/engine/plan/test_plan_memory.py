@@ -131,6 +131,32 @@ CASES = [  # (arch, shape, B, T, dtype, packed, head_chunk[, residual dtype])
 
 @pytest.mark.parametrize("arch,kw,B,T,dt,packed,chunk,res", [c + (None,) * (8 - len(c)) for c in CASES])
 def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk, res):
+    check_transients(arch, kw, B, T, dt, packed, chunk, res)
+
+
+UNDER = pytest.mark.xfail(strict=True, reason="the PyTorch-op forward's attention in 16-bit with "
+                          "grouped KV heads, a boolean mask or QK-norm peaks 0.4-1.7 MiB above "
+                          "the model at these sizes (15-45%): not modelled yet")
+
+
+@pytest.mark.parametrize("arch,kw,B,T,dt,packed,tile,res", [
+    ("llama", dict(hidden=128, heads=4, kv_heads=2, intermediate=688), 1, 1024, torch.float32, False, 128, None),
+    ("llama", dict(hidden=128, heads=4, kv_heads=4, intermediate=688), 2, 512, torch.bfloat16, False, 100, None),
+    pytest.param("llama", dict(hidden=128, heads=4, kv_heads=2, intermediate=688), 1, 1024,
+                 torch.bfloat16, False, 256, None, marks=UNDER),
+    pytest.param("llama", dict(hidden=128, heads=4, kv_heads=2, intermediate=688), 1, 1024,
+                 torch.bfloat16, True, 256, None, marks=UNDER),
+    pytest.param("qwen3", dict(hidden=128, heads=4, kv_heads=2, intermediate=512, head_dim=48), 2,
+                 512, torch.bfloat16, False, 200, F32, marks=UNDER)])
+def test_tiled_feed_forward_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, tile, res):
+    """A long sequence with its feed-forward in tiles (ExecShape.ff_tokens): the forward's and
+    the recompute's peaks as predicted (the intermediate width 5.4x the hidden: the untiled
+    recompute peaks are 3-4x these). Where tiles leave the peak to attention, the PyTorch-op
+    path's attention is modelled for fp32 and for 16-bit without grouped KV heads only."""
+    check_transients(arch, kw, B, T, dt, packed, 4096, res, tile)
+
+
+def check_transients(arch, kw, B, T, dt, packed, chunk, res, tile=0):
     torch.manual_seed(0)
     spec = _spec(arch, layers=1, vocab=4000, **kw)
     prec, N, res = M.Precision(dt, torch.float32, residual=res), B * T, res or dt
@@ -140,7 +166,8 @@ def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk, res
     rope = rope_tables(spec, positions_for(ids, doc), res)
     mask = None if doc is None else packed_causal_mask(doc)
     x, gy = torch.randn(B, T, spec.hidden_size).to(res), torch.randn(B, T, spec.hidden_size).to(res)
-    holder = type("Holder", (), {"spec": spec, "lora": None, "aux": (), "_norm_views": lambda self, n, p: p})()
+    holder = type("Holder", (), {"spec": spec, "lora": None, "aux": (), "ff_tile": tile,
+                                 "_norm_views": lambda self, n, p: p})()
     head_w = (0.02 * torch.randn(spec.vocab_size, spec.hidden_size)).to(dt)
     norm_w = torch.ones(spec.hidden_size, dtype=dt)
     head_g = torch.zeros(spec.vocab_size, spec.hidden_size)
@@ -148,7 +175,7 @@ def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk, res
 
     def forward():
         with torch.no_grad():
-            decoder_layer(spec, spec.layer_layout.views(w), x, rope, mask)
+            decoder_layer(spec, spec.layer_layout.views(w), x, rope, mask, tile=tile)
 
     def head():  # as SlidingExecutor.head_step does for one micro-batch
         xx, nw = x.detach().requires_grad_(), norm_w.detach().requires_grad_()
@@ -161,9 +188,10 @@ def test_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, chunk, res
         SlidingExecutor._layer_backward(holder, w, slot_g, x, gy, rope, mask)
 
     shape = ExecShape(B, T, 1, 1, head_chunk=chunk)
-    predicted = {"forward": TR.forward_scratch(spec, N, B, T, prec, packed).bytes,
+    predicted = {"forward": TR.forward_scratch(spec, N, B, T, prec, packed, tile).bytes,
                  "head": TR.head_scratch(spec, shape, prec).bytes,
-                 "backward": sum(a.bytes for a in TR.recompute_scratch(spec, N, B, T, prec, packed))}
+                 "backward": sum(a.bytes for a in TR.recompute_scratch(spec, N, B, T, prec, packed,
+                                                                       tile=tile))}
     for part, fn in (("forward", forward), ("head", head), ("backward", backward)):
         measured = _peak_live(fn)
         # 6%, or a quarter MiB for the smallest terms (kernel-internal buffers of a few KB)

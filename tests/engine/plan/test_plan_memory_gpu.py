@@ -93,7 +93,7 @@ def test_layer_transients_match_cuda_peaks(arch, kw, res, ops, att):
             pytest.skip(f"{ops}+{att} is not available here (the run takes {path.key})")
         w, x, gy, rope, mask = _inputs(spec, res or BF16, packed)
         assert isinstance(mask, torch.Tensor) == (att == "mask")
-        holder = type("Holder", (), {"spec": spec, "lora": None, "aux": (),
+        holder = type("Holder", (), {"spec": spec, "lora": None, "aux": (), "ff_tile": 0,
                                      "_norm_views": lambda self, n, p: p})()
         slot_g = torch.zeros(w.numel(), device="cuda")
 

@@ -198,6 +198,20 @@ def test_variants_match_peft(llama_models, slots, clip, targets, rslora, tie):
     assert_same(spec, lora, host, model, losses, ref_losses)
 
 
+def test_feed_forward_tiles_match_peft(llama_models):
+    """A micro-batch's feed-forward in tiles of 5 tokens (2 x 12 tokens: models.layers.tiles),
+    forward and recompute + backward, all seven projections adapted: the same as PEFT."""
+    spec, d = llama_models[False]
+    lora = lora_spec(LoraConfig(rank=3, alpha=6.0, target_modules=ALL))
+    steps = make_batches(spec, n_micro=2, B=2, T=12, seed=15)
+    host = lora_host(spec, d, lora, seed=4)
+    model = peft_model(d, lora, host, spec)
+    ref_losses = peft_steps(model, steps, OPTIM)
+    losses = run_lora(spec, host, lora, steps, OPTIM,
+                      ExecShape(micro_batch=2, seq_len=12, n_micro=2, slots=2, ff_tokens=5))
+    assert_same(spec, lora, host, model, losses, ref_losses)
+
+
 @pytest.mark.parametrize("slots,clip", [(1, 0.5), (2, 0.0)])
 def test_qlora_matches_peft_lora_on_the_dequantised_base(llama_models, tmp_path, slots, clip):
     """QLoRA (NF4 base bytes in the slots, dequantised on use) is LoRA over the NF4-rounded
