@@ -135,7 +135,7 @@ def run_ours(a: dict) -> dict:
     if pairs:
         ex.objective = (a["objective"], cfg.preference)
         mbs = as_pairs(mbs)
-    times, busy = [], []
+    times, busy, lanes = [], [], {}
     for k in range(a["warmup"] + a["steps"]):
         hyper = lambda coef, k=k: AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, k + 1, coef)  # noqa: E731
         t = time.perf_counter()
@@ -145,11 +145,14 @@ def run_ours(a: dict) -> dict:
         times.append(time.perf_counter() - t)
         spans = out.timeline.resolve()
         busy.append(sum(s.end - s.start for s in spans if s.lane == "compute") / times[-1])
+        lanes = {lane: round(sum(s.end - s.start for s in spans if s.lane == lane), 4)
+                 for lane in sorted({s.lane for s in spans})}  # the last step's, for calibration
     ex.close()
     med = statistics.median(times[a["warmup"]:])
     tokens = a["micro_batch"] * a["seq"] * a["accum"]
     return dict(tokens_per_s=round(tokens / med, 1), step_time_s=round(med, 3),
-                gpu_busy=round(statistics.median(busy[a["warmup"]:]), 3), slots=ex.k,
+                gpu_busy=round(statistics.median(busy[a["warmup"]:]), 3), busy_last_step_s=lanes,
+                planned_busy_s={k: round(v, 4) for k, v in plan.speed.busy}, slots=ex.k,
                 checkpoints=plan.exec_shape.checkpoints, setup_s=round(setup, 1),
                 last_loss=round(out.loss, 4), **vram(), peak_rss_gib=round(peak_rss(), 2),
                 planned_tokens_per_s=round(plan.speed.tokens_per_s, 1),
