@@ -7,6 +7,9 @@ on) are trained these ways on the CPU:
   tests/engine/runtime/test_sliding_equivalence.py);
 - ``bf16``: the engine with ``train.precision = "bf16"`` (bf16 weights, compute and residual
   stream, exact fp32 master, fp32 moments);
+- ``fp8``: the engine with ``train.precision = "fp8"`` (as bf16, the decoder layers'
+  projections' forward and input gradient in row-wise FP8, emulated by the CPU's
+  ``torch._scaled_mm``: the same roundings as the GPU's, accumulation order aside);
 - ``autocast_setting``: the engine with ``train.precision = "autocast"`` (bf16 matmuls, fp32
   residual stream, checkpoints, norm weights and RoPE);
 - ``autocast``: dense PyTorch, fp32 parameters, the forward under torch.autocast(bfloat16), fp32
@@ -42,13 +45,14 @@ def family(arch: str, n_steps: int, root: Path) -> dict:
     spec, d, steps, w0 = family_setup(arch, n_steps, root)
     fp32 = engine_run(spec, d, steps, torch.float32)
     runs = {"bf16": engine_run(spec, d, steps, torch.bfloat16),
+            "fp8": engine_run(spec, d, steps, torch.bfloat16, fp8=True),
             "autocast_setting": engine_run(spec, d, steps, torch.bfloat16, torch.float32),
             "autocast": reference_run(spec, d, steps),
             "autocast_bf16_residual": reference_run(spec, d, steps, torch.bfloat16)}
     out = {name: distances(r, fp32, w0) for name, r in runs.items()}
     ratio = lambda run: {k: out[run][k] / out["autocast"][k] for k in ("weights", "loss")}  # noqa: E731
     return {"family": arch, "steps": n_steps, "distance_to_fp32": out,
-            "bf16_over_autocast": ratio("bf16"),
+            "bf16_over_autocast": ratio("bf16"), "fp8_over_autocast": ratio("fp8"),
             "autocast_setting_over_autocast": ratio("autocast_setting"),
             "fp32_loss_first_last": [fp32[0][0], fp32[0][-1]]}
 

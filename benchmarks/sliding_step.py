@@ -112,7 +112,7 @@ def plan_shape(spec, micro_batch: int, seq: int, accum: int, clip: float, vram_g
     budgets = resolve_budgets(BudgetConfig(vram=vram, ram=ram), device, hw, gpu_memory(), host_memory())
     knobs = Knobs(seq_len=seq, micro_batch=micro_batch, grad_accum=accum,
                   precision=Precision(torch.bfloat16, moments_torch_dtype(moments),
-                                      residual=residual(precision)),
+                                      residual=residual(precision), fp8=precision == "fp8"),
                   clip=clip > 0, packed=False)
     return make_plan(spec, knobs, device, budgets, hw)
 
@@ -144,7 +144,7 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
                                slots=args.slots, checkpoints=args.checkpoints,
                                head_chunk=args.head_chunk)
     ex = SlidingExecutor(spec, backend, host, shape, torch.bfloat16,
-                         residual_dtype=residual(args.precision))
+                         residual_dtype=residual(args.precision), fp8=args.precision == "fp8")
     mbs = random_batches(spec.vocab_size, args.micro_batch, args.seq, accum)
     if args.objective != "sft":
         ex.objective = (args.objective, PreferenceConfig())
@@ -253,8 +253,9 @@ def main() -> None:
     ap.add_argument("--moments", choices=["float32", "bfloat16", "int8"], default="float32")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                     help="cpu: the CPU backend in bf16 (timings of the small shapes)")
-    ap.add_argument("--precision", choices=["autocast", "bf16"], default="bf16",
-                    help="train.precision: autocast (fp32 residual stream) or bf16")
+    ap.add_argument("--precision", choices=["autocast", "bf16", "fp8"], default="bf16",
+                    help="train.precision: autocast (fp32 residual stream), bf16, or fp8 (FP8 "
+                         "projections; GPUs with FP8 tensor cores)")
     ap.add_argument("--vram-cap", type=float, default=24.0, help="GiB; 0 = uncapped")
     ap.add_argument("--ram", type=float, default=0.0,
                     help="with --plan: the RAM budget in GiB the planner fits the run into "

@@ -4,7 +4,8 @@
 ``train.compute_dtype`` is ``auto`` (bfloat16 on a GPU, float32 on the CPU), ``bfloat16`` or
 ``float32``; ``optim.moments_dtype`` is ``float32``, ``bfloat16`` or ``int8`` (8-bit blocks,
 slideformer.engine.runtime.moments8); ``train.precision`` is
-``autocast`` (an fp32 residual stream under bf16 compute) or ``bf16``. The trainer, the planner and
+``autocast`` (an fp32 residual stream under bf16 compute), ``bf16`` or ``fp8`` (the layers'
+projections in row-wise FP8 on a GPU with FP8 tensor cores: slideformer.engine.kernels.fp8). The trainer, the planner and
 the backends all ask here, so a name one accepts is accepted by all.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ TRAIN_DTYPES = ("float32", "bfloat16")
 """Formats of compute."""
 MOMENTS_DTYPES = TRAIN_DTYPES + ("int8",)
 """Formats of the AdamW moments."""
-PRECISIONS = ("autocast", "bf16")
+PRECISIONS = ("autocast", "bf16", "fp8")
 """train.precision values."""
 _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
@@ -55,8 +56,23 @@ def residual_dtype_name(precision: str, compute: str) -> str:
     RoPE tables) for ``train.precision`` over the compute format ``compute``."""
     if precision not in PRECISIONS:
         raise UserError("train.precision", f"{precision!r} is not supported",
-                        "use \"autocast\" (fp32 residual stream) or \"bf16\"")
+                        "use \"autocast\" (fp32 residual stream), \"bf16\" or \"fp8\" (FP8 "
+                        "projections on a GPU that has FP8 tensor cores)")
     return "float32" if precision == "autocast" else compute
+
+
+def check_fp8(compute: str, device) -> None:
+    """Refuse ``train.precision = "fp8"`` where it cannot run: float32 compute, or a device
+    without FP8 matmuls (slideformer.engine.kernels.fp8.unsupported)."""
+    from slideformer.engine.kernels.fp8 import unsupported
+    if compute != "bfloat16":
+        raise UserError("train.precision", f"is \"fp8\" but train.compute_dtype is {compute}",
+                        "use train.compute_dtype = \"bfloat16\" (fp8 replaces its projections), "
+                        "or train.precision = \"bf16\"")
+    why = unsupported(device)
+    if why:
+        raise UserError("train.precision", f"is \"fp8\", but {why}",
+                        "use train.precision = \"bf16\" (or \"autocast\") on this machine")
 
 
 def moments_dtype_name(name: str) -> str:

@@ -203,7 +203,8 @@ def _rank_main(rank: int, world: int, init: str, cfg: RunConfig, shape: ExecShap
     compute = str(dtype).removeprefix("torch.")
     ex = SlidingExecutor(load_spec(cfg.model.path), backend, host, shape, dtype,
                          seed=cfg.train.seed, group=RankGroup(rank, world),
-                         residual_dtype=torch_dtype(residual_dtype_name(cfg.train.precision, compute)))
+                         residual_dtype=torch_dtype(residual_dtype_name(cfg.train.precision, compute)),
+                         fp8=cfg.train.precision == "fp8")
     clip = cfg.optim.max_grad_norm
     while True:
         msg = [None]

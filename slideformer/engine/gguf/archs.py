@@ -24,6 +24,10 @@ What llama.cpp reads (its ``src/models/*.cpp`` and ``llama-model.cpp``), family 
 - **Gemma 4** (``gemma4``): :mod:`slideformer.engine.gguf.gemma4` (two head sizes, a layer
   pattern, proportional RoPE as ``rope_freqs``); windowed, no biases, RoPE default, linear or
   proportional on the full layers.
+- **OLMoE** (``olmoe``): OLMo 2's q/k norms over all heads, Llama's pre-norm layer, experts as
+  ``ffn_{gate,up,down}_exps`` sized by ``feed_forward_length``, softmax routing whose top-k
+  weights llama.cpp never renormalises (OlmoeConfig's ``norm_topk_prob`` false); neox RoPE; an
+  LM head of its own; as many KV heads as heads (its key norm is hidden_size wide).
 - **Mixtral** (``llama``, as llama.cpp's converter writes it): Llama's attention with the experts
   as ``ffn_{gate,up,down}_exps`` and the router as ``ffn_gate_inp``; ``feed_forward_length`` is
   one expert's width. Import tells it from Llama by its ``expert_count``.
@@ -65,11 +69,16 @@ other; transformers' defaults too)."""
 WINDOWED = ("gemma3", "olmo2", "gemma4")
 """Architectures whose llama.cpp graph windows the layers the GGUF marks (the others attend to
 the whole context)."""
-NO_BIAS = ("phi3", "olmo2", "smollm3", "gemma4")
+NO_BIAS = ("phi3", "olmo2", "smollm3", "gemma4", "olmoe")
 """Architectures whose llama.cpp loader has no attention-output or MLP bias."""
-WHOLE_HEADS = ("phi3", "olmo2")
+WHOLE_HEADS = ("phi3", "olmo2", "olmoe")
 """Architectures whose llama.cpp loader sizes the query and output matrices by hidden_size
 (heads x head size must equal it)."""
+OWN_HEAD = ("olmo2", "olmoe")
+"""Architectures whose llama.cpp loader requires ``output.weight`` (no tied LM head)."""
+RENORMALISED = {"qwen3moe": True, "llama": True, "olmoe": False}
+"""Whether llama.cpp's graph of each mixture-of-experts architecture renormalises the top-k
+routing weights (Qwen3-MoE's and OLMoE's ``norm_topk_prob``; Mixtral always does)."""
 NOPE_EVERY = 4
 """llama.cpp's SmolLM3: every fourth layer has no RoPE (``n_no_rope_layer_step``, fixed)."""
 OLMO3_EVERY = 4
@@ -83,7 +92,7 @@ def check(spec: ModelSpec, model_dir: Path) -> None:
     as another model (or not load) from the GGUF of its architecture."""
     cfg = model_dir / "config.json"
     for rule in (_check_rope, _check_window, _check_biases, _check_heads, _check_lm_head,
-                 _check_nope, _check_local_rope):
+                 _check_nope, _check_local_rope, _check_routing):
         rule(spec, cfg)
     if _arch(spec) == gemma4.ARCH:
         gemma4.check(spec, cfg)
@@ -158,12 +167,29 @@ def _check_heads(spec: ModelSpec, cfg: Path) -> None:
                         f"are not hidden_size {spec.hidden_size}, which llama.cpp's "
                         f"{_arch(spec)} sizes the attention by: it would not load the GGUF",
                         KEEP)
+    if _arch(spec) == "olmoe" and spec.num_kv_heads != spec.num_heads:
+        raise UserError(cfg, f"sets num_key_value_heads {spec.num_kv_heads} of "
+                        f"{spec.num_heads} heads, but llama.cpp's olmoe sizes the key norm by "
+                        "hidden_size (as many KV heads as heads, as OLMoE-1B-7B has): it would "
+                        "not load the GGUF", KEEP)
 
 
 def _check_lm_head(spec: ModelSpec, cfg: Path) -> None:
-    if _arch(spec) == "olmo2" and spec.tie_word_embeddings:
-        raise UserError(cfg, "sets tie_word_embeddings = true, but llama.cpp's olmo2 needs an "
-                        "LM head of its own (output.weight) and would not load the GGUF", KEEP)
+    if _arch(spec) in OWN_HEAD and spec.tie_word_embeddings:
+        raise UserError(cfg, f"sets tie_word_embeddings = true, but llama.cpp's {_arch(spec)} "
+                        "needs an LM head of its own (output.weight) and would not load the "
+                        "GGUF", KEEP)
+
+
+def _check_routing(spec: ModelSpec, cfg: Path) -> None:
+    if spec.moe is None:
+        return
+    renorm = RENORMALISED.get(_arch(spec), True)
+    if bool(spec.moe.renormalise) != renorm:  # llama.cpp's graph fixes it per architecture
+        raise UserError(cfg, f"sets norm_topk_prob = {str(not renorm).lower()}, which llama.cpp's "
+                        f"{_arch(spec)} does not compute (it "
+                        f"{'always' if renorm else 'never'} renormalises the top-k routing "
+                        "weights)", KEEP)
 
 
 def _check_nope(spec: ModelSpec, cfg: Path) -> None:

@@ -11,8 +11,9 @@ from slideformer.engine.gguf.kinds import EXPORT_KINDS
 
 def register(sub) -> None:
     p = sub.add_parser("import-gguf", help="turn a GGUF file into a Hugging Face model folder")
-    p.add_argument("file", help="the .gguf file (llama, mistral, qwen2, qwen3, qwen3moe, gemma3), or "
-                                "gemma3-270m: Gemma 3 270M from its pip packages")
+    p.add_argument("file", help="the .gguf file (llama, mistral, qwen2, qwen3, qwen3moe, olmoe, "
+                                "gemma3, ...: the README lists them), or gemma3-270m: Gemma 3 "
+                                "270M from its pip packages")
     p.add_argument("--out", required=True, help="folder to create (bf16 safetensors)")
     p.set_defaults(func=_import)
 

@@ -130,10 +130,6 @@ def _write_metadata(w: gguf.GGUFWriter, spec: ModelSpec, model_dir: Path, name: 
         _check_gemma3(spec, model_dir)
         w.add_sliding_window(spec.sliding_window)
     if spec.moe is not None:
-        if not spec.moe.renormalise:  # llama.cpp's qwen3moe always renormalises the top-k
-            raise UserError(model_dir / "config.json", "sets norm_topk_prob = false, which "
-                            "llama.cpp does not compute (it renormalises the top-k weights)",
-                            "keep the model in its Hugging Face folder")
         w.add_expert_count(spec.moe.experts)
         w.add_expert_used_count(spec.moe.top_k)
         w.add_expert_feed_forward_length(spec.moe.width)

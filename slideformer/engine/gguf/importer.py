@@ -119,15 +119,16 @@ def _kv_heads(g: GGUFFile, arch: str, heads: int) -> int:
 
 def _experts(g: GGUFFile, arch: str, moe: Moe, dense: int) -> dict:
     """The experts' config keys, as the family names them (Mixtral: ``num_local_experts`` and
-    ``intermediate_size``). llama.cpp always renormalises the top-k routing weights (Qwen3-MoE's
-    ``norm_topk_prob``); a shared expert's width defaults to the dense one; a Mixtral expert's
-    width is ``feed_forward_length`` (what llama.cpp's llama sizes its experts by)."""
+    ``intermediate_size``). Whether the top-k routing weights are renormalised is the
+    architecture's (archs.RENORMALISED: Qwen3-MoE's ``norm_topk_prob`` true, OLMoE's false);
+    a shared expert's width defaults to the dense one; a Mixtral or OLMoE expert's width is
+    ``feed_forward_length`` (what llama.cpp sizes their experts by)."""
     need = lambda key: _required(g, f"{arch}.{key}")  # noqa: E731
-    width = dense if arch == "llama" else need("expert_feed_forward_length")
+    width = dense if arch in ("llama", "olmoe") else need("expert_feed_forward_length")
     out = {moe.count_keys[0]: need("expert_count"), moe.top_k_key: need("expert_used_count"),
            moe.width_key: width}
     if isinstance(moe.renormalise, str):
-        out[moe.renormalise] = True
+        out[moe.renormalise] = archs.RENORMALISED.get(arch, True)
     if moe.shared is not None:
         out["shared_expert_intermediate_size"] = metadata.value(
             g, f"{arch}.expert_shared_feed_forward_length", int) or dense

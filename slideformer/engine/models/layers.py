@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from slideformer.engine.kernels import dispatch
+from slideformer.engine.kernels import dispatch, fp8
 from slideformer.engine.kernels.attention import attend
 from slideformer.engine.models.moe import moe_ffn
 from slideformer.engine.models.spec import ModelSpec
@@ -224,7 +224,10 @@ def linear(p: dict, name: str, x: torch.Tensor, lora=None) -> torch.Tensor:
     """Projection ``name`` (e.g. "mlp.up_proj") of x, plus its adapter's update if ``lora``
     (an slideformer.engine.models.lora.LoraForward) has one."""
     w, b = p[name + ".weight"], p.get(name + ".bias")
-    if isinstance(w, GradInto):
+    plain = w.w if isinstance(w, GradInto) else w
+    if fp8.eligible(x, plain):  # train.precision = "fp8" (kernels.fp8)
+        y = fp8.linear(x, plain, b, w.dest if isinstance(w, GradInto) else None)
+    elif isinstance(w, GradInto):
         y = _LinearInto.apply(x, w.w, b, w.dest)
     else:
         y = F.linear(x, w, b)

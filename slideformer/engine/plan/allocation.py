@@ -34,6 +34,8 @@ class Precision:
     residual: torch.dtype | None = None
     """The residual stream between layers, its gradients, the activation checkpoints and the
     RoPE tables (train.precision: float32 for autocast); None: the compute dtype."""
+    fp8: bool = False
+    """train.precision = "fp8": the layers' projections in row-wise FP8 (kernels.fp8)."""
 
     @property
     def c(self) -> int:

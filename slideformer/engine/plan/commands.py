@@ -31,6 +31,8 @@ def register(sub) -> None:
     p.add_argument("--rank", type=int, help="LoRA rank (lora.rank)")
     p.add_argument("--moments", choices=("float32", "bfloat16", "int8"),
                    help="AdamW moment precision (int8: 8-bit blocks, not exact)")
+    p.add_argument("--precision", choices=("bf16", "autocast", "fp8"),
+                   help="train.precision (fp8: row-wise FP8 projections, GPUs with FP8 only)")
     p.add_argument("--checkpoints", choices=("auto", "gpu", "host"),
                    help="activation checkpoint placement")
     p.add_argument("--slots", type=int, help="parameter slots on the GPU (0: the planner's choice)")
@@ -86,7 +88,8 @@ def config_from_args(a) -> RunConfig:
              "train.grad_accum": a.grad_accum, "budget.vram": a.vram, "budget.ram": a.ram,
              "optim.moments_dtype": a.moments, "budget.checkpoints": a.checkpoints,
              "budget.slots": a.slots, "train.compute_dtype": a.compute_dtype, "train.device": a.device,
-             "train.method": a.method, "lora.rank": a.rank, "train.gpus": a.gpus}
+             "train.method": a.method, "lora.rank": a.rank, "train.gpus": a.gpus,
+             "train.precision": a.precision}
     if a.no_clip:
         given["optim.max_grad_norm"] = 0.0
     if a.clip_regen is not None:

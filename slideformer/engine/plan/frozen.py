@@ -41,7 +41,8 @@ from slideformer.engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Alloc
 from slideformer.engine.plan.transients import FrozenBase, step_transients
 from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
                                HEAD_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
-                               cpu_dispatch_s, kernels_note, layer_efficiency, mixer_flops)
+                               cpu_dispatch_s, fp8_saving, kernels_note, layer_efficiency,
+                               mixer_flops)
 from slideformer.engine.kernels.dispatch import kernel_path
 from slideformer.engine.runtime.shapes import BUFFERS, ExecShape, padded
 from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
@@ -213,7 +214,8 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     dq = (lb + P * prec.c) / mem if method == "qlora" else 0.0  # read NF4, write the layer
     io = adapter_params(spec, lora) // spec.num_layers // max(lora.rank, 1)  # in + out, targets
     ad = n * B * T * io * ADAPTER_BYTES / mem  # one pass of a layer's adapters
-    f, b = (lin + att) / rate + dq + ad, (2 * lin + 3 * att) / rate + dq + 2 * ad
+    f = (lin - fp8_saving(spec, tokens, 1, prec) + att) / rate + dq + ad
+    b = (2 * lin - fp8_saving(spec, tokens, 2, prec) + 3 * att) / rate + dq + 2 * ad
     load = lb / (hw.h2d_gbs * 1e9)
     upd = A * DEVICE_ADAM_BYTES / mem
     streamed = L - k  # the first K layers stay resident across steps

@@ -133,7 +133,8 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
     p = knobs.precision
     return Plan(model_type=spec.model_type, total_params=spec.num_params,
                 active_params=spec.active_params, device=device,
-                compute_dtype=str(p.compute).removeprefix("torch."),
+                compute_dtype=str(p.compute).removeprefix("torch.") + (" (FP8 projections)"
+                                                                      if p.fp8 else ""),
                 moments_dtype=str(p.moments).removeprefix("torch."), exec_shape=base.shape,
                 allocations=base.allocs, tiers=base.tiers,
                 peak_rss=peak(base.allocs, rss_tiers), budgets=budgets,
@@ -174,7 +175,8 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
     compute = torch_dtype(compute_name)
     moments = moments_torch_dtype(o.moments_dtype)
     residual = torch_dtype(residual_dtype_name(t.precision, compute_name))
-    prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2), residual)
+    prec = Precision(compute, moments, _FILE_BYTES.get(spec.torch_dtype, 2), residual,
+                     fp8=t.precision == "fp8")
     pairs = t.objective not in ("sft", "grpo")  # a preference micro-batch: 2 rows a pair
     return Knobs(seq_len=cfg.data.max_seq_len, micro_batch=t.micro_batch * (1 + pairs),
                  grad_accum=t.grad_accum, precision=prec, slots=b.slots,

@@ -53,7 +53,23 @@ def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, kernels:
     head = head_scratch(spec, shape, prec, kernels.fused_ce, kernels.fused_ops, frozen is not None,
                         kernels.fp32_grads)
     out += [fwd, head, *bwd]
+    if prec.fp8:
+        out += fp8_operands(spec, N, shape.ff_tokens)
     return out
+
+
+def fp8_operands(spec: ModelSpec, N: int, tile: int = 0) -> list[Allocation]:
+    """kernels.fp8.rowwise's copies of a projection's operands, in the forward and in the
+    backward: the widest input (attention's of N tokens, or the down projection's of a
+    feed-forward tile) and the largest projection matrix, each as one fp32 copy scaled in place
+    and its e4m3 result (5 bytes an element). Modelled from the code, not measured on a GPU."""
+    rows = max(N * max(spec.hidden_size, spec.q_width), _ff_tokens(N, tile) * spec.ffn_width)
+    matrix = max((math.prod(s) for lay in set(spec.layouts) for n, _, s in lay.entries
+                  if n.endswith("_proj.weight") and len(s) == 2), default=0)
+    b = 5 * (rows + matrix)
+    what = f"a {rows:,}-element input and a {matrix:,}-element matrix, fp32 + e4m3"
+    return [Allocation("gpu", "FP8 operand copies", b, what, "forward"),
+            Allocation("gpu", "FP8 operand copies (backward)", b, what, "backward")]
 
 
 def attention_masks(shape: ExecShape, kernels: KernelPath) -> Allocation:

@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from slideformer.engine.kernels.fp8 import enabled as fp8_enabled
 from slideformer.engine.kernels.dispatch import fp32_accumulate
 from slideformer.engine.models.layers import (decoder_layer, ff_block, layer_backward, mixer_block,
                                               tiled_grads, tiles)
@@ -143,33 +144,35 @@ class WindowBackward:
     def _layer_backward(self, w, g, x, gy, rope, mask, layer: int = 0, mb: int = 0) -> torch.Tensor:
         """Recompute one layer for one micro-batch, add its trained parameters' grads (the
         layer's, or with a frozen base its adapters') to g; return dL/dx."""
-        spec = self.spec
-        base = self._norm_views(f"layer{layer}", spec.layout(layer).views(w))
-        aux = self.aux[mb] if self.aux else None
-        if self.lora is None:  # the recompute skips the layer's output (layer_backward)
-            into = grads_into(spec.layout(layer), g, w.dtype)
-            leaves = {k: v.detach() if k in into else v.detach().requires_grad_()
-                      for k, v in base.items()}
-            gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, into, aux, self.ff_tile)
-            layout = spec.layout(layer).only(grads)
-            grads = list(grads.values())
-        else:
-            item = self.layers[layer].adapter
-            layout = item.layout
-            leaves = {k: v.detach().requires_grad_() for k, v in layout.views(item.w).items()}
-            adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
-            x = x.detach().requires_grad_()
-            if tiles(self.ff_tile, x, aux, adapters):
-                gx, grads = tiled_grads(
-                    lambda v: mixer_block(spec, base, v, rope, mask, lora=adapters),
-                    lambda m: ff_block(spec, base, m, adapters), x, gy, list(leaves.values()),
-                    self.ff_tile)
+        with fp8_enabled(getattr(self, "fp8", False)):  # train.precision = "fp8"
+            spec = self.spec
+            base = self._norm_views(f"layer{layer}", spec.layout(layer).views(w))
+            aux = self.aux[mb] if self.aux else None
+            if self.lora is None:  # the recompute skips the layer's output (layer_backward)
+                into = grads_into(spec.layout(layer), g, w.dtype)
+                leaves = {k: v.detach() if k in into else v.detach().requires_grad_()
+                          for k, v in base.items()}
+                gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, into, aux,
+                                           self.ff_tile)
+                layout = spec.layout(layer).only(grads)
+                grads = list(grads.values())
             else:
-                with torch.enable_grad():
-                    y = decoder_layer(spec, base, x, rope, mask, lora=adapters, aux=aux)
-                    terms = aux.take() if aux is not None else []
-                    gx, *grads = torch.autograd.grad([y, *terms], [x, *leaves.values()],
-                                                     [gy, *(torch.ones_like(t) for t in terms)])
-        for (_, off, _), gp in zip(layout.entries, grads):
-            g[off:off + gp.numel()].add_(gp.reshape(-1))
-        return gx
+                item = self.layers[layer].adapter
+                layout = item.layout
+                leaves = {k: v.detach().requires_grad_() for k, v in layout.views(item.w).items()}
+                adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
+                x = x.detach().requires_grad_()
+                if tiles(self.ff_tile, x, aux, adapters):
+                    gx, grads = tiled_grads(
+                        lambda v: mixer_block(spec, base, v, rope, mask, lora=adapters),
+                        lambda m: ff_block(spec, base, m, adapters), x, gy, list(leaves.values()),
+                        self.ff_tile)
+                else:
+                    with torch.enable_grad():
+                        y = decoder_layer(spec, base, x, rope, mask, lora=adapters, aux=aux)
+                        terms = aux.take() if aux is not None else []
+                        gx, *grads = torch.autograd.grad([y, *terms], [x, *leaves.values()],
+                                                         [gy, *(torch.ones_like(t) for t in terms)])
+            for (_, off, _), gp in zip(layout.entries, grads):
+                g[off:off + gp.numel()].add_(gp.reshape(-1))
+            return gx

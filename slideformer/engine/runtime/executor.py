@@ -50,6 +50,7 @@ import torch
 
 from slideformer.engine.dist.group import Single
 from slideformer.engine.kernels import IGNORE
+from slideformer.engine.kernels.fp8 import enabled as fp8_enabled
 from slideformer.engine.kernels.attention import document_mask
 from slideformer.engine.models.inputs import LayerInputs
 from slideformer.engine.models.layers import decoder_layer
@@ -93,13 +94,15 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
 
     def __init__(self, spec: ModelSpec, backend: Backend, host: dict[str, HostItem],
                  shape: ExecShape, compute_dtype: torch.dtype, lora: LoraSpec | None = None,
-                 seed: int = 0, group=None, residual_dtype: torch.dtype | None = None):
+                 seed: int = 0, group=None, residual_dtype: torch.dtype | None = None,
+                 fp8: bool = False):
         """``lora``: train the adapters ``lora{i}`` of ``host`` over a frozen base (``seed``
         seeds their dropout masks). ``group``: the ranks of a data-parallel run sharing
         ``host`` (slideformer.engine.dist.group); None: this process alone. ``residual_dtype``:
         the hidden states between layers, their gradients, activation checkpoints and RoPE tables
         (fp32 under bf16 compute: autocast's numerics, slideformer.engine.models.layers); None:
-        the compute dtype."""
+        the compute dtype. ``fp8``: the decoder layers' projections in row-wise FP8
+        (train.precision = "fp8", slideformer.engine.kernels.fp8)."""
         self.spec, self.backend, self.host, self.shape = spec, backend, host, shape
         self.group = group or Single()
         self.dtype = compute_dtype
@@ -108,6 +111,7 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
         L, n = spec.num_layers, spec.params_per_layer
         self.k = max(1, min(shape.slots, L))
         self.ff_tile = shape.ff_tokens
+        self.fp8 = fp8  # train.precision = "fp8": the layers' projections (kernels.fp8)
         self.G = min(shape.device_layers, L)
         self.quant = getattr(host["layer0"], "quant", None) is not None
         """The decoder layers are NF4 (qlora): a slot holds a layer's NF4 bytes (its host
@@ -374,7 +378,7 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
         """
         spec = self.spec
         emb = spec.embed_layout.views(self.embed_w)
-        with torch.no_grad():
+        with torch.no_grad(), fp8_enabled(self.fp8):
             xs = [embed(spec, emb, ids).to(self.act) for ids, *_ in inp]
             for i, p in self.window_layers(tl):
                 t0 = self.backend.mark()

@@ -26,8 +26,8 @@ import torch
 from slideformer.engine import config as config_mod
 from slideformer.engine.config import RunConfig, parse_bytes
 from slideformer.engine.dist.ranks import Solo, gpu_count, host_alloc, rank_shape, start_ranks
-from slideformer.engine.devices import (compute_dtype_name, device_kind, moments_torch_dtype,
-                                        residual_dtype_name, torch_dtype)
+from slideformer.engine.devices import (check_fp8, compute_dtype_name, device_kind,
+                                        moments_torch_dtype, residual_dtype_name, torch_dtype)
 from slideformer.engine.errors import UserError
 from slideformer.engine.events import (CheckpointSaved, EvalMetrics, EventSink, Log, PairMetrics,
                                       RolloutMetrics, RunState, StepMetrics, Timeline,
@@ -169,6 +169,8 @@ class Trainer:
         self.dtype = torch_dtype(compute)
         residual = torch_dtype(residual_dtype_name(cfg.train.precision, compute))
         moments = moments_torch_dtype(cfg.optim.moments_dtype)
+        if cfg.train.precision == "fp8":
+            check_fp8(compute, self.backend.device)
         self.world = gpu_count(cfg)
         shape = rank_shape(self.make_plan().exec_shape, self.world)
         self._check_host_memory()
@@ -184,7 +186,8 @@ class Trainer:
         self.ranks = start_ranks(cfg, self.host, shape, self.dtype, self.world,
                                  self.backend.is_cuda)
         self.executor = SlidingExecutor(self.spec, self.backend, self.host, shape, self.dtype,
-                                        self.lora, cfg.train.seed, self.ranks.group, residual)
+                                        self.lora, cfg.train.seed, self.ranks.group, residual,
+                                        fp8=cfg.train.precision == "fp8")
         if cfg.train.objective == "grpo":
             self.executor.objective = ("grpo", cfg.grpo)
             from slideformer.engine.train.grpo import Sampler

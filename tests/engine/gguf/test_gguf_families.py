@@ -56,6 +56,7 @@ GEMMA4 = {"gemma4": (TinyShape(), None), "gemma4-moe": (TinyShape(), {"enable_mo
 sliding and full layers alternate, the full ones with a head size and KV heads of their own)."""
 CASES = {"phi3": ("phi3", None), "phi4-mini": ("phi3", PHI4_MINI), "olmo2": ("olmo2", None),
          "olmo3": ("olmo3", OLMO3), "smollm3": ("smollm3", None), "mixtral": ("mixtral", None),
+         "olmoe": ("olmoe", {"num_key_value_heads": 6}),
          "olmo3-yarn": ("olmo3", YARN_MODELS["olmo3"]),
          "qwen3-yarn": ("qwen3", YARN_MODELS["qwen3"])}
 """Test id -> (family, config.json keys over its tiny model)."""
@@ -196,6 +197,9 @@ def test_gemma4_is_written_as_llama_cpp_reads_it(tiny_model_factory, tmp_path):
     ("smollm3", {"rope_scaling": YARN | {"truncate": False}}, "rope_scaling.truncate = false"),
     ("qwen2", {"rope_scaling": YARN | {"beta_fast": 16.0}}, "rope_scaling.beta_fast = 16.0"),
     ("mixtral", {"sliding_window": 16}, "sliding_window 16, shorter than"),
+    ("olmoe", {"num_key_value_heads": 2}, "sizes the key norm by hidden_size"),
+    ("olmoe", {"norm_topk_prob": True, "num_key_value_heads": 6}, "never renormalises"),
+    ("qwen3_moe", {"norm_topk_prob": False}, "always renormalises"),
     # Gemma 4: llama.cpp turns the sliding layers unscaled, by the neox RoPE (or proportional)
     ("gemma4_text", {"rope_parameters": {
         "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},

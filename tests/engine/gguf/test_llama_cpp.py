@@ -33,13 +33,13 @@ from tests.engine.gguf.test_gguf_qwen35 import MARKS, qwen35_tokenizer_folder  #
 
 TEXT = "hello world, this is a test 123 of the tokenizer"
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma3_text", "qwen3_5_text",
-            "qwen3_5_moe_text", "phi3", "olmo2", "olmo3", "smollm3", "mixtral"]
+            "qwen3_5_moe_text", "phi3", "olmo2", "olmo3", "smollm3", "mixtral", "olmoe"]
 GEMMA3 = {"layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": 8,
           "query_pre_attn_scalar": 16}
 """A Gemma 3 as llama.cpp computes one: every sixth layer global, scores by head_dim ** -0.5."""
 MODELS = {"gemma3_text": (TinyShape(layers=6), GEMMA3), "qwen3_5_text": (TinyShape(), QWEN35),
           "qwen3_5_moe_text": (TinyShape(), QWEN35), "phi3": (TinyShape(), PHI4_MINI),
-          "olmo3": (TinyShape(), OLMO3)}
+          "olmo3": (TinyShape(), OLMO3), "olmoe": (TinyShape(kv_heads=6), None)}
 """Families whose tiny model is shaped for llama.cpp: (shape, config.json keys over it)."""
 SHARP = ("phi3", "smollm3", "mixtral")
 """Families tested with their q and k scaled up (test_gguf_families.sharpened), so that how a
@@ -118,7 +118,7 @@ def model_folder(arch: str, tiny_model_factory, tmp_path):
     return sharpened(folder, tmp_path / "sharp") if arch in SHARP else folder
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text", "phi3", *GEMMA4])
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_5_moe_text", "phi3", "olmoe", *GEMMA4])
 def test_llama_cpp_greedy_tokens_equal_transformers(arch, tiny_model_factory, tmp_path):
     folder = model_folder(arch, tiny_model_factory, tmp_path)
     out = export_gguf(folder, tmp_path / "m.gguf", "f16")

@@ -329,3 +329,23 @@ def test_a_long_sequence_plans_its_feed_forward_in_tiles(tmp_path):
     moe = SimpleNamespace(moe=SimpleNamespace(aux_coef=0.001))
     assert ff_tile(moe, 65536) == 0 and ff_tile(spec, 65536, lora_dropout=0.05) == 0
     assert ff_tile(spec, FF_TILE) == 0 and ff_tile(spec, FF_TILE + 1) == FF_TILE
+
+
+def test_fp8_precision_plans_faster_projections_and_their_operand_copies(tmp_path):
+    """train.precision = "fp8": the plan counts the row-wise copies of a projection's operands
+    (kernels.fp8) in the forward and the backward, and a faster step where the projections
+    bound it (an 8B QLoRA: GPU-bound)."""
+    spec = load_spec(model_folder(tmp_path, "llama-3.1-8b"))
+    cfg = override(RunConfig(), {"budget.vram": "24GiB", "budget.ram": "100GiB",
+                                 "data.max_seq_len": 1024, "train.micro_batch": 4,
+                                 "train.grad_accum": 4, "train.method": "qlora"})
+    bf16 = plan_run(cfg, spec, hardware=REFERENCE)
+    f8 = plan_run(override(cfg, {"train.precision": "fp8"}), spec, hardware=REFERENCE)
+    copies = [a for a in f8.allocations if a.purpose.startswith("FP8 operand copies")]
+    assert [a.phase for a in copies] == ["forward", "backward"]
+    assert not any(a.purpose.startswith("FP8") for a in bf16.allocations)
+    # the down projection's input (4 x 1024 tokens x 14,336) and its matrix, 5 bytes an element
+    assert copies[0].bytes == 5 * (4 * 1024 * 14336 + 14336 * 4096)
+    assert bf16.speed.bound == "gpu compute"
+    assert 1.1 < f8.speed.tokens_per_s / bf16.speed.tokens_per_s < 1.5
+    assert "FP8" in f8.compute_dtype

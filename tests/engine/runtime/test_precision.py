@@ -31,16 +31,17 @@ GRADE = 1.2
 """How much further from fp32 than autocast the autocast setting may land."""
 
 
-def engine_run(spec, d, steps, dtype, residual=None):
+def engine_run(spec, d, steps, dtype, residual=None, fp8=False):
     """(losses, flat fp32 master of every item) of the engine in ``dtype`` (``residual``: the
-    executor's residual stream dtype; None: ``dtype``)."""
+    executor's residual stream dtype; None: ``dtype``; ``fp8``: train.precision = "fp8", the
+    CPU emulating the FP8 matmuls)."""
     backend = CpuBackend()
     host = build_host_state(spec, backend, dtype, torch.float32, layer_grads=True)
     load_weights(host, spec, d)
     B, T = steps[0][0].input_ids.shape
     ex = SlidingExecutor(spec, backend, host, ExecShape(micro_batch=B, seq_len=T,
                                                         n_micro=len(steps[0]), slots=2), dtype,
-                         residual_dtype=residual)
+                         residual_dtype=residual, fp8=fp8)
     losses = []
     for k, mbs in enumerate(steps, start=1):
         hyper = lambda coef, k=k: AdamHyper(lr_at(k, len(steps), OPTIM), OPTIM.beta1, OPTIM.beta2,  # noqa: E731

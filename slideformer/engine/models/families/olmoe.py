@@ -10,4 +10,4 @@ FAMILY = Family(
     "olmoe", "OlmoeForCausalLM", "OLMoE", qk_norm="full", refuse=(("clip_qkv", None),),
     moe=Moe("mlp.gate.weight", "mlp.experts", "gate_proj", "up_proj", "down_proj",
             ("num_experts", "num_local_experts"), "intermediate_size",
-            renormalise="norm_topk_prob", aux_default=0.01))
+            renormalise="norm_topk_prob", aux_default=0.01), gguf="olmoe")

@@ -1,0 +1,130 @@
+"""Row-wise FP8 projections (``train.precision = "fp8"``).
+
+A decoder layer's projections (``models.layers.linear``) compute y = x W^T with both operands
+in float8 e4m3 and a scale per row: each token's row of x and each output row of W scaled so
+its largest magnitude is e4m3's 448, the product accumulated in fp32 and rescaled
+(``torch._scaled_mm``), as torchao's row-wise float8 training does. The backward's dL/dx =
+dL/dy W takes dL/dy per token and W per input column the same way. dL/dW = dL/dy^T x stays in
+the compute dtype with fp32 accumulation (torchao's "row-wise, weight gradient in high
+precision" recipe): the weight update is as exact as in bf16 training, and the two FP8 products
+are the forward and the input gradient, two thirds of a layer's matmul FLOPs.
+
+What stays in bf16: attention's own products (SDPA / FlexAttention), the experts' grouped
+matmuls, LoRA's adapters, the LM head and its loss, and any projection whose dimensions are
+not multiples of 16 (the GPU's FP8 kernels need them).
+
+FP8 matmuls need tensor cores that have them: NVIDIA compute capability 8.9 (Ada) or 9.0+
+(Hopper, Blackwell). :func:`unsupported` says why a device cannot; the trainer refuses the
+setting there. ``torch._scaled_mm`` also runs on the CPU (emulated), which the tests use to
+check the numerics against a PyTorch reference.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+_ON = contextvars.ContextVar("slideformer_fp8", default=False)
+
+
+def unsupported(device: torch.device | str) -> str | None:
+    """Why ``device`` cannot run FP8 projections, or None when it can."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return (f"FP8 matmuls need an NVIDIA GPU with FP8 tensor cores (compute capability 8.9+: "
+                f"RTX 40xx, L4, L40, H100, H200, B200); this run is on the {dev.type}")
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available"
+    major, minor = torch.cuda.get_device_capability(dev)
+    if (major, minor) < (8, 9):
+        return (f"{torch.cuda.get_device_name(dev)} (compute capability {major}.{minor}) has no "
+                "FP8 tensor cores (8.9+ needed: RTX 40xx, L4, L40, H100, H200, B200)")
+    return None
+
+
+@contextlib.contextmanager
+def enabled(on: bool = True):
+    """Projections computed inside run in FP8 (those :func:`eligible`)."""
+    token = _ON.set(on)
+    try:
+        yield
+    finally:
+        _ON.reset(token)
+
+
+def active() -> bool:
+    return _ON.get()
+
+
+def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether x W^T runs in FP8 here: FP8 on, 16-bit operands, and on a GPU both dimensions
+    of W multiples of 16."""
+    if not _ON.get() or w.dtype not in (torch.bfloat16, torch.float16) or x.dtype != w.dtype:
+        return False
+    return not w.is_cuda or (w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
+
+
+def rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, fp32 scales (rows, 1)) of a 2-D tensor, each row scaled so that its largest
+    magnitude maps to 448 (an all-zero row keeps scale 1)."""
+    amax = t.abs().amax(dim=1, keepdim=True).float()
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    q = t.float()  # one fp32 copy, scaled and clamped in place: 5 bytes an element at the peak
+    return q.div_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.dtype) -> torch.Tensor:
+    """a @ b^T for a (M, K) and b (N, K), each quantised row-wise (:func:`rowwise`)."""
+    aq, sa = rowwise(a)
+    bq, sb = rowwise(b)
+    return torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out)
+
+
+class Fp8Linear(torch.autograd.Function):
+    """``F.linear(x, w, b)`` with the forward and dL/dx in FP8 (module docstring); dL/dW in the
+    compute dtype, returned, or with ``dest`` added to that fp32 buffer inside the matmul
+    (models.layers.GradInto)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, dest):
+        from slideformer.engine.kernels import dispatch
+        ctx.save_for_backward(x, w)
+        ctx.dest, ctx.add = dest, dispatch.add_product_
+        y = matmul(x.reshape(-1, w.shape[1]), w, x.dtype)
+        y = y.view(*x.shape[:-1], w.shape[0])
+        return y if b is None else y + b
+
+    @staticmethod
+    def backward(ctx, go):
+        x, w = ctx.saved_tensors
+        go2 = go.reshape(-1, w.shape[0])
+        gx = matmul(go2, w.t(), go.dtype).view(*go.shape[:-1], w.shape[1]) \
+            if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.dest is not None:
+            ctx.add(ctx.dest, go2.t(), x.reshape(-1, w.shape[1]))
+        elif ctx.needs_input_grad[1]:
+            gw = go2.t().mm(x.reshape(-1, w.shape[1]))
+        gb = go2.sum(0) if ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
+           dest: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) in FP8 (:class:`Fp8Linear`)."""
+    return Fp8Linear.apply(x, w, b, dest)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """:func:`matmul`'s product written out in PyTorch (for the tests): the operands rounded
+    to e4m3 on their row-wise scales, multiplied in fp32, rescaled."""
+    def q(t):
+        amax = t.abs().amax(dim=1, keepdim=True).float()
+        s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        return (t.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * s
+    x2 = x.reshape(-1, w.shape[1])
+    return (q(x2) @ q(w).t()).to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
