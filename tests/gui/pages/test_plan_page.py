@@ -243,3 +243,19 @@ def test_sequence_length_steps_by_powers_of_two(qtbot, page):
     assert box.value() == 1024
     box.stepBy(-20)
     assert box.value() == box.minimum()
+
+
+def test_choosing_fp8_plans_fp8_projections(qtbot, page, tmp_path):
+    """The precision choice is train.precision: FP8 shows in the run's description, its operand
+    copies in the GPU bar's step scratch, and the plan is the planner's for the same inputs."""
+    from slideformer.gui.pages.plan.rows import category
+    model = published(tmp_path, "llama-3.1-8b")
+    settings = {**DESKTOP, "train.method": "qlora", "train.precision": "fp8"}
+    show(qtbot, page, model, settings)
+    assert page.inputs.settings()["train.precision"] == "fp8"
+    assert page.inputs.precision.currentText().startswith("FP8")
+    ref = reference(model, settings)
+    assert page.plan.speed == ref.speed and "FP8 projections" in page.shape.text()
+    assert category("FP8 operand copies") == "Step scratch"
+    show(qtbot, page, model, {**settings, "train.precision": "bf16"})
+    assert "FP8" not in page.shape.text()

@@ -27,6 +27,9 @@ CHECKPOINTS = (("auto", "auto (fastest that fits)"), ("gpu", "on the GPU"),
                ("host", "in host RAM (pinned)"))
 MOMENTS = (("float32", "float32 (exact)"), ("bfloat16", "bfloat16 (half the memory)"),
            ("int8", "8-bit blocks (a quarter of the memory)"))
+PRECISIONS = (("bf16", "bf16 (least activation memory)"),
+              ("autocast", "autocast (fp32 residual stream, closest to fp32)"),
+              ("fp8", "FP8 projections (GPUs with FP8 only)"))
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,14 @@ class PlanInputs(QWidget):
         self.moments.setToolTip("Format of the AdamW moments m and v: bfloat16 and 8-bit blocks "
                                 "(6 bytes a parameter with the weights) change the numerics "
                                 "slightly")
+        self.precision = QComboBox()
+        for key, text in PRECISIONS:
+            self.precision.addItem(text, key)
+        self.precision.setToolTip("train.precision with bf16 compute: bf16 keeps the hidden states "
+                                  "in bf16; autocast keeps them in fp32 (torch.autocast's "
+                                  "numerics, twice the checkpoint memory); FP8 runs the layers' "
+                                  "projections in row-wise FP8 (faster matmuls, further from "
+                                  "fp32; RTX 40xx, L4/L40, H100/H200, B200 only)")
         self.clip = QCheckBox("Gradient clipping")
         self.clip.setToolTip("Exact global-norm clipping. Off: the CPU updates overlap the "
                              "backward instead of the next forward")
@@ -231,6 +242,7 @@ class PlanInputs(QWidget):
         run.addRow("Layer slots", self.slots)
         run.addRow("GPU-updated layers", self.gpu_layers)
         run.addRow("AdamW moments", self.moments)
+        run.addRow("Precision", self.precision)
         run.addRow(precision)
         return run_box
 
@@ -255,10 +267,14 @@ class PlanInputs(QWidget):
             "budget.gpu_layers": (self.gpu_layers.value, self.gpu_layers.setValue),
             "optim.moments_dtype": (self.moments.currentData,
                                     lambda v: self.moments.setCurrentIndex(self.moments.findData(v))),
+            "train.precision": (self.precision.currentData,
+                                lambda v: self.precision.setCurrentIndex(
+                                    self.precision.findData(v))),
             "optim.max_grad_norm": (lambda: self._clip_norm if self.clip.isChecked() else 0.0,
                                     lambda v: self.clip.setChecked(float(v) > 0)),
         }
         self.set_settings({"optim.moments_dtype": defaults.optim.moments_dtype,
+                           "train.precision": defaults.train.precision,
                            "optim.max_grad_norm": defaults.optim.max_grad_norm,
                            "budget.checkpoints": defaults.budget.checkpoints,
                            "budget.slots": defaults.budget.slots,
@@ -270,7 +286,7 @@ class PlanInputs(QWidget):
                        self.micro_batch.valueChanged, self.grad_accum.valueChanged,
                        self.checkpoints.currentIndexChanged, self.slots.valueChanged,
                        self.gpu_layers.valueChanged, self.moments.currentIndexChanged,
-                       self.clip.toggled):
+                       self.precision.currentIndexChanged, self.clip.toggled):
             signal.connect(self.changed)
 
     def set_stacked(self, stacked: bool) -> None:
@@ -305,7 +321,7 @@ class PlanInputs(QWidget):
     def _signalling(self) -> list[QWidget]:
         return [self.vram, self.ram, self.nvme_dir, self.nvme_size, self.method, self.seq_len,
                 self.micro_batch, self.grad_accum, self.checkpoints, self.slots, self.gpu_layers,
-                self.moments, self.clip]
+                self.moments, self.precision, self.clip]
 
     def _vram_text(self) -> str:
         if self.machine is not None and self.machine.device != "cuda":
