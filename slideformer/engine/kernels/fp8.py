@@ -39,9 +39,16 @@ def unsupported(device: torch.device | str) -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA GPU is available"
     major, minor = torch.cuda.get_device_capability(dev)
+    name = torch.cuda.get_device_name(dev)
     if (major, minor) < (8, 9):
-        return (f"{torch.cuda.get_device_name(dev)} (compute capability {major}.{minor}) has no "
+        return (f"{name} (compute capability {major}.{minor}) has no "
                 "FP8 tensor cores (8.9+ needed: RTX 40xx, L4, L40, H100, H200, B200)")
+    try:  # row-wise scaling is newer than FP8 itself: not every PyTorch / cuBLAS has it for
+        ones = torch.ones(16, 16, dtype=torch.bfloat16, device=dev)  # every FP8 GPU
+        matmul(ones, ones, torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        return (f"{name}: this PyTorch ({torch.__version__}) cannot run row-wise FP8 matmuls "
+                f"on it ({str(e).splitlines()[0][:120]})")
     return None
 
 
@@ -60,9 +67,9 @@ def active() -> bool:
 
 
 def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether x W^T runs in FP8 here: FP8 on, 16-bit operands, and on a GPU both dimensions
-    of W multiples of 16."""
-    if not _ON.get() or w.dtype not in (torch.bfloat16, torch.float16) or x.dtype != w.dtype:
+    """Whether x W^T runs in FP8 here: FP8 on, bf16 operands (the kernel's row-wise output is
+    bf16), and on a GPU both dimensions of W multiples of 16."""
+    if not _ON.get() or w.dtype != torch.bfloat16 or x.dtype != w.dtype:
         return False
     return not w.is_cuda or (w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
 
@@ -72,12 +79,15 @@ def rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     magnitude maps to 448 (an all-zero row keeps scale 1)."""
     amax = t.abs().amax(dim=1, keepdim=True).float()
     scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    q = t.float()  # one fp32 copy, scaled and clamped in place: 5 bytes an element at the peak
+    # one row-major fp32 copy (a transposed operand too: the GPU kernel takes row-major A and
+    # column-major B), scaled and clamped in place: 5 bytes an element at the peak
+    q = t.to(torch.float32, memory_format=torch.contiguous_format)
     return q.div_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.dtype) -> torch.Tensor:
-    """a @ b^T for a (M, K) and b (N, K), each quantised row-wise (:func:`rowwise`)."""
+    """a @ b^T for a (M, K) and b (N, K), each quantised row-wise (:func:`rowwise`): the first
+    operand row-major, the second (its transpose) column-major, as the GPU's kernel needs."""
     aq, sa = rowwise(a)
     bq, sb = rowwise(b)
     return torch._scaled_mm(aq, bq.t(), scale_a=sa, scale_b=sb.t(), out_dtype=out)

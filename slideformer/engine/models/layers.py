@@ -533,15 +533,19 @@ def tiled_grads(mixer, ff, x: torch.Tensor, gy: torch.Tensor, params: list[torch
         m = mixer(x)
     flat = m.detach().reshape(1, -1, m.shape[-1])
     g_out, g_mid = gy.reshape(flat.shape), torch.empty_like(flat)
-    acc: list[torch.Tensor | None] = [None] * len(params)
+    acc: list[torch.Tensor | None] = [None] * len(params)  # fp32: one rounding at the end
+
+    def add(sums, grads):
+        return [a if g is None else g.float() if a is None else a.add_(g) for a, g in zip(sums, grads)]
     for s in range(0, flat.shape[1], tile):
         part = flat[:, s:s + tile].requires_grad_()
         with torch.enable_grad():
             y = ff(part)
             got = torch.autograd.grad(y, [part, *params], g_out[:, s:s + tile], allow_unused=True)
         g_mid[:, s:s + tile] = got[0]
-        acc = [a if g is None else g if a is None else a.add_(g) for a, g in zip(acc, got[1:])]
+        acc = add(acc, got[1:])
         del y, got, part
     got = torch.autograd.grad(m, [x, *params], g_mid.view(m.shape), allow_unused=True)
-    grads = [a if g is None else g if a is None else a.add_(g) for a, g in zip(acc, got[1:])]
-    return got[0], [torch.zeros_like(w) if g is None else g for w, g in zip(params, grads)]
+    grads = add(acc, got[1:])
+    return got[0], [torch.zeros_like(w) if g is None else g.to(w.dtype)
+                    for w, g in zip(params, grads)]

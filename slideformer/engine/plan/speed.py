@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from slideformer.engine.kernels.dispatch import KernelPath, kernel_path
+from slideformer.engine.models import layers
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.memory import Precision
@@ -102,14 +103,19 @@ Hopper's and Ada's dense FP8 tensor-core rate is twice their bf16 rate, less the
 quantisation passes over each operand (memory-bound). The weight gradients stay bf16."""
 
 
-def fp8_saving(spec: ModelSpec, tokens: int, passes: int, prec: Precision) -> float:
+def fp8_saving(spec: ModelSpec, tokens: int, passes: int, prec: Precision,
+               skip_down: bool = False) -> float:
     """The bf16-equivalent FLOPs FP8 saves in ``passes`` passes of a layer's projections over
-    ``tokens`` tokens: only plain projection matrices go through FP8 (a mixture's stacked
-    experts keep their bf16 grouped matmuls)."""
+    ``tokens`` tokens. Only the projections models.layers.linear computes go through FP8: the
+    attention's and a dense MLP's matrices, not a mixture's experts nor its shared expert (its
+    own matmuls). ``skip_down``: the down projection is not in these passes (a trained plain
+    layer's recompute and backward: layers.layer_backward never forms its output, and its
+    dL/dz is a bf16 product)."""
     if not prec.fp8:
         return 0.0
     mats = sum(math.prod(s) for n, _, s in spec.largest_layout.entries
-               if n.endswith("_proj.weight") and len(s) == 2)
+               if n.endswith("_proj.weight") and len(s) == 2 and "expert" not in n
+               and not (skip_down and n == "mlp.down_proj.weight"))
     return passes * 2.0 * mats * tokens * (1 - 1 / FP8_SPEEDUP)
 
 
@@ -233,7 +239,9 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     f_fwd, f_bwd = layer_flops(spec, shape)
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
-    f_fwd, f_bwd = f_fwd - fp8_saving(spec, tokens, 1, prec), f_bwd - fp8_saving(spec, tokens, 2, prec)
+    plain = layers._plain(spec, dict.fromkeys(spec.largest_layout.names()))
+    f_fwd = f_fwd - fp8_saving(spec, tokens, 1, prec)
+    f_bwd = f_bwd - fp8_saving(spec, tokens, 2, prec, skip_down=plain)
     rate = hw.matmul_tflops * 1e12 * efficiency
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
     one, both = hw.h2d_gbs * 1e9, hw.duplex_gbs * 1e9

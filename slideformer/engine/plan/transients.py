@@ -63,7 +63,9 @@ def fp8_operands(spec: ModelSpec, N: int, tile: int = 0) -> list[Allocation]:
     backward: the widest input (attention's of N tokens, or the down projection's of a
     feed-forward tile) and the largest projection matrix, each as one fp32 copy scaled in place
     and its e4m3 result (5 bytes an element). Modelled from the code, not measured on a GPU."""
-    rows = max(N * max(spec.hidden_size, spec.q_width), _ff_tokens(N, tile) * spec.ffn_width)
+    gate_up = 2 if spec.family.fused else 1  # Phi-3's fused gate-up: its dL/dy is 2 I wide
+    rows = max(N * max(spec.hidden_size, spec.q_width),
+               _ff_tokens(N, tile) * spec.ffn_width * gate_up)
     matrix = max((math.prod(s) for lay in set(spec.layouts) for n, _, s in lay.entries
                   if n.endswith("_proj.weight") and len(s) == 2), default=0)
     b = 5 * (rows + matrix)

@@ -230,3 +230,15 @@ def test_no_tiles_with_a_router_loss_or_lora_dropout():
     assert not tiles(16, x, aux=object())
     assert not tiles(16, x, lora=SimpleNamespace(lora=SimpleNamespace(dropout=0.1)))
     assert tiles(16, x, lora=SimpleNamespace(lora=SimpleNamespace(dropout=0.0)))
+
+
+def test_bf16_tiles_sum_their_gradients_in_fp32():
+    """bf16 leaves: each tile's gradient is summed in fp32 and rounded once, so the tiled
+    gradients sit within bf16's rounding of the untiled ones (a sum rounded per tile drifts)."""
+    spec, leaves, x, gy, (rope, mask) = family_layer("qwen3", 0, dtype=torch.bfloat16, T=64)
+    gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, tile=8)
+    ref_gx, ref = layer_backward(spec, leaves, x, gy, rope, mask)
+    for name in ref:
+        assert grads[name].dtype == torch.bfloat16
+        rel = ((grads[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
+        assert rel < 8e-3, f"{name}: {rel:.1e}"

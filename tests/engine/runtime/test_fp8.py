@@ -130,3 +130,19 @@ def test_the_gpu_product_matches_the_emulated_one():
     torch.testing.assert_close(y.cpu(), fp8.reference(x, w), rtol=2e-2, atol=1e-2)
     torch.testing.assert_close(xx.grad.cpu(), fp8.reference(gy.reshape(-1, 256), w.t()).view(x.shape),
                                rtol=2e-2, atol=1e-2)
+
+
+def test_the_kernel_gets_a_row_major_and_a_column_major_operand(monkeypatch):
+    """The GPU's _scaled_mm takes A row-major and B column-major (the CPU emulation takes any
+    layout): so do the forward and dL/dx, whose weight operand is a transposed view."""
+    seen = []
+    real = torch._scaled_mm
+
+    def checking(a, b, **kw):
+        seen.append((a.stride(1) == 1, b.stride(0) == 1))
+        return real(a, b, **kw)
+    monkeypatch.setattr(torch, "_scaled_mm", checking)
+    x, w, gy = operands(4)
+    xx = x.clone().requires_grad_()
+    fp8.linear(xx, w).backward(gy)
+    assert seen == [(True, True), (True, True)]  # the forward, then dL/dx
