@@ -57,7 +57,7 @@ FF_TILE = 16384
 (ExecShape.ff_tokens): a long sequence's MLP intermediates (several tokens x intermediate-width
 tensors: ~10 GiB for one 64K-token sequence of an 8B) then take a 16K-token tile's memory,
 while each tile's matmuls stay large enough to run at the GPU's full rate. Micro-batches of at
-most this many tokens (every shape benchmarked before tiles existed) run untiled."""
+most this many tokens run untiled."""
 
 
 def ff_tile(spec, tokens: int, lora_dropout: float = 0.0) -> int:
