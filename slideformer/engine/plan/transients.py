@@ -198,9 +198,23 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     mask = B * T * T * c if masked else 0
     # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
     # fp32 temporaries of the norm's backward, the residual grad and dL/dh (and the output)
-    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff) + mask,
-                                          H * I * c),
+    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff)
+                                          + _tile_sums(spec, prec, N, tile, into) + mask, H * I * c),
                           (N * H * (20 + 2 * c + out), P * c), frozen, into)
+
+
+def _tile_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, into: bool) -> int:
+    """What models.layers.tiled_grads' fp32 sums of the returned parameter grads (with ``into``
+    only the norms' and biases': the projections add into the gradient slot) hold beyond a
+    compute-dtype copy of them: (4 - c) bytes a parameter. The compute-dtype copy is within the
+    other terms: with compute-dtype sums the model matched the CPU allocator's peaks in fp32
+    and in bf16, and the fp32 sums moved the bf16 peak by about 2 bytes a parameter
+    (tests/engine/plan/test_plan_memory.py)."""
+    if _ff_tokens(N, tile) >= N or prec.c >= 4:
+        return 0
+    entries = spec.largest_layout.entries
+    return (4 - prec.c) * sum(math.prod(s) for n, _, s in entries
+                              if not (into and n.endswith("_proj.weight")))
 
 
 def _tiled(spec: ModelSpec, prec: Precision, N: int, tile: int, per_token: int, ff: int) -> int:
@@ -302,8 +316,8 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
     per_token = H * (2 * c + r + out) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8
     mask = B * T * T * c if masked else 0
     ff = H * c + 5 * I * c + 4  # the feed-forward's normed input and rsqrt, its MLP's
-    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff) + mask,
-                                          H * I * c),
+    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff)
+                                          + _tile_sums(spec, prec, N, tile, into) + mask, H * I * c),
                           (N * H * (3 * r + c + out), spec.params_per_layer * c), frozen, into)
 
 
