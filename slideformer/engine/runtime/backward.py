@@ -144,7 +144,7 @@ class WindowBackward:
     def _layer_backward(self, w, g, x, gy, rope, mask, layer: int = 0, mb: int = 0) -> torch.Tensor:
         """Recompute one layer for one micro-batch, add its trained parameters' grads (the
         layer's, or with a frozen base its adapters') to g; return dL/dx."""
-        with fp8_enabled(getattr(self, "fp8", False)):  # train.precision = "fp8"
+        with fp8_enabled(self.fp8):  # train.precision = "fp8"
             spec = self.spec
             base = self._norm_views(f"layer{layer}", spec.layout(layer).views(w))
             aux = self.aux[mb] if self.aux else None

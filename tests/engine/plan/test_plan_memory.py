@@ -167,6 +167,7 @@ def check_transients(arch, kw, B, T, dt, packed, chunk, res, tile=0):
     mask = None if doc is None else packed_causal_mask(doc)
     x, gy = torch.randn(B, T, spec.hidden_size).to(res), torch.randn(B, T, spec.hidden_size).to(res)
     holder = type("Holder", (), {"spec": spec, "lora": None, "aux": (), "ff_tile": tile,
+                                 "fp8": False,
                                  "_norm_views": lambda self, n, p: p})()
     head_w = (0.02 * torch.randn(spec.vocab_size, spec.hidden_size)).to(dt)
     norm_w = torch.ones(spec.hidden_size, dtype=dt)

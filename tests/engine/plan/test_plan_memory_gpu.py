@@ -94,6 +94,7 @@ def test_layer_transients_match_cuda_peaks(arch, kw, res, ops, att):
         w, x, gy, rope, mask = _inputs(spec, res or BF16, packed)
         assert isinstance(mask, torch.Tensor) == (att == "mask")
         holder = type("Holder", (), {"spec": spec, "lora": None, "aux": (), "ff_tile": 0,
+                                     "fp8": False,
                                      "_norm_views": lambda self, n, p: p})()
         slot_g = torch.zeros(w.numel(), device="cuda")
 

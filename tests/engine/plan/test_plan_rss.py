@@ -119,6 +119,7 @@ def _warm_up() -> None:
     spec = spec_from_config(tiny_config("llama", TinyShape(layers=1, hidden=64, heads=4, kv_heads=2,
                                                            intermediate=96, vocab=128)))
     holder = type("Holder", (), {"spec": spec, "lora": None, "aux": (), "norms": None, "ff_tile": 0,
+                                 "fp8": False,
                                  "_norm_views": SlidingExecutor._norm_views})()
     ids = torch.randint(0, 128, (2, 16))
     for dt in (torch.float32, torch.bfloat16):
