@@ -295,9 +295,12 @@ def run_trl(a: dict) -> dict:
     n = pairs * a["accum"] * (a["warmup"] + a["steps"])
     g = torch.Generator().manual_seed(1)
     text = lambda k: " ".join(f"t{i}" for i in torch.randint(1, V - 1, (k,), generator=g).tolist())  # noqa: E731
-    ds = datasets.Dataset.from_dict({"prompt": [text(half) for _ in range(n)],
-                                     "chosen": [" " + text(half - 1) + " </s>" for _ in range(n)],
-                                     "rejected": [" " + text(half - 1) + " </s>" for _ in range(n)]})
+    rows = {"prompt": [text(half) for _ in range(n)],
+            "chosen": [" " + text(half - 1) + " </s>" for _ in range(n)],
+            "rejected": [" " + text(half - 1) + " </s>" for _ in range(n)]}
+    # A fingerprint of our own: datasets 5.0 hashes a new table by pickling it with dill, which
+    # fails on Python 3.12 with pyarrow 26 ("Can't pickle <class 'MonthDayNano'>").
+    ds = datasets.Dataset(datasets.table.InMemoryTable.from_pydict(rows), fingerprint="lora-bench")
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     times: list[float] = []
 
@@ -419,7 +422,8 @@ def attempts(a: dict):
                            capture_output=True, text=True)
         lines = [ln for ln in p.stdout.splitlines() if ln.startswith(MARK)]
         rec = json.loads(lines[-1][len(MARK):]) if lines else {
-            **a, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"}
+            **a, "error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}",
+            "stderr_tail": p.stderr.strip().splitlines()[-25:]}  # the traceback, for the log
         yield rec
         oom = "out of memory" in rec.get("error", "")
         if not (oom and a["contender"].startswith(("hf", "trl")) and a["micro_batch"] > 1 + a[

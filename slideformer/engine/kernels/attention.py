@@ -81,10 +81,12 @@ def flex_available(device: torch.device | str, head_dim: int) -> bool:
     """Whether packed documents on ``device`` take FlexAttention (the executor's masks, the
     planner through slideformer.engine.kernels.dispatch.kernel_path, the tests).
 
-    Its Triton kernels want a power-of-two head dimension of at least 16; other models keep
-    the boolean mask."""
+    Its Triton kernels want a power-of-two head dimension from 16 to 256; other models keep
+    the boolean mask. (Gemma 4's full-attention heads of 512 asked 257 KiB of shared memory of
+    an H100's 227 KiB in FlexAttention's forward, torch 2.11: measured 2026-12-07.)"""
     return (torch.device(device).type == "cuda" and os.environ.get(ENV) != "0"
-            and head_dim >= 16 and head_dim & (head_dim - 1) == 0 and _flex_module() is not None)
+            and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+            and _flex_module() is not None)
 
 
 def document_mask(doc_ids: torch.Tensor, head_dim: int, window: int | None = None):

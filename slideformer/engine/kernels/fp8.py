@@ -7,11 +7,12 @@ its largest magnitude is e4m3's 448, the product accumulated in fp32 and rescale
 dL/dy W takes dL/dy per token and W per input column the same way. dL/dW = dL/dy^T x stays in
 the compute dtype with fp32 accumulation (torchao's "row-wise, weight gradient in high
 precision" recipe): the weight update is as exact as in bf16 training, and the two FP8 products
-are the forward and the input gradient, two thirds of a layer's matmul FLOPs.
+are the forward and the input gradient, two thirds of a projection's matmul FLOPs.
 
-What stays in bf16: attention's own products (SDPA / FlexAttention), the experts' grouped
-matmuls, LoRA's adapters, the LM head and its loss, and any projection whose dimensions are
-not multiples of 16 (the GPU's FP8 kernels need them).
+Only the dense feed-forward's projections take it (:data:`PROJECTIONS`: where it measured
+faster). What stays in bf16: the attention's projections and its own products (SDPA /
+FlexAttention), the experts' grouped matmuls, LoRA's adapters, the LM head and its loss, and any
+projection whose dimensions are not multiples of 16 (the GPU's FP8 kernels need them).
 
 FP8 matmuls need tensor cores that have them: NVIDIA compute capability 8.9 (Ada) or 9.0+
 (Hopper, Blackwell). :func:`unsupported` says why a device cannot; the trainer refuses the
@@ -66,19 +67,38 @@ def active() -> bool:
     return _ON.get()
 
 
-def eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether x W^T runs in FP8 here: FP8 on, bf16 operands (the kernel's row-wise output is
-    bf16), and on a GPU both dimensions of W multiples of 16."""
-    if not _ON.get() or w.dtype != torch.bfloat16 or x.dtype != w.dtype:
+PROJECTIONS = "mlp."
+"""The projections FP8 takes: the dense feed-forward's (gate, up, down; Phi-3's fused gate-up).
+Measured on an H100 (benchmarks/fp8_linear.py, 8K tokens, forward + dL/dx + dL/dW with the
+quantisation, 2026-12-07): the MLP's matrices of the 3B and 8B shapes ran 0.99-1.23x bf16's
+speed in FP8, the attention's 0.31-0.95x (their products are smaller, and quantising the
+operands costs as much as the faster product saves), so those stay bf16."""
+
+
+def eligible(x: torch.Tensor, w: torch.Tensor, name: str = PROJECTIONS) -> bool:
+    """Whether x W^T of projection ``name`` runs in FP8 here: FP8 on, one of
+    :data:`PROJECTIONS`, bf16 operands (the kernel's row-wise output is bf16), and on a GPU
+    both dimensions of W multiples of 16."""
+    if not _ON.get() or w.dtype != torch.bfloat16 or x.dtype != w.dtype \
+            or not name.startswith(PROJECTIONS):
         return False
     return not w.is_cuda or (w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0)
 
 
 def rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, fp32 scales (rows, 1)) of a 2-D tensor, each row scaled so that its largest
-    magnitude maps to 448 (an all-zero row keeps scale 1)."""
+    magnitude maps to 448 (an all-zero row keeps scale 1). On the GPU one Triton kernel
+    (``kernels.triton_fp8``) computes exactly this."""
+    if t.is_cuda:
+        from slideformer.engine.kernels.triton_fp8 import rowwise_e4m3
+        return rowwise_e4m3(t)
+    return rowwise_torch(t)
+
+
+def rowwise_torch(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rowwise` in PyTorch ops (the CPU's path, the GPU kernel's reference)."""
     amax = t.abs().amax(dim=1, keepdim=True).float()
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1 / E4M3_MAX), torch.ones_like(amax))
     # one row-major fp32 copy (a transposed operand too: the GPU kernel takes row-major A and
     # column-major B), scaled and clamped in place: 5 bytes an element at the peak
     q = t.to(torch.float32, memory_format=torch.contiguous_format)
@@ -133,7 +153,7 @@ def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     to e4m3 on their row-wise scales, multiplied in fp32, rescaled."""
     def q(t):
         amax = t.abs().amax(dim=1, keepdim=True).float()
-        s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+        s = torch.where(amax > 0, amax * (1 / E4M3_MAX), torch.ones_like(amax))
         return (t.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).float() * s
     x2 = x.reshape(-1, w.shape[1])
     return (q(x2) @ q(w).t()).to(x.dtype).view(*x.shape[:-1], w.shape[0])

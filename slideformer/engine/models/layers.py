@@ -225,7 +225,7 @@ def linear(p: dict, name: str, x: torch.Tensor, lora=None) -> torch.Tensor:
     (an slideformer.engine.models.lora.LoraForward) has one."""
     w, b = p[name + ".weight"], p.get(name + ".bias")
     plain = w.w if isinstance(w, GradInto) else w
-    if fp8.eligible(x, plain):  # train.precision = "fp8" (kernels.fp8)
+    if fp8.eligible(x, plain, name):  # train.precision = "fp8" (kernels.fp8)
         y = fp8.linear(x, plain, b, w.dest if isinstance(w, GradInto) else None)
     elif isinstance(w, GradInto):
         y = _LinearInto.apply(x, w.w, b, w.dest)

@@ -47,6 +47,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from slideformer.engine.kernels import fp8
 from slideformer.engine.kernels.dispatch import KernelPath, kernel_path
 from slideformer.engine.models import layers
 from slideformer.engine.models.spec import ModelSpec
@@ -96,26 +97,27 @@ def update_s(prec: Precision, hw: HardwareProfile) -> float:
     return (INT8_UPDATE_COST if prec.moments == torch.int8 else 1.0) / hw.adam_params_per_s
 
 
-FP8_SPEEDUP = 1.5
-"""How many times faster a decoder layer's FP8 projection products (the forward, the recompute
-and dL/dx: train.precision = "fp8", kernels.fp8) run than bf16 ones. Assumed, not measured:
-Hopper's and Ada's dense FP8 tensor-core rate is twice their bf16 rate, less the row-wise
-quantisation passes over each operand (memory-bound). The weight gradients stay bf16."""
+FP8_SPEEDUP = 1.1
+"""How many times faster the feed-forward's FP8 projection products (the forward, the recompute
+and dL/dx: train.precision = "fp8", kernels.fp8) run than bf16 ones, their operands'
+quantisation included. From benchmarks/fp8_linear.py on an H100 (2026-12-07, 8K tokens): a
+projection's forward + dL/dx + dL/dW ran 0.99-1.23x bf16 (mean 1.06x over the 3B and 8B MLP
+matrices), which is 1.1x on the two FP8 products with dL/dW unchanged. The bare FP8 product is
+1.6-2.1x; quantising the operands takes most of the gain. The weight gradients stay bf16."""
 
 
 def fp8_saving(spec: ModelSpec, tokens: int, passes: int, prec: Precision,
                skip_down: bool = False) -> float:
     """The bf16-equivalent FLOPs FP8 saves in ``passes`` passes of a layer's projections over
-    ``tokens`` tokens. Only the projections models.layers.linear computes go through FP8: the
-    attention's and a dense MLP's matrices, not a mixture's experts nor its shared expert (its
-    own matmuls). ``skip_down``: the down projection is not in these passes (a trained plain
+    ``tokens`` tokens. Only a dense MLP's matrices go through FP8 (kernels.fp8.PROJECTIONS), not
+    the attention's, nor a mixture's experts or its shared expert (their own matmuls). ``skip_down``: the down projection is not in these passes (a trained plain
     layer's recompute and backward: layers.layer_backward never forms its output, and its
     dL/dz is a bf16 product)."""
     if not prec.fp8:
         return 0.0
     mats = sum(math.prod(s) for n, _, s in spec.largest_layout.entries
-               if n.endswith("_proj.weight") and len(s) == 2 and "expert" not in n
-               and not (skip_down and n == "mlp.down_proj.weight"))
+               if n.startswith(fp8.PROJECTIONS) and n.endswith("_proj.weight") and len(s) == 2
+               and "expert" not in n and not (skip_down and n == "mlp.down_proj.weight"))
     return passes * 2.0 * mats * tokens * (1 - 1 / FP8_SPEEDUP)
 
 

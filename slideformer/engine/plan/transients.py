@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from slideformer.engine.kernels import fp8
 from slideformer.engine.kernels.dispatch import KernelPath
 from slideformer.engine.kernels.linear_ce import GW_ROWS
 from slideformer.engine.models.spec import ModelSpec
@@ -59,17 +60,18 @@ def step_transients(spec: ModelSpec, shape: ExecShape, prec: Precision, kernels:
 
 
 def fp8_operands(spec: ModelSpec, N: int, tile: int = 0) -> list[Allocation]:
-    """kernels.fp8.rowwise's copies of a projection's operands, in the forward and in the
-    backward: the widest input (attention's of N tokens, or the down projection's of a
-    feed-forward tile) and the largest projection matrix, each as one fp32 copy scaled in place
-    and its e4m3 result (5 bytes an element). Modelled from the code, not measured on a GPU."""
+    """kernels.fp8.rowwise's e4m3 copies of a feed-forward projection's operands (the Triton
+    kernel writes them directly, 1 byte an element; the scales are a row's 4 bytes, left out), in
+    the forward and in the backward: the widest input (the down projection's of N tokens or a
+    feed-forward tile, or dL/dy of the gate and up) and the largest MLP matrix. Modelled from
+    the code, not measured on a GPU."""
     gate_up = 2 if spec.family.fused else 1  # Phi-3's fused gate-up: its dL/dy is 2 I wide
-    rows = max(N * max(spec.hidden_size, spec.q_width),
-               _ff_tokens(N, tile) * spec.ffn_width * gate_up)
+    rows = _ff_tokens(N, tile) * max(spec.hidden_size, spec.ffn_width * gate_up)
     matrix = max((math.prod(s) for lay in set(spec.layouts) for n, _, s in lay.entries
-                  if n.endswith("_proj.weight") and len(s) == 2), default=0)
-    b = 5 * (rows + matrix)
-    what = f"a {rows:,}-element input and a {matrix:,}-element matrix, fp32 + e4m3"
+                  if n.startswith(fp8.PROJECTIONS) and n.endswith("_proj.weight")
+                  and len(s) == 2), default=0)
+    b = rows + matrix
+    what = f"a {rows:,}-element input and a {matrix:,}-element matrix, e4m3"
     return [Allocation("gpu", "FP8 operand copies", b, what, "forward"),
             Allocation("gpu", "FP8 operand copies (backward)", b, what, "backward")]
 

@@ -117,19 +117,23 @@ class CudaBackend:
         """
         t = torch.zeros(shape, dtype=dtype)
         if t.numel():
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister failed ({err}): not enough lockable memory")
-            self._registered.append(t)
+            self._register(t, t.numel() * t.element_size())
         return t
 
     def pin_mapping(self, buf) -> None:
         """Page-lock a host mapping (an NVMe staging buffer) until :meth:`release_host`; the
         tensor kept over it also keeps the mapping alive until then."""
         t = torch.frombuffer(buf, dtype=torch.uint8)
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister failed ({err}): not enough lockable memory")
+        self._register(t, t.numel())
+
+    def _register(self, t: torch.Tensor, nbytes: int) -> None:
+        err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+        if err:
+            why = {2: "not enough page-lockable memory (see `ulimit -l`)",
+                   712: "the range is registered already: memory pinned earlier in this process "
+                        "was freed without release_host()"}.get(err, "")
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB failed with CUDA "
+                               f"error {err}" + (f": {why}" if why else ""))
         self._registered.append(t)
 
     def release_host(self) -> None:
@@ -138,6 +142,16 @@ class CudaBackend:
         for t in self._registered:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         self._registered.clear()
+
+    def __del__(self):
+        # A backend dropped without release_host() (a run that raised, a test) would free its
+        # pinned tensors still registered; CUDA then refuses to pin whatever the allocator puts
+        # at those addresses next ("already registered"). Its tensors are alive until this
+        # returns, so unregistering here keeps the order right.
+        try:
+            self.release_host()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: CUDA may be gone already
+            pass
 
     def _copy(self, stream, dst, src, after) -> CudaHandle:
         for h in after:

@@ -314,17 +314,22 @@ def test_fla_rule_matches_the_reference(packed, with_state):
 @cuda
 @pytest.mark.parametrize("packed", [False, True])
 def test_bf16_deltanet_on_the_gpu_matches_fp32_on_the_cpu(packed):
-    """The DeltaNet in bf16 on CUDA (fla where installed) against fp32 on the CPU."""
+    """The DeltaNet layer in bf16 on CUDA (fla where installed) lands as close to fp32 on the
+    CPU as the same layer in bf16 on the CPU does (bf16 weights and activations alone put it
+    2.4% away; measured on an H100, 2026-12-07, the PyTorch rule on both)."""
     T = 200
     doc_ids = torch.tensor([[0] * 70 + [1] * 130, [0] * 199 + [1]]) if packed else None
     _, _, _, p, shape, x = deltanet_case(T)
     out = {}
-    for dev, dt in (("cuda", torch.bfloat16), ("cpu", torch.float32)):
+    for dev, dt in (("cuda", torch.bfloat16), ("cpu", torch.bfloat16), ("cpu", torch.float32)):
         pd = {n: t.detach().to(dev, dt) for n, t in p.items()}
         docs = None if doc_ids is None else doc_ids.to(dev)
         with torch.no_grad():
-            out[dev] = dn.gated_deltanet(shape, pd, x.to(dev, dt), docs).float().cpu()
-    assert rel(out["cuda"], out["cpu"]) < 2e-2
+            out[dev, dt] = dn.gated_deltanet(shape, pd, x.to(dev, dt), docs).float().cpu()
+    ref = out["cpu", torch.float32]
+    bf16_cpu = rel(out["cpu", torch.bfloat16], ref)
+    assert bf16_cpu < 4e-2
+    assert rel(out["cuda", torch.bfloat16], ref) < 1.25 * bf16_cpu
 
 
 @pytest.mark.parametrize("capability,triton_version,tilelang,refused", [

@@ -344,8 +344,9 @@ def test_fp8_precision_plans_faster_projections_and_their_operand_copies(tmp_pat
     copies = [a for a in f8.allocations if a.purpose.startswith("FP8 operand copies")]
     assert [a.phase for a in copies] == ["forward", "backward"]
     assert not any(a.purpose.startswith("FP8") for a in bf16.allocations)
-    # the down projection's input (4 x 1024 tokens x 14,336) and its matrix, 5 bytes an element
-    assert copies[0].bytes == 5 * (4 * 1024 * 14336 + 14336 * 4096)
+    # the down projection's input (4 x 1024 tokens x 14,336) and its matrix, e4m3: 1 byte each
+    assert copies[0].bytes == 4 * 1024 * 14336 + 14336 * 4096
     assert bf16.speed.bound == "gpu compute"
-    assert 1.1 < f8.speed.tokens_per_s / bf16.speed.tokens_per_s < 1.5
+    # FP8_SPEEDUP (1.1x, measured) on the MLP's forward, recompute and dL/dx products only
+    assert 1.01 < f8.speed.tokens_per_s / bf16.speed.tokens_per_s < 1.1
     assert "FP8" in f8.compute_dtype

@@ -58,19 +58,22 @@ def test_weight_gradient_goes_into_the_fp32_buffer():
 
 
 def test_layers_take_fp8_only_when_asked_and_eligible(monkeypatch):
-    """models.layers.linear: FP8 inside ``fp8.enabled()`` for 16-bit operands only; fp32
-    operands and calls outside stay as they were."""
+    """models.layers.linear: FP8 inside ``fp8.enabled()`` for the feed-forward's 16-bit
+    projections only; the attention's projections, fp32 operands and calls outside stay as they
+    were."""
     from slideformer.engine.models import layers
     x, w, _ = operands(2)
-    p = {"mlp.up_proj.weight": w}
+    p = {"mlp.up_proj.weight": w, "self_attn.q_proj.weight": w}
     calls = []
     real = fp8.linear
     monkeypatch.setattr(fp8, "linear", lambda *a: calls.append(1) or real(*a))
     plain = layers.linear(p, "mlp.up_proj", x)
     with fp8.enabled():
         quant = layers.linear(p, "mlp.up_proj", x)
+        attn = layers.linear(p, "self_attn.q_proj", x)
         full = layers.linear({"mlp.up_proj.weight": w.float()}, "mlp.up_proj", x.float())
     assert len(calls) == 1
+    assert torch.equal(attn, plain)
     assert torch.equal(quant, fp8.reference(x, w)) and not torch.equal(quant, plain)
     assert torch.equal(full, x.float() @ w.float().t())
     assert not fp8.active()
@@ -115,21 +118,6 @@ def test_a_cpu_run_with_fp8_stops_before_training(tiny_model_factory, tmp_path):
             trainer.setup(data=(None, None))
     finally:
         trainer.cleanup()
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or fp8.unsupported("cuda") is not None,
-                    reason="needs a GPU with FP8 tensor cores")
-def test_the_gpu_product_matches_the_emulated_one():
-    """On the GPU's FP8 tensor cores the products equal the CPU's emulation up to fp32
-    accumulation order."""
-    x, w, gy = operands(3, rows=(4, 64), k=128, n=256)
-    xx = x.cuda().requires_grad_()
-    y = fp8.linear(xx, w.cuda())
-    y.backward(gy.cuda())
-    torch.testing.assert_close(y.cpu(), fp8.reference(x, w), rtol=2e-2, atol=1e-2)
-    torch.testing.assert_close(xx.grad.cpu(), fp8.reference(gy.reshape(-1, 256), w.t()).view(x.shape),
-                               rtol=2e-2, atol=1e-2)
 
 
 def test_the_kernel_gets_a_row_major_and_a_column_major_operand(monkeypatch):
