@@ -168,10 +168,11 @@ class TrainConfig:
     bf16: the least activation memory) or autocast (those in fp32, norms scaled in fp32 and
     rounded once for the matmuls: the numerics of torch.autocast on an fp32 model, as close to
     fp32 training; twice the checkpoint memory). No effect with float32 compute. fp8: as bf16,
-    with the decoder layers' projections (forward and input gradient) in row-wise FP8, the
-    weight gradients in bf16 (slideformer.engine.kernels.fp8): faster matmuls, further from
-    fp32 (benchmarks/precision.py); only on a GPU with FP8 tensor cores (RTX 40xx, L4/L40,
-    H100/H200, B200), refused elsewhere."""
+    with the dense feed-forward's projections (forward and input gradient) in row-wise FP8, the
+    weight gradients in bf16 (slideformer.engine.kernels.fp8): further from fp32
+    (benchmarks/precision.py), and measured no faster than bf16 yet on an H100 (1.00-1.02x a 3B
+    step); only on a GPU with FP8 tensor cores (RTX 40xx, L4/L40, H100/H200, B200) and a model
+    with a dense MLP, refused elsewhere."""
     device: str = "auto"
     """auto, cuda or cpu."""
     objective: str = "sft"

@@ -4,8 +4,9 @@
 ``train.compute_dtype`` is ``auto`` (bfloat16 on a GPU, float32 on the CPU), ``bfloat16`` or
 ``float32``; ``optim.moments_dtype`` is ``float32``, ``bfloat16`` or ``int8`` (8-bit blocks,
 slideformer.engine.runtime.moments8); ``train.precision`` is
-``autocast`` (an fp32 residual stream under bf16 compute), ``bf16`` or ``fp8`` (the layers'
-projections in row-wise FP8 on a GPU with FP8 tensor cores: slideformer.engine.kernels.fp8). The trainer, the planner and
+``autocast`` (an fp32 residual stream under bf16 compute), ``bf16`` or ``fp8`` (the dense
+feed-forward's projections in row-wise FP8 on a GPU with FP8 tensor cores:
+slideformer.engine.kernels.fp8). The trainer, the planner and
 the backends all ask here, so a name one accepts is accepted by all.
 """
 from __future__ import annotations
@@ -61,10 +62,16 @@ def residual_dtype_name(precision: str, compute: str) -> str:
     return "float32" if precision == "autocast" else compute
 
 
-def check_fp8(compute: str, device) -> None:
-    """Refuse ``train.precision = "fp8"`` where it cannot run: float32 compute, or a device
-    without FP8 matmuls (slideformer.engine.kernels.fp8.unsupported)."""
+def check_fp8(compute: str, device, spec=None) -> None:
+    """Refuse ``train.precision = "fp8"`` where it cannot run: float32 compute, a model whose
+    feed-forward is experts only (``spec``: nothing would run in FP8), or a device without FP8
+    matmuls (slideformer.engine.kernels.fp8.unsupported)."""
     from slideformer.engine.kernels.fp8 import unsupported
+    if spec is not None and not spec.dense_mlp_width:
+        raise UserError("train.precision", f"is \"fp8\", but this {spec.model_type} model has no "
+                        "dense feed-forward: FP8 runs only the dense MLP's projections, and a "
+                        "mixture's experts stay bf16, so the run would be bf16 all the same",
+                        "use train.precision = \"bf16\"")
     if compute != "bfloat16":
         raise UserError("train.precision", f"is \"fp8\" but train.compute_dtype is {compute}",
                         "use train.compute_dtype = \"bfloat16\" (fp8 replaces its projections), "

@@ -81,12 +81,26 @@ def flex_available(device: torch.device | str, head_dim: int) -> bool:
     """Whether packed documents on ``device`` take FlexAttention (the executor's masks, the
     planner through slideformer.engine.kernels.dispatch.kernel_path, the tests).
 
-    Its Triton kernels want a power-of-two head dimension from 16 to 256; other models keep
-    the boolean mask. (Gemma 4's full-attention heads of 512 asked 257 KiB of shared memory of
-    an H100's 227 KiB in FlexAttention's forward, torch 2.11: measured 2026-12-07.)"""
+    Its Triton kernels want a power-of-two head dimension from 16 to :func:`flex_max_head_dim`;
+    other models keep the boolean mask."""
     return (torch.device(device).type == "cuda" and os.environ.get(ENV) != "0"
-            and 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+            and 16 <= head_dim <= flex_max_head_dim(device) and head_dim & (head_dim - 1) == 0
             and _flex_module() is not None)
+
+
+def flex_max_head_dim(device: torch.device | str) -> int:
+    """The largest head FlexAttention's kernels fit in a GPU's shared memory: 256 on GPUs with
+    about 227 KiB a block (A100, H100, H200, B200), 128 on those with about 100 KiB (consumer
+    and workstation cards: RTX 30xx-50xx, L4, L40). Heads of 512 (Gemma 4's full attention)
+    asked 257 KiB in FlexAttention's forward on an H100 with torch 2.11 (measured 2026-12-07);
+    heads above 128 are reported to fail its backward on ~100 KiB cards. Without a GPU to ask
+    (the planner on another machine), 256."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        return 256
+    props = torch.cuda.get_device_properties(dev)
+    smem = getattr(props, "shared_memory_per_block_optin", 0)
+    return 256 if not smem or smem >= 160 * 1024 else 128
 
 
 def document_mask(doc_ids: torch.Tensor, head_dim: int, window: int | None = None):

@@ -1,6 +1,7 @@
 """Row-wise FP8 projections (``train.precision = "fp8"``).
 
-A decoder layer's projections (``models.layers.linear``) compute y = x W^T with both operands
+The dense feed-forward's projections (:data:`PROJECTIONS`, through ``models.layers.linear``)
+compute y = x W^T with both operands
 in float8 e4m3 and a scale per row: each token's row of x and each output row of W scaled so
 its largest magnitude is e4m3's 448, the product accumulated in fp32 and rescaled
 (``torch._scaled_mm``), as torchao's row-wise float8 training does. The backward's dL/dx =
@@ -47,7 +48,7 @@ def unsupported(device: torch.device | str) -> str | None:
     try:  # row-wise scaling is newer than FP8 itself: not every PyTorch / cuBLAS has it for
         ones = torch.ones(16, 16, dtype=torch.bfloat16, device=dev)  # every FP8 GPU
         matmul(ones, ones, torch.bfloat16)
-    except (RuntimeError, NotImplementedError) as e:
+    except (RuntimeError, NotImplementedError, ImportError) as e:
         return (f"{name}: this PyTorch ({torch.__version__}) cannot run row-wise FP8 matmuls "
                 f"on it ({str(e).splitlines()[0][:120]})")
     return None
@@ -75,7 +76,7 @@ speed in FP8, the attention's 0.31-0.95x (their products are smaller, and quanti
 operands costs as much as the faster product saves), so those stay bf16."""
 
 
-def eligible(x: torch.Tensor, w: torch.Tensor, name: str = PROJECTIONS) -> bool:
+def eligible(x: torch.Tensor, w: torch.Tensor, name: str) -> bool:
     """Whether x W^T of projection ``name`` runs in FP8 here: FP8 on, one of
     :data:`PROJECTIONS`, bf16 operands (the kernel's row-wise output is bf16), and on a GPU
     both dimensions of W multiples of 16."""
@@ -89,7 +90,8 @@ def rowwise(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(e4m3 values, fp32 scales (rows, 1)) of a 2-D tensor, each row scaled so that its largest
     magnitude maps to 448 (an all-zero row keeps scale 1). On the GPU one Triton kernel
     (``kernels.triton_fp8``) computes exactly this."""
-    if t.is_cuda:
+    from slideformer.engine.kernels import dispatch
+    if t.is_cuda and dispatch.triton_enabled():  # SLIDEFORMER_TRITON=0: the PyTorch ops
         from slideformer.engine.kernels.triton_fp8 import rowwise_e4m3
         return rowwise_e4m3(t)
     return rowwise_torch(t)

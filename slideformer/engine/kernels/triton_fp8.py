@@ -1,6 +1,6 @@
 """Row-wise e4m3 quantisation in one Triton kernel (``kernels.fp8.rowwise`` on the GPU).
 
-The PyTorch form (``fp8.rowwise``: |t|, the row maxima, an fp32 copy, divide, clamp, cast) makes
+The PyTorch form (``fp8.rowwise_torch``: |t|, the row maxima, an fp32 copy, divide, clamp, cast) makes
 six passes over the operand with fp32 intermediates, about 27 bytes an element: for an 8K-token
 projection of a 3B model that costs as long as the FP8 product saves (measured on an H100: the
 3B step 1.68x slower in fp8 than in bf16, 2026-12-07). Here a program takes a tile of rows, reads

@@ -371,6 +371,15 @@ class ModelSpec:
             return routed + (self.intermediate_size if dense else 0)
         return max(width(i) for i in range(self.num_layers))
 
+    @property
+    def dense_mlp_width(self) -> int:
+        """The dense gated MLP's width where some layer has one (its projections are the ones
+        train.precision = "fp8" runs in FP8: kernels.fp8.PROJECTIONS), else 0: every
+        feed-forward is a mixture of experts."""
+        dense = any(not self.is_sparse(i) or self.family.moe.gemma4
+                    for i in range(self.num_layers))
+        return self.intermediate_size if dense else 0
+
     # The attention's sizes in the widest layer: what the planner counts activations by (Gemma
     # 4's full-attention layers are wider than its sliding ones). Cached: the planner reads
     # them per candidate shape.

@@ -35,7 +35,7 @@ class Precision:
     """The residual stream between layers, its gradients, the activation checkpoints and the
     RoPE tables (train.precision: float32 for autocast); None: the compute dtype."""
     fp8: bool = False
-    """train.precision = "fp8": the layers' projections in row-wise FP8 (kernels.fp8)."""
+    """train.precision = "fp8": the dense MLP's projections in row-wise FP8 (kernels.fp8)."""
 
     @property
     def c(self) -> int:

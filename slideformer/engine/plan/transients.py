@@ -65,11 +65,13 @@ def fp8_operands(spec: ModelSpec, N: int, tile: int = 0) -> list[Allocation]:
     the forward and in the backward: the widest input (the down projection's of N tokens or a
     feed-forward tile, or dL/dy of the gate and up) and the largest MLP matrix. Modelled from
     the code, not measured on a GPU."""
+    if not spec.dense_mlp_width:  # experts only: nothing runs in FP8
+        return []
     gate_up = 2 if spec.family.fused else 1  # Phi-3's fused gate-up: its dL/dy is 2 I wide
-    rows = _ff_tokens(N, tile) * max(spec.hidden_size, spec.ffn_width * gate_up)
+    rows = _ff_tokens(N, tile) * max(spec.hidden_size, spec.dense_mlp_width * gate_up)
     matrix = max((math.prod(s) for lay in set(spec.layouts) for n, _, s in lay.entries
                   if n.startswith(fp8.PROJECTIONS) and n.endswith("_proj.weight")
-                  and len(s) == 2), default=0)
+                  and "expert" not in n and len(s) == 2), default=0)
     b = rows + matrix
     what = f"a {rows:,}-element input and a {matrix:,}-element matrix, e4m3"
     return [Allocation("gpu", "FP8 operand copies", b, what, "forward"),

@@ -138,9 +138,15 @@ class CudaBackend:
 
     def release_host(self) -> None:
         """Unpin what :meth:`host_alloc` and :meth:`pin_mapping` pinned (before the tensors are
-        freed)."""
-        for t in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        freed). Waits for the copy streams first: a copy still reading pinned memory must end
+        before its pages are unpinned."""
+        if not self._registered:
+            return
+        with torch.cuda.device(self.device):
+            self.h2d.synchronize()
+            self.d2h.synchronize()
+            for t in self._registered:
+                torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         self._registered.clear()
 
     def __del__(self):

@@ -101,7 +101,7 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
         ``host`` (slideformer.engine.dist.group); None: this process alone. ``residual_dtype``:
         the hidden states between layers, their gradients, activation checkpoints and RoPE tables
         (fp32 under bf16 compute: autocast's numerics, slideformer.engine.models.layers); None:
-        the compute dtype. ``fp8``: the decoder layers' projections in row-wise FP8
+        the compute dtype. ``fp8``: the dense feed-forward's projections in row-wise FP8
         (train.precision = "fp8", slideformer.engine.kernels.fp8)."""
         self.spec, self.backend, self.host, self.shape = spec, backend, host, shape
         self.group = group or Single()
@@ -111,7 +111,7 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
         L, n = spec.num_layers, spec.params_per_layer
         self.k = max(1, min(shape.slots, L))
         self.ff_tile = shape.ff_tokens
-        self.fp8 = fp8  # train.precision = "fp8": the layers' projections (kernels.fp8)
+        self.fp8 = fp8  # train.precision = "fp8": the MLP's projections (kernels.fp8)
         self.G = min(shape.device_layers, L)
         self.quant = getattr(host["layer0"], "quant", None) is not None
         """The decoder layers are NF4 (qlora): a slot holds a layer's NF4 bytes (its host

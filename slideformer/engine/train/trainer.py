@@ -170,7 +170,7 @@ class Trainer:
         residual = torch_dtype(residual_dtype_name(cfg.train.precision, compute))
         moments = moments_torch_dtype(cfg.optim.moments_dtype)
         if cfg.train.precision == "fp8":
-            check_fp8(compute, self.backend.device)
+            check_fp8(compute, self.backend.device, self.spec)
         self.world = gpu_count(cfg)
         shape = rank_shape(self.make_plan().exec_shape, self.world)
         self._check_host_memory()

@@ -68,6 +68,20 @@ def test_flex_wants_a_power_of_two_head_dim(monkeypatch):
     assert not flex_available("cuda", 80) and not flex_available("cuda", 8)
     monkeypatch.setenv(attention.ENV, "0")
     assert not flex_available("cuda", 128)
+    monkeypatch.delenv(attention.ENV)
+    assert not flex_available("cuda", 512)  # beyond any GPU's shared memory (Gemma 4's full heads)
+
+
+@pytest.mark.parametrize("smem,limit", [(232448, 256), (101376, 128), (0, 256)])
+def test_flex_head_limit_follows_the_gpus_shared_memory(monkeypatch, smem, limit):
+    """Heads of 256 only where a block has ~227 KiB of shared memory (H100-class); ~100 KiB
+    cards (RTX 40xx) keep FlexAttention to heads of 128; unknown: 256."""
+    from types import SimpleNamespace
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(shared_memory_per_block_optin=smem))
+    assert attention.flex_max_head_dim("cuda") == limit
+    assert attention.flex_max_head_dim("cpu") == 256
 
 
 # ---- GPU ----------------------------------------------------------------------------------------

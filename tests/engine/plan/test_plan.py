@@ -350,3 +350,13 @@ def test_fp8_precision_plans_faster_projections_and_their_operand_copies(tmp_pat
     # FP8_SPEEDUP (1.1x, measured) on the MLP's forward, recompute and dL/dx products only
     assert 1.01 < f8.speed.tokens_per_s / bf16.speed.tokens_per_s < 1.1
     assert "FP8" in f8.compute_dtype
+
+
+def test_fp8_copies_count_the_dense_mlp_only(tiny_model_factory):
+    """The e4m3 copies are those of the dense MLP's operands (what runs in FP8): none for a
+    model of experts only, the dense MLP's (not the experts') beside Gemma 4's experts."""
+    from slideformer.engine.plan.transients import fp8_operands
+    assert fp8_operands(load_spec(tiny_model_factory("qwen3_moe")), 512) == []
+    g4 = load_spec(tiny_model_factory("gemma4_text", extra_config={"enable_moe_block": True}))
+    H, I = g4.hidden_size, g4.intermediate_size
+    assert [a.bytes for a in fp8_operands(g4, 512)] == [512 * max(H, I) + I * H] * 2

@@ -138,7 +138,7 @@ def test_the_kernel_gets_a_row_major_and_a_column_major_operand(monkeypatch):
 
 @pytest.mark.parametrize("nf4", [False, True])
 def test_lora_and_qlora_train_with_fp8_projections(tiny_model_factory, nf4):
-    """A frozen bf16 (or NF4, dequantised to bf16) base: its projections run in FP8, the
+    """A frozen bf16 (or NF4, dequantised to bf16) base: its MLP projections run in FP8, the
     adapters' own products in bf16; the loss falls as with bf16, and the adapters land within
     0.6 of the way the bf16 run moved them from the bf16 run's (8 Adam steps at lr 2e-2 on one
     batch, where Adam's normalised steps magnify small gradient differences)."""
@@ -182,3 +182,19 @@ def test_lora_and_qlora_train_with_fp8_projections(tiny_model_factory, nf4):
     moved = (ab - start[0]).norm()
     print(f"fp8 against bf16: {(a8 - ab).norm() / moved:.3f} of the bf16 run's move")
     assert (a8 - ab).norm() < 0.6 * moved  # measured 0.43 (bf16 base) and 0.44 (NF4)
+
+
+def test_fp8_is_refused_for_a_model_of_experts_only(tiny_model_factory):
+    """FP8 runs only the dense MLP's projections: a model whose every feed-forward is a mixture
+    of experts would run bf16 all the same, so the setting is refused rather than ignored;
+    Gemma 4's MoE layers keep their dense MLP beside the experts, and take it."""
+    from slideformer.engine.devices import check_fp8
+    from slideformer.engine.models.spec import load_spec
+    moe = load_spec(tiny_model_factory("qwen3_moe"))
+    assert moe.dense_mlp_width == 0
+    with pytest.raises(UserError, match="no dense feed-forward"):
+        check_fp8("bfloat16", "cuda", moe)
+    g4 = load_spec(tiny_model_factory("gemma4_text", extra_config={"enable_moe_block": True}))
+    assert g4.dense_mlp_width == g4.intermediate_size
+    with pytest.raises(UserError, match="FP8 tensor cores.*on the cpu"):  # the next check
+        check_fp8("bfloat16", "cpu", g4)

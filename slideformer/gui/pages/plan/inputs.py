@@ -215,9 +215,10 @@ class PlanInputs(QWidget):
             self.precision.addItem(text, key)
         self.precision.setToolTip("train.precision with bf16 compute: bf16 keeps the hidden states "
                                   "in bf16; autocast keeps them in fp32 (torch.autocast's "
-                                  "numerics, twice the checkpoint memory); FP8 runs the layers' "
-                                  "projections in row-wise FP8 (faster matmuls, further from "
-                                  "fp32; RTX 40xx, L4/L40, H100/H200, B200 only)")
+                                  "numerics, twice the checkpoint memory); FP8 runs the "
+                                  "feed-forward's projections in row-wise FP8 (further from "
+                                  "fp32, not faster yet; RTX 40xx, L4/L40, H100/H200, B200 "
+                                  "only)")
         self.clip = QCheckBox("Gradient clipping")
         self.clip.setToolTip("Exact global-norm clipping. Off: the CPU updates overlap the "
                              "backward instead of the next forward")
