@@ -172,7 +172,8 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
     res = dict(config=args.shape, objective=args.objective, moments=args.moments,
                micro_batch=args.micro_batch,
                grad_accum=accum, seq=args.seq,
-               tokens_per_step=tokens, slots=ex.k, checkpoints=shape.checkpoints, clip=args.clip,
+               tokens_per_step=tokens, slots=ex.k, checkpoints=shape.checkpoints,
+               gpu_checkpoints=shape.gpu_checkpoints, clip=args.clip,
                precision=args.precision,
                device_update=shape.device_update, device_layers=shape.device_layers,
                vram_cap_gib=args.vram_cap, step_time_s=round(med, 4),
@@ -317,7 +318,8 @@ def run_micro_batch(spec, host, backend, args) -> None:
                                   predicted_bound=plan.speed.bound,
                                   predicted_vram_gib=round(plan.tier("gpu").peak / 2**30, 2),
                                   predicted_host_gib=round(plan.tier("host").peak / 2**30, 2),
-                                  regen_layers=shape.regen_layers, ram_budget_gib=args.ram or None)),
+                                  regen_layers=shape.regen_layers, gpu_checkpoints=shape.gpu_checkpoints,
+                                  ram_budget_gib=args.ram or None)),
                   flush=True)
         print(json.dumps(run_config(spec, host, backend, args, accum, shape)), flush=True)
 

@@ -28,6 +28,11 @@
   regenerates (slideformer.engine.runtime.regen: 4 B/param of host gradient buffer less each) that
   bring it within the budget; only when even all of them do not suffice does the NVMe tier
   take over (without regeneration: a regenerated layer cannot be in the tier).
+- GPU checkpoints of the top layers (host checkpoints): when host RAM is still short with
+  every layer regenerated (or without regeneration: no clipping, a frozen base), the fewest top
+  layers whose checkpoints stay on the GPU (0.5 GiB a layer for an 8B at
+  64K tokens a step) that bring it within the budget, if VRAM keeps within its own; before the
+  NVMe tier. The speed model still counts every layer's checkpoint copies (a few ms a layer).
 Slots, checkpoints, gpu_layers and clip_regen set in the config override the choice.
 """
 from __future__ import annotations
@@ -140,7 +145,7 @@ class Evaluator:
             e = self._evaluate(k, shape, 0 if k.disk_layers is None else k.disk_layers)
             if e.tiers[1].peak > e.tiers[1].budget:
                 shape = replace(shape, spec_layers=0)
-        return self._placed(k, self._regenerated(k, shape))
+        return self._placed(k, self._gpu_checkpoints(k, self._regenerated(k, shape)))
 
     def _regenerated(self, k: Knobs, shape: ExecShape) -> ExecShape:
         """``shape`` with the fewest regenerated layers that make host RAM fit (module
@@ -164,6 +169,28 @@ class Evaluator:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
         return replace(shape, regen_layers=lo)
+
+    def _gpu_checkpoints(self, k: Knobs, shape: ExecShape) -> ExecShape:
+        """``shape`` with the fewest top layers' checkpoints on the GPU that bring host RAM
+        within its budget while VRAM stays within its own (module docstring); none when host
+        RAM fits without, or when even all of them would not do it (the NVMe tier's turn)."""
+        shape = replace(shape, gpu_checkpoints=0)
+        L = self.spec.num_layers
+        if shape.checkpoints != "host" or not self.budgets.ram or k.disk_layers:
+            return shape
+        if k.clip and k.method == "full" and shape.regen_layers < L - min(shape.device_layers, L):
+            return shape  # regenerated layers come first (fitted already, or the config's count)
+
+        def at(g: int) -> tuple[bool, bool]:
+            e = self._evaluate(k, replace(shape, gpu_checkpoints=g), 0)
+            return e.tiers[1].peak <= e.tiers[1].budget, _within(e.tiers[:1], 1.0)
+        if at(0)[0] or not at(L)[0]:
+            return shape
+        lo, hi = 1, L
+        while lo < hi:  # host RAM falls with every layer moved: the fewest that fit
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if at(mid)[0] else (mid + 1, hi)
+        return replace(shape, gpu_checkpoints=lo) if at(lo)[1] else shape
 
     def _placed(self, k: Knobs, shape: ExecShape) -> Evaluation:
         """``shape`` with the NVMe tier the host budget needs (none beside regenerated layers)."""

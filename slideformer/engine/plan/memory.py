@@ -196,11 +196,17 @@ def checkpoint_store(spec: ModelSpec, shape: ExecShape, prec: Precision) -> list
     c, L = prec.r, spec.num_layers
     act = shape.micro_batch * shape.seq_len * spec.hidden_size * c  # one checkpoint (B, T, H)
     ck = f"{shape.n_micro} micro-batches x {shape.micro_batch}x{shape.seq_len}x{spec.hidden_size} x {c} B"
-    if shape.checkpoints == "host":  # HostStore: pinned host copy + two device staging layers
-        return [Allocation("gpu", "checkpoint staging", 2 * shape.n_micro * act, f"2 layers x {ck}"),
-                Allocation("host", "pinned activation checkpoints", L * shape.n_micro * act,
-                           f"{L} layers x {ck}")]
-    return [Allocation("gpu", "activation checkpoints", L * shape.n_micro * act, f"{L} layers x {ck}")]  # DeviceStore
+    g = min(shape.gpu_checkpoints, L) if shape.checkpoints == "host" else L
+    out = []
+    if g < L:  # HostStore: pinned host copy + two device staging layers
+        out += [Allocation("gpu", "checkpoint staging", 2 * shape.n_micro * act, f"2 layers x {ck}"),
+                Allocation("host", "pinned activation checkpoints", (L - g) * shape.n_micro * act,
+                           f"{L - g} layers x {ck}")]
+    if g:  # DeviceStore (all layers, or the top g of a SplitStore)
+        out.append(Allocation("gpu", "activation checkpoints", g * shape.n_micro * act,
+                              f"{g} layers x {ck}" + (" (the top layers; the rest on the host)"
+                                                     if g < L else "")))
+    return out
 
 
 def norm_remainders(spec: ModelSpec, shape: ExecShape) -> list[Allocation]:

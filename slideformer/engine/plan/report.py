@@ -26,7 +26,10 @@ def format_plan(plan: Plan) -> str:
              f"hardware: {plan.hardware.name}",
              *(f"  {line}" for line in plan.hardware.figure_lines() + list(plan.hardware.notes)),
              f"executor: {s.slots} parameter slots ({L.detail}), checkpoints on "
-             f"{'the GPU' if s.checkpoints == 'gpu' else 'the host'}, LM-head chunks of "
+             f"{'the GPU' if s.checkpoints == 'gpu' else 'the host'}"
+             + (f" (those of the top {s.gpu_checkpoints} layers on the GPU)"
+                if s.checkpoints == "host" and s.gpu_checkpoints else "")
+             + f", LM-head chunks of "
              f"{s.head_chunk} tokens"
              + (f", each layer's feed-forward {s.ff_tokens:,} tokens at a time" if s.ff_tokens
                 else "")

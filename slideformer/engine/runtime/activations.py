@@ -3,7 +3,8 @@
 ``DeviceStore`` keeps them in one preallocated device buffer. ``HostStore`` copies them to
 pinned host memory during the forward (device->host stream) and brings a layer's inputs back
 into one of two device staging buffers one layer ahead of the backward (host->device stream).
-Both are allocated once: shape (layers, micro-batches, B, T, H).
+Both are allocated once: shape (layers, micro-batches, B, T, H). ``SplitStore`` keeps the top
+layers' on the device and the others on the host (ExecShape.gpu_checkpoints).
 """
 from __future__ import annotations
 
@@ -67,3 +68,34 @@ class HostStore:
         self.staging_free[idx].append(self.backend.mark())
         for mb in [k for k in self.saved if k[0] == layer]:
             del self.saved[mb]
+
+
+class SplitStore:
+    """Host checkpoints for layers 0 .. L-g-1, device ones for the top ``on_device`` = g layers
+    (ExecShape.gpu_checkpoints): the layers the backward meets first need no copy back, and
+    host RAM holds g layers' checkpoints less."""
+
+    def __init__(self, backend, layers: int, n_micro: int, shape: tuple, dtype, on_device: int):
+        self.first = layers - on_device
+        """The lowest layer whose checkpoints stay on the device."""
+        self.host = HostStore(backend, self.first, n_micro, shape, dtype)
+        self.device = DeviceStore(backend, on_device, n_micro, shape, dtype)
+
+    def _of(self, layer: int):
+        return (self.device, layer - self.first) if layer >= self.first else (self.host, layer)
+
+    def save(self, layer: int, mb: int, x: torch.Tensor) -> None:
+        store, j = self._of(layer)
+        store.save(j, mb, x)
+
+    def prefetch(self, layer: int) -> None:
+        if layer < self.first:
+            self.host.prefetch(layer)
+
+    def load(self, layer: int, mb: int) -> torch.Tensor:
+        store, j = self._of(layer)
+        return store.load(j, mb)
+
+    def done_with(self, layer: int) -> None:
+        store, j = self._of(layer)
+        store.done_with(j)

@@ -58,7 +58,7 @@ from slideformer.engine.models.moe import RouterAux
 from slideformer.engine.models.lora import LoraForward, LoraSpec, dropout_seed
 from slideformer.engine.models.model import embed
 from slideformer.engine.models.spec import ModelSpec
-from slideformer.engine.runtime.activations import DeviceStore, HostStore
+from slideformer.engine.runtime.activations import DeviceStore, HostStore, SplitStore
 from slideformer.engine.runtime.backward import WindowBackward
 from slideformer.engine.runtime.ends import ResidentEnds
 from slideformer.engine.runtime.grad_ring import GradRing, Speculation
@@ -167,9 +167,11 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
         self.gslots = [backend.alloc(n, torch.float32) for _ in range(shape.grad_slots * trained)]
         self.gslot_free: list[list] = [[] for _ in self.gslots]
         """Per gradient slot: copies out of it that must finish before it is zeroed again."""
-        store = HostStore if shape.checkpoints == "host" else DeviceStore
-        self.store = store(backend, L, shape.n_micro,
-                           (shape.micro_batch, shape.seq_len, spec.hidden_size), self.act)
+        ck = (backend, L, shape.n_micro, (shape.micro_batch, shape.seq_len, spec.hidden_size),
+              self.act)
+        on_gpu = min(shape.gpu_checkpoints, L) if shape.checkpoints == "host" else L
+        self.store = DeviceStore(*ck) if on_gpu == L else HostStore(*ck) if not on_gpu else \
+            SplitStore(*ck, on_gpu)
         self.norm_sq = backend.alloc((), torch.float32)
         self.health = backend.alloc(L + 1, torch.float32)
         self.health_host = backend.host_alloc(L + 1, torch.float32)

@@ -29,6 +29,10 @@ class ExecShape:
     """K parameter slots (clamped to the layer count)."""
     checkpoints: str = "gpu"
     """Where activation checkpoints live: gpu or host."""
+    gpu_checkpoints: int = 0
+    """With host checkpoints, the last this-many decoder layers keep theirs on the GPU instead
+    (runtime.activations.SplitStore): host RAM the planner takes from spare VRAM when RAM is
+    short."""
     head_chunk: int = 4096
     """Tokens per chunk of the LM-head cross-entropy."""
     grad_slots: int = 2

@@ -20,6 +20,7 @@ from slideformer.engine.plan import REFERENCE, load_profile, plan_run
 from slideformer.engine.plan.budget import resolve_budgets
 from slideformer.engine.plan.evaluate import TIGHT
 from slideformer.engine.plan.hardware import read_profile, save_profile
+from slideformer.engine.plan.report import format_plan
 from slideformer.engine.plan.machine import HostMemory
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "configs"
@@ -360,3 +361,26 @@ def test_fp8_copies_count_the_dense_mlp_only(tiny_model_factory):
     g4 = load_spec(tiny_model_factory("gemma4_text", extra_config={"enable_moe_block": True}))
     H, I = g4.hidden_size, g4.intermediate_size
     assert [a.bytes for a in fp8_operands(g4, 512)] == [512 * max(H, I) + I * H] * 2
+
+
+def test_short_host_ram_keeps_the_top_layers_checkpoints_on_the_gpu(tmp_path):
+    """An 8B full fine-tune at 64K tokens a step with 8-bit moments in 64 GiB of RAM: with every
+    layer's gradient regenerated the host still needs 69 GiB; the plan keeps the fewest top
+    layers' checkpoints on the GPU that bring it inside, and none when RAM is ample."""
+    spec = load_spec(model_folder(tmp_path, "llama-3.1-8b"))
+    cfg = override(RunConfig(), {"budget.vram": "24GiB", "budget.ram": "64GiB",
+                                 "data.max_seq_len": 1024, "train.micro_batch": 8,
+                                 "train.grad_accum": 8, "optim.moments_dtype": "int8",
+                                 "budget.checkpoints": "host"})
+    plan = plan_run(cfg, spec, hardware=REFERENCE)
+    s, host, gpu = plan.exec_shape, plan.tier("host"), plan.tier("gpu")
+    assert s.regen_layers == spec.num_layers and 0 < s.gpu_checkpoints < spec.num_layers
+    assert host.peak <= host.budget and gpu.peak <= gpu.budget
+    layer = 8 * 8 * 1024 * spec.hidden_size * 2  # one layer's checkpoints: 8 micro-batches, bf16
+    ck = {a.purpose: a.bytes for a in plan.allocations if "checkpoints" in a.purpose}
+    assert ck == {"pinned activation checkpoints": (spec.num_layers - s.gpu_checkpoints) * layer,
+                  "activation checkpoints": s.gpu_checkpoints * layer}
+    assert host.peak + layer > host.budget  # the fewest: one layer more on the host is over
+    assert f"those of the top {s.gpu_checkpoints} layers on the GPU" in format_plan(plan)
+    ample = plan_run(override(cfg, {"budget.ram": "120GiB"}), spec, hardware=REFERENCE)
+    assert ample.exec_shape.gpu_checkpoints == 0

@@ -177,6 +177,32 @@ def test_schedule_variants_match_dense(tmp_path, slots, n_micro, ckpt, clip, pac
     assert_same(spec, ref, ref_losses, losses, host)
 
 
+@pytest.mark.parametrize("gpu_checkpoints,regen", [(2, 0), (1, 4), (4, 0)])
+def test_checkpoints_split_between_host_and_device_match_dense(tmp_path, gpu_checkpoints, regen):
+    """Host checkpoints with the top layers' kept on the device (SplitStore; all four: the
+    device store alone), with and without regenerated gradients: the same steps as dense."""
+    from slideformer.engine.runtime.activations import DeviceStore, SplitStore
+    d = make_tiny_model(tmp_path / "m", "llama", TinyShape(layers=4), seed=2)
+    spec = load_spec(d)
+    optim = OptimConfig(lr=2e-3, weight_decay=0.05, schedule="linear", max_grad_norm=0.5)
+    steps = make_batches(spec, 2, B=1, T=20, seed=3, packed=True)
+    ref = DenseReference(spec, d, optim)
+    ref_losses = [ref.step(mbs, k, STEPS) for k, mbs in enumerate(steps, start=1)]
+    shape = ExecShape(micro_batch=1, seq_len=20, n_micro=2, slots=2, checkpoints="host",
+                      gpu_checkpoints=gpu_checkpoints, regen_layers=regen)
+    stores = []
+    real = SlidingExecutor.__init__
+
+    def spy(self, *a, **kw):
+        real(self, *a, **kw)
+        stores.append(self.store)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(SlidingExecutor, "__init__", spy)
+        losses, host = run_sliding(spec, d, steps, optim, shape)
+    assert isinstance(stores[0], SplitStore if gpu_checkpoints < 4 else DeviceStore)
+    assert_same(spec, ref, ref_losses, losses, host)
+
+
 def test_feed_forward_tiles_match_dense(tmp_path):
     """Each layer's feed-forward half in tiles of 7 tokens of the 2 x 20 of a packed
     micro-batch (ExecShape.ff_tokens), clipping on: the same losses and weights as dense
