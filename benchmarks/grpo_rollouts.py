@@ -7,6 +7,11 @@ the NF4 base dequantised on the device, resident or streamed through its slots).
 
     python benchmarks/grpo_rollouts.py --shape llama-3.1-8b --group 8 --new-tokens 128
     python benchmarks/grpo_rollouts.py --shape llama-3.1-8b --method qlora --vram-cap 24
+    python benchmarks/grpo_rollouts.py --shape small --device cpu --prompts 4 --skip-alone
+
+``--prompts N`` also times N prompts' groups decoded in one batch (train.grpo.sample_groups,
+grpo.prompts_together = N; the prompts --prompt, --prompt - 7, ... tokens long) against the same
+N groups one after another (sample_group each).
 
 Stop tokens are ignored so every reply decodes exactly ``--new-tokens`` tokens; the prompt is
 ``--prompt`` random ids. Reports replies/s and generated tokens/s of each way, the ratio, peak
@@ -30,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # lora_bench
 from slideformer.engine.generate.sampling import SamplingConfig  # noqa: E402
 from slideformer.engine.generate.window import ResidentWeights  # noqa: E402
 from slideformer.engine.runtime.backend import make_backend  # noqa: E402
-from slideformer.engine.train.grpo import sample_group, sample_reply  # noqa: E402
+from slideformer.engine.train.grpo import sample_group, sample_groups, sample_reply  # noqa: E402
 from benchmarks.shapes import SHAPES, shape_spec  # noqa: E402
 
 
@@ -84,6 +89,8 @@ def main() -> None:
     ap.add_argument("--vram-cap", type=float, default=24.0, help="GiB (lora, qlora)")
     ap.add_argument("--seq", type=int, default=1024, help="data.max_seq_len of the planned run")
     ap.add_argument("--skip-alone", action="store_true", help="time only the group decoding")
+    ap.add_argument("--prompts", type=int, default=1,
+                    help="also time this many prompts' groups in one batch against one by one")
     args = ap.parse_args()
     spec = shape_spec(args.shape)
     backend = make_backend(args.device)
@@ -129,7 +136,37 @@ def main() -> None:
         "same_tokens": sum(a == b for a, b in zip(together, alone)) if alone else None,
         "peak_vram_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
         if backend.is_cuda else None}
+    if args.prompts > 1:
+        row.update(prompts_together(spec, weights, args, dev, dtype, sync))
     print(json.dumps(row), flush=True)
+
+
+def prompts_together(spec, weights, args, dev, dtype, sync) -> dict:
+    """``--prompts`` groups in one batch (sample_groups) against one group at a time."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, spec.vocab_size, (max(1, args.prompt - 7 * q),), generator=g)
+               .tolist() for q in range(args.prompts)]
+    cfgs = [[SamplingConfig(temperature=1.0, top_p=1.0, max_new_tokens=args.new_tokens,
+                            seed=100 * q + s) for s in range(args.group)]
+            for q in range(args.prompts)]
+    sync()
+    t0 = time.perf_counter()
+    batched = sample_groups(spec, weights, prompts, cfgs, frozenset(), dev, dtype)
+    sync()
+    t_batch = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    each = [sample_group(spec, weights, p, cs, frozenset(), dev, dtype)
+            for p, cs in zip(prompts, cfgs)]
+    sync()
+    t_each = time.perf_counter() - t0
+    n = args.prompts * args.group
+    return {"prompts": args.prompts, "prompts_together_s": round(t_batch, 3),
+            "groups_one_by_one_s": round(t_each, 3),
+            "prompts_together_replies_per_s": round(n / t_batch, 3),
+            "groups_one_by_one_replies_per_s": round(n / t_each, 3),
+            "prompts_speedup": round(t_each / t_batch, 2),
+            "prompts_same_tokens": sum(a == b for x, y in zip(batched, each)
+                                       for a, b in zip(x, y))}
 
 
 if __name__ == "__main__":

@@ -276,6 +276,10 @@ class GrpoConfig:
     kl_beta: float = 0.0
     """The weight of the KL penalty to the reference model (0: none, the GRPO of DAPO and Dr.
     GRPO; DeepSeekMath used 0.04). LoRA and QLoRA runs only: their base is the reference."""
+    prompts_together: int = 4
+    """Prompts whose group_size replies each are decoded in one batch (a decode step reads the
+    weights once for all their rows; their KV caches are on the GPU together, which the
+    planner counts). 1: one prompt's group at a time."""
 
 
 @dataclass(frozen=True)

@@ -208,6 +208,7 @@ def _check_grpo(cfg: RunConfig) -> None:
     """The [grpo] section (its values whatever the objective; the group against the step)."""
     g, t = cfg.grpo, cfg.train
     _int("grpo.group_size", g.group_size, 2, 1 << 12, " (a group of one has no spread)")
+    _int("grpo.prompts_together", g.prompts_together, 1, 1 << 12, "")
     _int("grpo.max_new_tokens", g.max_new_tokens, 1, 1 << 16)
     _real("grpo.temperature", g.temperature, lambda x: 0 < x <= 100, "above 0 (at most 100)")
     _real("grpo.top_p", g.top_p, lambda x: 0 < x <= 1, "in (0, 1]")

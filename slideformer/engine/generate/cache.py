@@ -95,6 +95,25 @@ class KVCache:
     def advance(self, t: int) -> None:
         self.length += t
 
+    def take_rows(self, part: "KVCache", row: int, copies: int) -> None:
+        """Rows ``row`` .. ``row + copies - 1`` of this empty cache become ``copies`` copies of
+        the one-row cache ``part`` (a prompt's prefill), its positions at the same slots; the
+        slots between its length and this cache's :attr:`length` (once advanced) are zeroed,
+        so that masked keys hold no stale values (a NaN times a zero weight is a NaN)."""
+        n = part.length
+        for mine, theirs in zip(self.layers, part.layers):
+            if isinstance(mine, StateCache):
+                if mine.state is None:
+                    mine.state = zero_state(mine.shape, mine.batch, theirs.state[0].dtype,
+                                            mine.device)
+                for dst, src in zip(mine.state, theirs.state):
+                    dst[row:row + copies] = src
+            else:
+                mine.k[row:row + copies, :, :n] = theirs.k[:, :, :n]
+                mine.v[row:row + copies, :, :n] = theirs.v[:, :, :n]
+                mine.k[row:row + copies, :, n:].zero_()
+                mine.v[row:row + copies, :, n:].zero_()
+
     def nbytes(self) -> int:
         return sum(c.nbytes() if isinstance(c, StateCache) else 2 * c.k.numel() * c.k.element_size()
                    for c in self.layers)

@@ -51,16 +51,22 @@ def forward(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache) -> torc
 
 
 @torch.no_grad()
-def forward_rows(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def forward_rows(spec: ModelSpec, weights, ids: torch.Tensor, cache: KVCache,
+                 positions: torch.Tensor | None = None, masks: tuple | None = None) -> torch.Tensor:
     """Logits (B, V) in fp32 at the last of the new tokens ``ids`` (B, T) of B rows at the same
-    positions (a cache of batch B); the cache grows by T."""
+    positions (a cache of batch B); the cache grows by T. Rows at positions of their own (GRPO's
+    prompts of different lengths: grpo.sample_groups) pass ``positions`` (B, T) and ``masks``
+    (the full and the sliding layers' boolean masks over the cache's keys, (B, 1, T, S))."""
     emb = spec.embed_layout.views(weights.embed_w)
     head = spec.head_layout.views(weights.head_w)
     T = ids.shape[1]
     x = embed(spec, emb, ids)  # (1, T, H)
     window = spec.sliding_window
-    inp = LayerInputs(spec, cache.positions(T, ids.device), x.dtype, cache.mask(T, ids.device),
-                      None if window is None else cache.mask(T, ids.device, window))
+    if positions is None:
+        positions = cache.positions(T, ids.device)
+        masks = (cache.mask(T, ids.device),
+                 None if window is None else cache.mask(T, ids.device, window))
+    inp = LayerInputs(spec, positions, x.dtype, *masks)
     for i, p in enumerate(weights.layers()):  # to the end: a streamed window frees its slots
         x = decoder_layer(spec, p, x, *inp.at(i), cache.layers[i], lora=weights.adapters(i))
     cache.advance(T)

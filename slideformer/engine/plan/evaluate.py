@@ -91,9 +91,11 @@ class Knobs:
     regen: int | None = None
     """Regenerated layers with clipping (train.clip_regen); None: the planner's choice."""
     rollout: int = 0
-    """GRPO (train.objective): the replies of one prompt decoded together (grpo.group_size)
-    between steps, by the model made resident (full) or through the window (lora, qlora):
-    memory.rollout_allocations; 0: no sampling."""
+    """GRPO (train.objective): the replies decoded together between steps (grpo.group_size x
+    grpo.prompts_together), by the model made resident (full) or through the window (lora,
+    qlora): memory.rollout_allocations; 0: no sampling."""
+    rollout_tokens: int = 0
+    """KV-cache positions of a rollout row (planner.rollout_tokens); 0: seq_len."""
     speculate: bool = True
     """Speculative layers with clipping; False: a rank of a data-parallel run, which has none
     (slideformer.engine.dist.ranks.rank_shape)."""
@@ -218,8 +220,9 @@ class Evaluator:
             allocs = frozen_allocations(self.spec, shape, k.precision, self.device, k.packed,
                                         k.method, k.lora, disk_layers)
         if k.rollout:
-            allocs = (*allocs, *rollout_allocations(self.spec, k.precision, k.seq_len,
-                                                    k.rollout, window=k.method != "full"))
+            allocs = (*allocs, *rollout_allocations(self.spec, k.precision,
+                                                    k.rollout_tokens or k.seq_len, k.rollout,
+                                                    window=k.method != "full"))
         gpu_t = ("gpu",)
         host_t = ("host",) if self.device == "cuda" else ("gpu", "host")
         tiers = (TierUse("gpu", peak(allocs, gpu_t), self.budgets.vram, peak_phase(allocs, gpu_t)),

@@ -364,15 +364,15 @@ def peak_phase(allocs, tiers: tuple[str, ...]) -> str:
 
 def rollout_allocations(spec: ModelSpec, prec: Precision, seq_len: int, rows: int = 1,
                         window: bool = False) -> list[Allocation]:
-    """GRPO's sampling between steps (slideformer.engine.train.grpo): the KV cache of one
-    prompt's ``rows`` replies decoded together (grpo.sample_group), of at most ``seq_len``
-    tokens each (generate.cache.KVCache); with a full fine-tune also the whole model resident
+    """GRPO's sampling between steps (slideformer.engine.train.grpo): the KV cache of the
+    ``rows`` replies decoded together (grpo.sample_groups), of ``seq_len`` positions each
+    (generate.cache.KVCache); with a full fine-tune also the whole model resident
     on the device in the compute dtype (generate.window.ResidentWeights, read from the host
     state one item at a time as fp32 masters). A LoRA or QLoRA run (``window``) samples
     through its training window (grpo.WindowWeights): nothing more. Freed before the step
     trains."""
     c = prec.c
-    kv = [Allocation("gpu", "sampling: a group's KV cache",
+    kv = [Allocation("gpu", "sampling: the replies' KV cache",
                      spec.kv_values_per_token * seq_len * c * rows,
                      f"{spec.kv_values_per_token:,} keys and values x {seq_len} tokens "
                      f"x {rows} replies x {c} B", "rollout")]

@@ -183,8 +183,24 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
                  checkpoints=b.checkpoints, gpu_layers=b.gpu_layers, clip=o.max_grad_norm > 0,
                  packed=cfg.data.packing and t.objective == "sft", method=t.method,
                  regen=None if t.clip_regen == "auto" else t.clip_regen,
-                 rollout=cfg.grpo.group_size if t.objective == "grpo" else 0,
+                 rollout=rollout_rows(cfg) if t.objective == "grpo" else 0,
+                 rollout_tokens=rollout_tokens(cfg),
                  lora=None if t.method == "full" else for_model(lora_spec(cfg.lora), spec))
+
+
+def rollout_rows(cfg: RunConfig) -> int:
+    """GRPO's rows decoded together: grpo.prompts_together prompts' groups (at most a step's)."""
+    g, t = cfg.grpo, cfg.train
+    return g.group_size * min(g.prompts_together, max(1, t.micro_batch * t.grad_accum // g.group_size))
+
+
+def rollout_tokens(cfg: RunConfig) -> int:
+    """KV-cache positions a rollout row holds: its prompt and reply (data.max_seq_len at most)
+    alone; decoded beside other prompts (grpo.sample_groups) the longest prompt's slots and
+    then the longest reply's, up to max_seq_len + min(max_new_tokens, max_seq_len)."""
+    seq = cfg.data.max_seq_len
+    return seq if rollout_rows(cfg) <= cfg.grpo.group_size else \
+        seq + min(cfg.grpo.max_new_tokens, seq)
 
 
 @dataclass(frozen=True)

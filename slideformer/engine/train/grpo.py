@@ -33,10 +33,10 @@ float``, or the answer check: 1.0 when the first group of ``grpo.answer_regex`` 
 reply equals the record's answer, both stripped.
 
 Replies are sampled with a seed per (data seed, epoch, step of the epoch, prompt, reply), so a
-resumed run samples what the uninterrupted one sampled. Sampling holds the model's weights
-resident on the training device, one sequence at a time with a KV cache: the tiny and small
-models this objective has been run with so far, not 8B and up (not built: batched, streamed
-rollouts).
+resumed run samples what the uninterrupted one sampled. A full fine-tune samples from its
+weights made resident on the device for the rollouts; LoRA and QLoRA sample through their
+training window. grpo.prompts_together prompts' groups decode as one batch
+(:func:`sample_groups`), each prompt prefilled alone.
 """
 from __future__ import annotations
 
@@ -240,6 +240,57 @@ def sample_group(spec, weights, prompt: list[int], cfgs: list[SamplingConfig],
         logits = forward_rows(spec, weights, last, cache)
 
 
+@torch.no_grad()
+def sample_groups(spec, weights, prompts: list[list[int]], cfgs: list[list[SamplingConfig]],
+                  stop_ids: frozenset, device, dtype) -> list[list[tuple[list[int], bool]]]:
+    """The replies to several prompts (``cfgs[q]``: prompt q's seeds), every row decoded in one
+    batch: a decode step reads the weights once for all the prompts' replies. Each prompt runs
+    its prefill alone (one row) into a cache of its own, copied into its rows of the shared
+    cache at slots 0 .. len(q) - 1; the decode steps write every row at the same slot
+    max_len + t, each row with its own RoPE position len(q) + t and a mask over its keys (its
+    prompt's slots and the decoded ones; sliding layers: by position, within the window). Each
+    row samples with its own seeded generator, as :func:`sample_reply` would alone; a row that
+    has ended is fed its last token again and what follows is dropped."""
+    rows = [c for cs in cfgs for c in cs]
+    lens = [len(p) for p, cs in zip(prompts, cfgs) for _ in cs]
+    L, n = max(lens), max(c.max_new_tokens for c in rows)
+    cache = KVCache(spec, L + n, dtype, device, batch=len(rows))
+    first, r = [], 0
+    for p, cs in zip(prompts, cfgs):
+        part = KVCache(spec, len(p), dtype, device)
+        first.append(forward_rows(spec, weights, torch.tensor([p], device=device), part)
+                     .expand(len(cs), -1))
+        cache.take_rows(part, r, len(cs))
+        r += len(cs)
+    cache.advance(L)
+    logits = torch.cat(first)
+    length = torch.tensor(lens, device=device)[:, None]  # (R, 1)
+    gens = [generator(c.seed, device) for c in rows]
+    out: list[list[int]] = [[] for _ in rows]
+    ended = [False] * len(rows)
+    window = spec.sliding_window
+    for t in range(n + 1):
+        live = [g for g in range(len(rows)) if not ended[g]]
+        for g, tok in zip(live, next_tokens(logits[live], [rows[g] for g in live],
+                                            [gens[g] for g in live])):
+            out[g].append(tok)
+            ended[g] = tok in stop_ids or len(out[g]) >= rows[g].max_new_tokens
+        if all(ended):
+            break
+        slot = torch.arange(L + t + 1, device=device)[None]  # (1, S): the keys after this write
+        pos = length + t  # (R, 1): the new token's position
+        seen = (slot < length) | (slot >= L)
+        key_pos = torch.where(slot < L, slot, slot - L + length)
+        sliding = None if window is None else (seen & (pos - key_pos < window))[:, None, None]
+        logits = forward_rows(spec, weights, torch.tensor([[o[-1]] for o in out], device=device),
+                              cache, pos, (seen[:, None, None], sliding))
+    groups, r = [], 0
+    for cs in cfgs:
+        groups.append([(o, o[-1] in stop_ids) for o in out[r:r + len(cs)]])
+        r += len(cs)
+    return groups
+
+
 def replies_batch(prompts: list[Prompt], replies: list[list[int]], adv: torch.Tensor,
                   seq_len: int, pad_id: int, P: int, G: int) -> GrpoBatch:
     """Row r: ``prompts[r]`` + ``replies[r]`` (cut at ``seq_len``), the reply's tokens the
@@ -300,8 +351,8 @@ class WindowWeights:
 
 
 class Sampler:
-    """``policy.group(prompt_ids, seeds) -> [(reply ids, stopped)]`` of a GRPO run, with the
-    weights being trained, once ``executor.drain()`` finished the step's updates
+    """``policy.groups(prompts, seeds) -> [[(reply ids, stopped)] per prompt]`` of a GRPO run,
+    with the weights being trained, once ``executor.drain()`` finished the step's updates
     (:meth:`start`; :meth:`done` before the step trains). A full fine-tune's model is made
     resident for the sampling from the host state (fp32 masters, in the compute dtype) and
     freed after; a LoRA or QLoRA run samples through its own window (:class:`WindowWeights`).
@@ -325,20 +376,22 @@ class Sampler:
     def done(self) -> None:
         self.weights = None
 
-    def group(self, prompt: list[int], seeds: list[int]) -> list[tuple[list[int], bool]]:
-        """One reply per seed to ``prompt``, decoded as one batch (:func:`sample_group`)."""
+    def groups(self, prompts: list[list[int]], seeds: list[list[int]]
+               ) -> list[list[tuple[list[int], bool]]]:
+        """One reply per seed to each prompt, all decoded as one batch (:func:`sample_groups`)."""
         g = self.cfg
-        cfgs = [SamplingConfig(temperature=g.temperature, top_p=g.top_p, seed=seed,
-                               max_new_tokens=min(g.max_new_tokens, self.seq_len - len(prompt)))
-                for seed in seeds]
-        return sample_group(self.spec, self.weights, prompt, cfgs, self.stops,
-                            self.backend.device, self.dtype)
+        cfgs = [[SamplingConfig(temperature=g.temperature, top_p=g.top_p, seed=seed,
+                                max_new_tokens=min(g.max_new_tokens, self.seq_len - len(p)))
+                 for seed in ss] for p, ss in zip(prompts, seeds)]
+        return sample_groups(self.spec, self.weights, prompts, cfgs, self.stops,
+                             self.backend.device, self.dtype)
 
 
 class GrpoStream:
     """Steps of P = micro_batch x grad_accum / G prompts, each sampled G times by ``policy``
-    (a :class:`Sampler`: ``start()``, then ``policy.group(prompt_ids, seeds) -> [(reply ids,
-    stopped)]`` for each prompt's G replies, then ``done()``); the prompts reshuffled (seeded) every epoch. Its position is a checkpoint's
+    (a :class:`Sampler`: ``start()``, then ``policy.groups(prompts' ids, their seeds) ->
+    [[(reply ids, stopped)] per prompt]`` for grpo.prompts_together prompts at a time, then
+    ``done()``); the prompts reshuffled (seeded) every epoch. Its position is a checkpoint's
     ``data`` entry, as the other streams'."""
 
     def __init__(self, prompts: list[Prompt], cfg: GrpoConfig, micro_batch: int,
@@ -365,14 +418,18 @@ class GrpoStream:
         chosen = [self.prompts[i] for i in order[self.pos * self.P:(self.pos + 1) * self.P]]
         t0 = time.perf_counter()
         replies, scores = [], []
+        seeds = [[int(np.random.default_rng([self.seed, self.epoch, self.pos, q, g])
+                      .integers(1 << 62)) for g in range(self.G)] for q in range(self.P)]
         self.policy.start()
-        for q, p in enumerate(chosen):
-            seeds = [int(np.random.default_rng([self.seed, self.epoch, self.pos, q, g])
-                         .integers(1 << 62)) for g in range(self.G)]
-            for ids, stopped in self.policy.group(p.ids, seeds):
-                replies.append(ids)
-                text = self.tok.decode(ids[:-1] if stopped else ids)
-                scores.append(self.reward(p, text))
+        k = self.cfg.prompts_together
+        for q0 in range(0, self.P, k):  # k prompts' groups decoded at once
+            part = chosen[q0:q0 + k]
+            for p, group in zip(part, self.policy.groups([p.ids for p in part],
+                                                         seeds[q0:q0 + k])):
+                for ids, stopped in group:
+                    replies.append(ids)
+                    text = self.tok.decode(ids[:-1] if stopped else ids)
+                    scores.append(self.reward(p, text))
         self.policy.done()
         self.pos += 1
         rewards = torch.tensor(scores, dtype=torch.float64).view(self.P, self.G)

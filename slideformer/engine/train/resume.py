@@ -122,6 +122,7 @@ RULES: dict[str, Rule] = {
     "grpo.reward": Rule(False, "the reward of the steps to come"),
     "grpo.answer_regex": Rule(False, "the reward of the steps to come"),
     "grpo.kl_beta": Rule(False, "a hyperparameter of the loss to come"),
+    "grpo.prompts_together": Rule(False, "only how many groups are decoded at once"),
     "budget.vram": Rule(False, _PLACEMENT),
     "budget.ram": Rule(False, _PLACEMENT),
     "budget.slots": Rule(False, _PLACEMENT),

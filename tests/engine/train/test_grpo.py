@@ -69,8 +69,8 @@ class FixedReplies:
     def done(self) -> None:
         pass
 
-    def group(self, prompt, seeds):
-        return [self.reply() for _ in seeds]
+    def groups(self, prompts, seeds):
+        return [[self.reply() for _ in ss] for ss in seeds]
 
     def reply(self):
         rng = self.rng
@@ -295,12 +295,20 @@ def test_the_plan_counts_what_sampling_holds(tiny_model_factory, tiny_run, tmp_p
     w = ResidentWeights(spec, PolicyReader(host, None), torch.float32, CpuBackend())
     held = sum(t.numel() * t.element_size() for t in (w.embed_w, *w.layer_w, w.head_w))
     assert rows["sampling: the weights resident"] == held
-    assert rows["sampling: a group's KV cache"] == KVCache(spec, T, torch.float32, "cpu",
+    assert rows["sampling: the replies' KV cache"] == KVCache(spec, T, torch.float32, "cpu",
                                                            batch=G).nbytes()
     cfg = grpo_run(tiny_run, tmp_path / "r", tmp_path, 1)
     plan = plan_run(cfg, load_spec(cfg.model.path), device="cpu")
     sampling = [a for a in plan.allocations if a.phase == "rollout"]
     assert {a.purpose for a in sampling} == set(rows)
+    # grpo.prompts_together prompts' groups at once, each row up to its slots in a shared cache
+    from slideformer.engine.plan.planner import rollout_rows, rollout_tokens
+    P = cfg.train.micro_batch * cfg.train.grad_accum // cfg.grpo.group_size
+    R = cfg.grpo.group_size * min(cfg.grpo.prompts_together, P)
+    assert rollout_rows(cfg) == R
+    kv = next(a.bytes for a in sampling if a.purpose == "sampling: the replies' KV cache")
+    assert kv == KVCache(load_spec(cfg.model.path), rollout_tokens(cfg), torch.float32, "cpu",
+                         batch=R).nbytes()
     held = sum(a.bytes for a in plan.allocations if a.phase in ("state", "run", "rollout")
                and a.tier in ("gpu", "host"))  # the CPU backend's RAM
     assert plan.tier("host").peak >= held
@@ -310,7 +318,7 @@ def test_the_plan_counts_what_sampling_holds(tiny_model_factory, tiny_run, tmp_p
     lora = plan_run(config_mod.override(cfg, {"train.method": "lora"}),
                     load_spec(cfg.model.path), device="cpu")  # samples through its window
     assert [a.purpose for a in lora.allocations if a.phase == "rollout"] == \
-        ["sampling: a group's KV cache"]
+        ["sampling: the replies' KV cache"]
 
 
 def test_data_inspect_prompts_shows_what_the_model_is_asked(tiny_run, tmp_path, capsys):
@@ -351,6 +359,34 @@ def test_a_group_decoded_together_gives_each_reply_sampled_alone(arch, extra, ti
     alone = [sample_reply(spec, weights, prompt, c, stops, "cpu", torch.float32) for c in cfgs]
     assert together == alone
     assert {len(r) for r, _ in alone} != {12} and any(s for _, s in alone)
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("llama", None), ("mistral", {"sliding_window": 4}), ("qwen3_5_text", None),
+    ("gpt_oss", None), ("gemma3_text", None)])
+def test_prompts_of_different_lengths_decoded_together_give_each_reply_sampled_alone(
+        arch, extra, tiny_model_factory):
+    """sample_groups (three prompts of 2, 9 and 5 tokens, their groups in one batch: each row
+    at its own positions, its keys masked past its prompt) against sample_reply, seed by seed:
+    KV caches with gaps, sliding windows counted by position, a DeltaNet's per-row state,
+    attention sinks."""
+    from slideformer.engine.generate.sampling import SamplingConfig
+    from slideformer.engine.generate.window import ResidentWeights
+    from slideformer.engine.models.weights import Checkpoint
+    from slideformer.engine.train.grpo import sample_groups, sample_reply
+    folder = tiny_model_factory(arch, TinyShape(), extra)
+    spec = load_spec(folder)
+    weights = ResidentWeights(spec, Checkpoint(folder), torch.float32, CpuBackend())
+    prompts = [[3, 17], [42, 9, 11, 5, 77, 8, 30, 2, 6], [12, 4, 19, 23, 7]]
+    cfgs = [[SamplingConfig(temperature=1.5, top_p=0.95, max_new_tokens=n, seed=10 * q + s)
+             for s in range(3)] for q, n in enumerate((12, 7, 10))]
+    stops = frozenset(range(0, spec.vocab_size, 9))  # every ninth id ends a reply
+    together = sample_groups(spec, weights, prompts, cfgs, stops, "cpu", torch.float32)
+    alone = [[sample_reply(spec, weights, p, c, stops, "cpu", torch.float32) for c in cs]
+             for p, cs in zip(prompts, cfgs)]
+    assert together == alone
+    flat = [r for group in alone for r in group]
+    assert any(s for _, s in flat) and any(not s for _, s in flat)
 
 
 @pytest.mark.parametrize("nf4", [False, True], ids=["lora", "qlora"])
