@@ -277,9 +277,9 @@ class GrpoConfig:
     """The weight of the KL penalty to the reference model (0: none, the GRPO of DAPO and Dr.
     GRPO; DeepSeekMath used 0.04). LoRA and QLoRA runs only: their base is the reference."""
     prompts_together: int = 4
-    """Prompts whose group_size replies each are decoded in one batch (a decode step reads the
-    weights once for all their rows; their KV caches are on the GPU together, which the
-    planner counts). 1: one prompt's group at a time."""
+    """At most this many prompts' group_size replies each are decoded in one batch (a decode
+    step reads the weights once for all their rows); the planner takes the most whose KV caches
+    fit the VRAM budget together. 1: one prompt's group at a time."""
 
 
 @dataclass(frozen=True)

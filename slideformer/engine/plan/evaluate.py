@@ -96,6 +96,8 @@ class Knobs:
     qlora): memory.rollout_allocations; 0: no sampling."""
     rollout_tokens: int = 0
     """KV-cache positions of a rollout row (planner.rollout_tokens); 0: seq_len."""
+    rollout_group: int = 0
+    """GRPO's group size: ``rollout`` is rollout_group x the prompts decoded together."""
     speculate: bool = True
     """Speculative layers with clipping; False: a rank of a data-parallel run, which has none
     (slideformer.engine.dist.ranks.rank_shape)."""
@@ -143,6 +145,10 @@ class Evaluator:
     def evaluate(self, k: Knobs, shape: ExecShape) -> Evaluation:
         """The evaluation of ``shape``, without speculative layers if their snapshots would not
         fit in host RAM."""
+        # what the searches below choose starts from none (a shape passed on from another
+        # evaluation still carries its counts, which would skew their fits)
+        shape = replace(shape, gpu_checkpoints=0,
+                        regen_layers=shape.regen_layers if k.regen is not None else 0)
         if shape.spec_layers and self.budgets.ram:
             e = self._evaluate(k, shape, 0 if k.disk_layers is None else k.disk_layers)
             if e.tiers[1].peak > e.tiers[1].budget:
@@ -178,9 +184,11 @@ class Evaluator:
         RAM fits without, or when even all of them would not do it (the NVMe tier's turn)."""
         shape = replace(shape, gpu_checkpoints=0)
         L = self.spec.num_layers
-        if shape.checkpoints != "host" or not self.budgets.ram or k.disk_layers:
+        if shape.checkpoints != "host" or not self.budgets.ram or k.disk_layers \
+                or self.device != "cuda":  # on the CPU backend both are the same RAM
             return shape
-        if k.clip and k.method == "full" and shape.regen_layers < L - min(shape.device_layers, L):
+        if k.clip and k.method == "full" and 0 < shape.regen_layers < L - min(
+                shape.device_layers, L) or k.regen is not None and k.regen < L:
             return shape  # regenerated layers come first (fitted already, or the config's count)
 
         def at(g: int) -> tuple[bool, bool]:
@@ -192,7 +200,10 @@ class Evaluator:
         while lo < hi:  # host RAM falls with every layer moved: the fewest that fit
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if at(mid)[0] else (mid + 1, hi)
-        return replace(shape, gpu_checkpoints=lo) if at(lo)[1] else shape
+        if not at(lo)[1]:
+            return shape
+        # all of them: the device store alone (no host copies, no staging layers)
+        return replace(shape, checkpoints="gpu") if lo == L else replace(shape, gpu_checkpoints=lo)
 
     def _placed(self, k: Knobs, shape: ExecShape) -> Evaluation:
         """``shape`` with the NVMe tier the host budget needs (none beside regenerated layers)."""

@@ -121,7 +121,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
         device: ``cuda`` or ``cpu``: the backend the run uses.
     """
     ev = Evaluator(spec, device, budgets, hardware)
-    base: Evaluation = ev.choose(knobs)
+    knobs, base = _rollout_prompts(ev, knobs)
     verdict, reason = _verdict(base.tiers, hardware)
     share = 1.0 if verdict == "does not fit" else TIGHT
     short = tuple(t.tier for t in base.tiers if t.budget is not None and t.peak > share * t.budget)
@@ -142,6 +142,20 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
                 max_global_batch=g_max, speed=ev.speed(knobs, base), hardware=hardware,
                 tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
                 disk_layers=base.disk_layers, method=knobs.method)
+
+
+def _rollout_prompts(ev: Evaluator, k: Knobs) -> tuple[Knobs, Evaluation]:
+    """GRPO: the most prompts (at most grpo.prompts_together's, ``k.rollout`` rows) whose
+    groups' KV caches fit decoded together, in the exec shape (one when none fits)."""
+    if not k.rollout:
+        return k, ev.choose(k)
+    G = k.rollout_group or k.rollout
+    for n in range(k.rollout // G, 0, -1):
+        kn = replace(k, rollout=G * n, rollout_tokens=k.rollout_tokens if n > 1 else k.seq_len)
+        e = ev.choose(kn)
+        if e.fits or n == 1:
+            return kn, replace(e, shape=replace(e.shape, rollout_prompts=n))
+    raise AssertionError("unreachable")
 
 
 def _speculation_note(ev: Evaluator, k: Knobs, e: Evaluation) -> tuple[str, ...]:
@@ -184,7 +198,7 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
                  packed=cfg.data.packing and t.objective == "sft", method=t.method,
                  regen=None if t.clip_regen == "auto" else t.clip_regen,
                  rollout=rollout_rows(cfg) if t.objective == "grpo" else 0,
-                 rollout_tokens=rollout_tokens(cfg),
+                 rollout_tokens=rollout_tokens(cfg), rollout_group=cfg.grpo.group_size,
                  lora=None if t.method == "full" else for_model(lora_spec(cfg.lora), spec))
 
 

@@ -50,6 +50,9 @@ class ExecShape:
     """With exact clipping, the lowest host layers (:func:`regen_layers`) own no host gradient
     buffer: the backward computes their gradient for the global norm only, and a second pass
     recomputes it once the clip coefficient is known (runtime.regen)."""
+    rollout_prompts: int = 0
+    """GRPO: prompts whose groups are decoded in one batch between steps (the planner's pick,
+    at most grpo.prompts_together: the most whose KV caches fit); 0: no sampling."""
     ff_tokens: int = 0
     """Tokens per tile of each layer's feed-forward half (models.layers.tiles: its forward, and
     its recompute + backward); 0: a micro-batch's tokens at once. A long sequence's MLP

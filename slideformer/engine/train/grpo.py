@@ -251,6 +251,11 @@ def sample_groups(spec, weights, prompts: list[list[int]], cfgs: list[list[Sampl
     prompt's slots and the decoded ones; sliding layers: by position, within the window). Each
     row samples with its own seeded generator, as :func:`sample_reply` would alone; a row that
     has ended is fed its last token again and what follows is dropped."""
+    if len(prompts) > 1 and dict(spec.rope_scaling or ()).get("rope_type") == "longrope":
+        # LongRoPE picks its factors by the longest position of the whole forward: rows of
+        # other prompts would change a row's rotation; one prompt's group at a time
+        return [sample_group(spec, weights, p, cs, stop_ids, device, dtype)
+                for p, cs in zip(prompts, cfgs)]
     rows = [c for cs in cfgs for c in cs]
     lens = [len(p) for p, cs in zip(prompts, cfgs) for _ in cs]
     L, n = max(lens), max(c.max_new_tokens for c in rows)
@@ -400,6 +405,8 @@ class GrpoStream:
         self.micro_batch, self.seed, self.seq_len, self.pad_id = micro_batch, seed, seq_len, pad_id
         self.G = cfg.group_size
         self.P = micro_batch * grad_accum // self.G
+        self.together = cfg.prompts_together
+        """Prompts whose groups decode in one batch (the plan's pick, at most the config's)."""
         if len(prompts) < self.P:
             raise UserError("train.micro_batch", f"x train.grad_accum / grpo.group_size is "
                             f"{self.P} prompts a step, but the data holds {len(prompts)}",
@@ -421,7 +428,7 @@ class GrpoStream:
         seeds = [[int(np.random.default_rng([self.seed, self.epoch, self.pos, q, g])
                       .integers(1 << 62)) for g in range(self.G)] for q in range(self.P)]
         self.policy.start()
-        k = self.cfg.prompts_together
+        k = self.together
         for q0 in range(0, self.P, k):  # k prompts' groups decoded at once
             part = chosen[q0:q0 + k]
             for p, group in zip(part, self.policy.groups([p.ids for p in part],

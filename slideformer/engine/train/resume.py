@@ -122,7 +122,8 @@ RULES: dict[str, Rule] = {
     "grpo.reward": Rule(False, "the reward of the steps to come"),
     "grpo.answer_regex": Rule(False, "the reward of the steps to come"),
     "grpo.kl_beta": Rule(False, "a hyperparameter of the loss to come"),
-    "grpo.prompts_together": Rule(False, "only how many groups are decoded at once"),
+    "grpo.prompts_together": Rule(False, "only how many groups are decoded at once (in bf16 "
+                                         "the sampled replies may round differently)"),
     "budget.vram": Rule(False, _PLACEMENT),
     "budget.ram": Rule(False, _PLACEMENT),
     "budget.slots": Rule(False, _PLACEMENT),

@@ -177,6 +177,8 @@ class Trainer:
         self.tok = load_tokenizer(cfg.model.path)
         check_vocab(self.tok, self.spec.vocab_size, Path(cfg.model.path) / "config.json")
         self.prepared, self.stream = data if data is not None else self._prepare_data()
+        if shape.rollout_prompts:  # GRPO: as many prompts' groups at once as the plan fits
+            self.stream.together = shape.rollout_prompts
         if not resume:  # the data as this run read it (the digests come from the cache's memo)
             self.depends = self._depends(data is None)
         self.total_steps = run_steps(cfg.train, self.stream.steps_per_epoch)

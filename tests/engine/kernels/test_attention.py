@@ -72,6 +72,27 @@ def test_flex_wants_a_power_of_two_head_dim(monkeypatch):
     assert not flex_available("cuda", 512)  # beyond any GPU's shared memory (Gemma 4's full heads)
 
 
+@pytest.mark.parametrize("mask_shape", ["rows", "2d"])
+def test_decode_attention_equals_sdpa_without_copying_kv(mask_shape):
+    """One new token per row, grouped KV heads, a boolean mask with gaps (GRPO's rows of
+    different prompt lengths): decode_attention, which folds the query heads of a KV head into
+    one matmul's rows, equals SDPA's (math path) output."""
+    g = torch.Generator().manual_seed(0)
+    B, nh, nkv, S, hd = 3, 8, 2, 11, 16
+    q = torch.randn(B, nh, 1, hd, generator=g)
+    k, v = (torch.randn(B, nkv, S, hd, generator=g) for _ in range(2))
+    if mask_shape == "rows":
+        lens = torch.tensor([2, 7, 5])[:, None]
+        slot = torch.arange(S)[None]
+        mask = ((slot < lens) | (slot >= 8))[:, None, None]  # (B, 1, 1, S)
+    else:
+        mask = torch.arange(S)[None] >= 3  # (1, S): a window
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    out = attention.decode_attention(q, k, v, mask, None)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(attend(q, k, v, mask, False, True), ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("smem,limit", [(232448, 256), (101376, 128), (0, 256)])
 def test_flex_head_limit_follows_the_gpus_shared_memory(monkeypatch, smem, limit):
     """Heads of 256 only where a block has ~227 KiB of shared memory (H100-class); ~100 KiB

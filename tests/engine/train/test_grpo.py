@@ -321,6 +321,31 @@ def test_the_plan_counts_what_sampling_holds(tiny_model_factory, tiny_run, tmp_p
         ["sampling: the replies' KV cache"]
 
 
+def test_the_plan_decodes_as_many_prompts_together_as_fit(tiny_run, tmp_path):
+    """grpo.prompts_together is an upper bound: the plan takes the most prompts whose groups'
+    KV caches fit (ExecShape.rollout_prompts, which the run decodes at once). A 3B full
+    fine-tune's GRPO at 2K tokens, replies of up to 512, 4 prompts a step: all 4 together
+    under 80 GiB, one at a time under 24 GiB (4 prompts' 32 rows of 2.5K positions are 8.75
+    GiB of KV cache beside the resident model)."""
+    import shutil
+    from slideformer.engine.plan import REFERENCE, plan_run
+    cfg = grpo_run(tiny_run, tmp_path / "r", tmp_path, 1)
+    d = tmp_path / "3b"
+    d.mkdir()
+    shutil.copy(Path(__file__).parents[2] / "fixtures" / "configs" / "llama-3.2-3b.json",
+                d / "config.json")
+    cfg = config_mod.override(cfg, {"model.path": str(d), "data.max_seq_len": 2048,
+                                    "grpo.max_new_tokens": 512, "train.micro_batch": 8,
+                                    "train.grad_accum": 4, "budget.ram": "100GiB"})
+    spec = load_spec(d)
+    big, small = (plan_run(config_mod.override(cfg, {"budget.vram": v}), spec, hardware=REFERENCE)
+                  for v in ("80GiB", "24GiB"))
+    assert big.exec_shape.rollout_prompts == 4 and small.exec_shape.rollout_prompts == 1
+    assert small.verdict != "does not fit" and small.tier("gpu").phase == "rollout"
+    kv = [a.bytes for p in (big, small) for a in p.allocations if "KV cache" in a.purpose]
+    assert kv[0] == kv[1] * 4 * (2048 + 512) // 2048  # 4x the rows, each up to 2,560 positions
+
+
 def test_data_inspect_prompts_shows_what_the_model_is_asked(tiny_run, tmp_path, capsys):
     from slideformer.engine.cli import main
     model = tiny_run(tmp_path / "unused").model.path
