@@ -98,6 +98,8 @@ class Knobs:
     """KV-cache positions of a rollout row (planner.rollout_tokens); 0: seq_len."""
     rollout_group: int = 0
     """GRPO's group size: ``rollout`` is rollout_group x the prompts decoded together."""
+    rollout_new_tokens: int = 0
+    """GRPO's longest reply (grpo.max_new_tokens): the decode steps of a batch of prompts."""
     speculate: bool = True
     """Speculative layers with clipping; False: a rank of a data-parallel run, which has none
     (slideformer.engine.dist.ranks.rank_shape)."""

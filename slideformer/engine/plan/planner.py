@@ -23,7 +23,7 @@ from slideformer.engine.plan.fixes import Fix, find_fixes, floor_notes
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.machine import gpu_memory, host_memory
 from slideformer.engine.plan.memory import Allocation, Precision, peak
-from slideformer.engine.plan.speed import SpeedEstimate
+from slideformer.engine.plan.speed import SpeedEstimate, rollout_time
 from slideformer.engine.plan.targets import load_profile
 from slideformer.engine.runtime.shapes import ExecShape
 from slideformer.engine.validate import validate
@@ -139,9 +139,22 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
                 allocations=base.allocs, tiers=base.tiers,
                 peak_rss=peak(base.allocs, rss_tiers), budgets=budgets,
                 verdict=verdict, reason=reason, fixes=fixes, max_micro_batch=m_max,
-                max_global_batch=g_max, speed=ev.speed(knobs, base), hardware=hardware,
+                max_global_batch=g_max, speed=_with_rollout(ev, knobs, base, device),
+                hardware=hardware,
                 tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
                 disk_layers=base.disk_layers, method=knobs.method)
+
+
+def _with_rollout(ev: Evaluator, k: Knobs, e: Evaluation, device: str) -> SpeedEstimate:
+    """The step's speed estimate, with GRPO's sampling time on a GPU (speed.rollout_time)."""
+    sp = ev.speed(k, e)
+    if not k.rollout or device != "cuda":
+        return sp
+    G = k.rollout_group or k.rollout
+    prompts = max(1, k.micro_batch * k.grad_accum // G)
+    return replace(sp, rollout_s=rollout_time(
+        ev.spec, k.method, prompts, e.shape.rollout_prompts, k.rollout_new_tokens,
+        max(1, k.seq_len - k.rollout_new_tokens), ev.hw.matmul_tflops * 1e12))
 
 
 def _rollout_prompts(ev: Evaluator, k: Knobs) -> tuple[Knobs, Evaluation]:
@@ -199,6 +212,7 @@ def knobs_from_config(cfg: RunConfig, spec: ModelSpec, device: str) -> Knobs:
                  regen=None if t.clip_regen == "auto" else t.clip_regen,
                  rollout=rollout_rows(cfg) if t.objective == "grpo" else 0,
                  rollout_tokens=rollout_tokens(cfg), rollout_group=cfg.grpo.group_size,
+                 rollout_new_tokens=min(cfg.grpo.max_new_tokens, cfg.data.max_seq_len),
                  lora=None if t.method == "full" else for_model(lora_spec(cfg.lora), spec))
 
 

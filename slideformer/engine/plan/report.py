@@ -63,6 +63,10 @@ def format_plan(plan: Plan) -> str:
     busy = ", ".join(f"{r} {t:.2f} s" for r, t in sp.busy)
     lines += [f"speed: {sp.step_time:.2f} s/step, {sp.tokens_per_s:,.0f} tokens/s, bound by {sp.bound}",
               f"  work per step: {busy}"]
+    if sp.rollout_s:
+        lines.append(f"  GRPO sampling before each step: up to {sp.rollout_s:.1f} s "
+                     f"({s.rollout_prompts} prompts' groups decoded at once; launch-bound decode "
+                     "steps as measured on an H100)")
     return "\n".join(lines)
 
 

@@ -175,9 +175,33 @@ class SpeedEstimate:
     """Why the step is longer than its busiest resource, when it is."""
     kernels: str = ""
     """The GPU kernel path the layers' compute assumes (kernels_note); "" on the CPU backend."""
+    rollout_s: float = 0.0
+    """GRPO: seconds of sampling before each step (:func:`rollout_time`); 0: none or unknown."""
 
     def busy_dict(self) -> dict[str, float]:
         return dict(self.busy)
+
+
+DECODE_LAYER_S = {"full": 2.7e-3, "lora": 2.7e-3, "qlora": 5.8e-3}
+"""Seconds a decode step spends in each decoder layer, for any number of rows up to a few dozen:
+GRPO's sampling of one token is launch-bound in eager PyTorch, not bound by the weights' bytes.
+Measured on an H100 with a 16-core Xeon (benchmarks/grpo_rollouts.py, Llama-3.1-8B shape, a
+group of 8 rows, 128 new tokens, 2026-12-07): 86 ms a step with the model resident in bf16
+(full), 185 ms through a QLoRA window with the NF4 base resident (each layer dequantised every
+step). LoRA's bf16 window is assumed to cost what the resident model does (not measured)."""
+
+
+def rollout_time(spec: ModelSpec, method: str, prompts: int, together: int, new_tokens: int,
+                 prompt_tokens: int, rate: float) -> float:
+    """GRPO's sampling before a step: ``prompts`` prompts, ``together`` of them decoded in one
+    batch (grpo.sample_groups) for up to ``new_tokens`` steps of :data:`DECODE_LAYER_S` a
+    layer, each prompt's prefill one forward of ``prompt_tokens`` tokens at ``rate`` FLOP/s.
+    An upper bound on the decode (replies that stop early end their batch sooner)."""
+    L = spec.num_layers
+    batches = -(-prompts // max(1, together))
+    prefill = prompts * (L * DECODE_LAYER_S[method]
+                         + 2.0 * spec.active_params * prompt_tokens / rate)
+    return batches * new_tokens * L * DECODE_LAYER_S[method] + prefill
 
 
 def _pipeline(n: int, stages: list[float]) -> float:

@@ -325,8 +325,8 @@ def test_the_plan_decodes_as_many_prompts_together_as_fit(tiny_run, tmp_path):
     """grpo.prompts_together is an upper bound: the plan takes the most prompts whose groups'
     KV caches fit (ExecShape.rollout_prompts, which the run decodes at once). A 3B full
     fine-tune's GRPO at 2K tokens, replies of up to 512, 4 prompts a step: all 4 together
-    under 80 GiB, one at a time under 24 GiB (4 prompts' 32 rows of 2.5K positions are 8.75
-    GiB of KV cache beside the resident model)."""
+    under 80 GiB, fewer under 24 GiB (4 prompts' 32 rows of 2.5K positions are 8.75 GiB of KV
+    cache beside the resident model), and the sampling time counts the batches."""
     import shutil
     from slideformer.engine.plan import REFERENCE, plan_run
     cfg = grpo_run(tiny_run, tmp_path / "r", tmp_path, 1)
@@ -336,14 +336,28 @@ def test_the_plan_decodes_as_many_prompts_together_as_fit(tiny_run, tmp_path):
                 d / "config.json")
     cfg = config_mod.override(cfg, {"model.path": str(d), "data.max_seq_len": 2048,
                                     "grpo.max_new_tokens": 512, "train.micro_batch": 8,
-                                    "train.grad_accum": 4, "budget.ram": "100GiB"})
+                                    "train.grad_accum": 4, "budget.ram": "100GiB",
+                                    "train.device": "cuda"})  # planned for a GPU, run on none
     spec = load_spec(d)
     big, small = (plan_run(config_mod.override(cfg, {"budget.vram": v}), spec, hardware=REFERENCE)
                   for v in ("80GiB", "24GiB"))
-    assert big.exec_shape.rollout_prompts == 4 and small.exec_shape.rollout_prompts == 1
+    n = small.exec_shape.rollout_prompts
+    assert big.exec_shape.rollout_prompts == 4 and 1 <= n < 4
     assert small.verdict != "does not fit" and small.tier("gpu").phase == "rollout"
     kv = [a.bytes for p in (big, small) for a in p.allocations if "KV cache" in a.purpose]
-    assert kv[0] == kv[1] * 4 * (2048 + 512) // 2048  # 4x the rows, each up to 2,560 positions
+    assert kv[0] * n == kv[1] * 4 * (1 if n > 1 else (2048 + 512) / 2048)
+    one_more = plan_run(config_mod.override(cfg, {"budget.vram": "24GiB",
+                                                  "grpo.prompts_together": n + 1}),
+                        spec, hardware=REFERENCE)  # the most that fit: n + 1 would not
+    assert one_more.exec_shape.rollout_prompts == n
+    # the sampling time: 4 prompts' decode steps at once, or 4 times one after another
+    from slideformer.engine.plan.report import format_plan
+    from slideformer.engine.plan.speed import rollout_time
+    rate = REFERENCE.matmul_tflops * 1e12
+    assert small.speed.rollout_s == rollout_time(spec, "full", 4, n, 512, 1536, rate)
+    assert big.speed.rollout_s == rollout_time(spec, "full", 4, 4, 512, 1536, rate)
+    assert small.speed.rollout_s > 1.5 * big.speed.rollout_s  # 2 or 4 batches against one
+    assert "GRPO sampling before each step: up to" in format_plan(small)
 
 
 def test_data_inspect_prompts_shows_what_the_model_is_asked(tiny_run, tmp_path, capsys):
