@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from slideformer.engine.kernels import fp8
+from tests.engine.runtime.test_fp8 import operands
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or fp8.unsupported("cuda") is not None,
@@ -30,14 +31,6 @@ def test_the_quantisation_kernel_equals_its_pytorch_form(shape, transposed):
     assert q.is_contiguous() and q.shape == q_ref.shape and s.shape == s_ref.shape
     assert torch.equal(s, s_ref)
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-
-
-def operands(seed=0, rows=(3, 10), k=64, n=80):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*rows, k, generator=g).bfloat16()
-    x[0, 0] *= 50  # an outlier token: its own row scale
-    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
-    return x, w, torch.randn(*rows, n, generator=g).bfloat16()
 
 
 def test_the_gpu_product_matches_the_reference():
