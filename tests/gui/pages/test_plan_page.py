@@ -259,3 +259,15 @@ def test_choosing_fp8_plans_fp8_projections(qtbot, page, tmp_path):
     assert category("FP8 operand copies") == "Step scratch"
     show(qtbot, page, model, {**settings, "train.precision": "bf16"})
     assert "FP8" not in page.shape.text()
+
+
+def test_the_run_description_names_checkpoints_kept_on_the_gpu(qtbot, page, tmp_path):
+    """An 8B full fine-tune at 64K tokens a step with 8-bit moments in 64 GiB of RAM: the plan
+    keeps the top layers' checkpoints on the GPU, and the page says how many."""
+    model = published(tmp_path, "llama-3.1-8b")
+    settings = {**DESKTOP, "budget.ram": "64GiB", "data.max_seq_len": 1024,
+                "train.micro_batch": 8, "train.grad_accum": 8, "optim.moments_dtype": "int8"}
+    show(qtbot, page, model, settings)
+    g = reference(model, settings).exec_shape.gpu_checkpoints
+    assert g and page.plan.exec_shape.gpu_checkpoints == g
+    assert f"the top {g} layers' on the GPU" in page.shape.text()

@@ -447,11 +447,13 @@ class PlanPage(QWidget):
                    "No micro-batch fits these budgets.")
         # The CPU backend's "device" is host RAM: its slots and checkpoints are not on a GPU.
         device = "on the GPU" if plan.device == "cuda" else "in host RAM"
+        ckpt = device if s.checkpoints == "gpu" else "in host RAM" + (
+            f" (the top {s.gpu_checkpoints} layers' on the GPU)" if s.gpu_checkpoints else "")
         self.shape.setText(
             f"{batches}<br><span style='color:gray'>{html.escape(name)} ({plan.model_type}, "
             f"{human_count(plan.total_params)} parameters{_active(plan)}) on {plan.device}: "
             f"{s.slots} layer slots "
-            f"{device}, checkpoints {device if s.checkpoints == 'gpu' else 'in host RAM'}, "
+            f"{device}, checkpoints {ckpt}, "
             f"{_device_items(s)}"
             f"{plan.compute_dtype} compute, {plan.moments_dtype} moments.</span>")
 
