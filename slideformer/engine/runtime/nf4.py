@@ -10,10 +10,10 @@ the same bytes:
   weight   ``NF4[code] * absmax`` computed in fp32, rounded once to the compute dtype
 Per parameter: 0.5 B of codes + 1/64 B of absmax codes + 4/16384 B of second-level scales.
 
-The implementation is PyTorch ops (CPU and GPU alike, no extra dependency): dequantising is a
-table lookup and a multiply, memory-bound, and a decoder layer's dequant is small next to its
-compute at the micro-batch sizes where offloading pays (docs/design/lora.md). bitsandbytes is
-the reference in the tests.
+The implementation is PyTorch ops (CPU and GPU alike, no extra dependency); on the GPU the
+dequantisation, run twice a step for every layer, is one Triton kernel
+(``kernels.triton_nf4``, element for element the PyTorch form's values) where triton is
+there and ``SLIDEFORMER_TRITON`` is not ``0``. bitsandbytes is the reference in the tests.
 
 A layer is one flat uint8 buffer (:class:`Nf4Layout`): the quantised matrices, then the 1-D
 tensors (norms, biases) unquantised in the compute dtype, so it crosses PCIe as one copy and
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from slideformer.engine.kernels import dispatch
 from slideformer.engine.models.spec import Layout
 
 BLOCK = 64
@@ -165,10 +166,15 @@ class Nf4Layout:
     def dequantize(self, buf: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """Weights of a quantised item ``buf`` (uint8) into ``out`` (``dtype``, layout numel)."""
         views = self.layout.views(out)
+        fused = dispatch.fused_ops_on(buf.device.type)  # kernels.triton_nf4: the same values
         for t in self.tensors:
             codes, qabs, scales = self.parts(buf, t)
-            absmax = self._absmax(t, qabs, scales)
             dst = views[t.name].view(-1)
+            if fused:
+                from slideformer.engine.kernels.triton_nf4 import dequantize_nf4
+                dequantize_nf4(codes, qabs, scales, dst, NF4, DYNAMIC, BLOCK, BLOCK2)
+                continue
+            absmax = self._absmax(t, qabs, scales)
             pair_table = _tables(buf.device)[0]
             for s in range(0, t.numel, CHUNK):
                 e = min(s + CHUNK, t.numel)

@@ -72,8 +72,9 @@ def test_flex_wants_a_power_of_two_head_dim(monkeypatch):
     assert not flex_available("cuda", 512)  # beyond any GPU's shared memory (Gemma 4's full heads)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("mask_shape", ["rows", "2d"])
-def test_decode_attention_equals_sdpa_without_copying_kv(mask_shape):
+def test_decode_attention_equals_sdpa_without_copying_kv(mask_shape, device):
     """One new token per row, grouped KV heads, a boolean mask with gaps (GRPO's rows of
     different prompt lengths): decode_attention, which folds the query heads of a KV head into
     one matmul's rows, equals SDPA's (math path) output."""
@@ -87,6 +88,10 @@ def test_decode_attention_equals_sdpa_without_copying_kv(mask_shape):
         mask = ((slot < lens) | (slot >= 8))[:, None, None]  # (B, 1, 1, S)
     else:
         mask = torch.arange(S)[None] >= 3  # (1, S): a window
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        q, k, v, mask = (t.cuda() for t in (q, k, v, mask))
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     out = attention.decode_attention(q, k, v, mask, None)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
