@@ -12,7 +12,8 @@ Memory mirrors slideformer.engine.runtime.lora and the executor's frozen path:
 Speed: each layer crosses PCIe as its base bytes, in the forward for the layers not resident
 from the previous step and again in the backward; the backward computes input gradients only
 (2 P N in the recompute, 2 P N for dL/dx: no weight-gradient GEMM), the head 4 N V H (no dL/dW);
-NF4 layers are dequantised twice per step at the device's memory bandwidth; each adapter adds
+NF4 layers are dequantised twice per step at the device's memory bandwidth (the Triton kernel's
+traffic; :data:`NF4_TORCH_FACTOR` times that on the PyTorch form); each adapter adds
 :data:`ADAPTER_BYTES` of device traffic per element of its input and output, per token and per
 pass (forward, recompute, backward); the adapters are updated on the device after the backward.
 No CPU optimizer, no gradient traffic.
@@ -35,19 +36,25 @@ import torch
 from slideformer.engine.models.lora import PROJECTIONS, LoraSpec, adapter_layout, adapter_params
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.hardware import HardwareProfile
-from slideformer.engine.plan.memory import (HOST_RUNTIME, RUNTIME_WORKING, Allocation, Precision,
+from slideformer.engine.plan.memory import (RUNTIME_WORKING, Allocation, Precision,
                                 allocator_reserve, checkpoint_store, cuda_fixed,
-                                device_optimizer_scratch, read_scratch)
+                                device_optimizer_scratch, read_scratch, runtime_baseline)
 from slideformer.engine.plan.transients import FrozenBase, step_transients
 from slideformer.engine.plan.speed import (CPU_COPY_GBS, DEVICE_ADAM_BYTES, DEVICE_MEMORY_GBS,
                                HEAD_EFFICIENCY, SERIAL, SpeedEstimate, _pipeline, _result,
-                               cpu_dispatch_s, fp8_saving, kernels_note, layer_efficiency,
-                               mixer_flops)
+                               cpu_dispatch_s, fp8_saving, irregular, kernels_note,
+                               layer_efficiency, mixer_flops)
 from slideformer.engine.kernels.dispatch import kernel_path
 from slideformer.engine.runtime.shapes import BUFFERS, ExecShape, padded
 from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 from slideformer.engine.runtime.nf4 import CHUNK as NF4_CHUNK, Nf4Layout
 
+
+NF4_TORCH_FACTOR = 10.0
+"""How many times longer the PyTorch form of the NF4 dequantisation takes than the Triton kernel
+(kernels.triton_nf4), whose traffic the ``dq`` term counts at DEVICE_MEMORY_GBS: 7.8-11.9x on
+an H100 over seven model shapes' layers (benchmarks/family_layers.py, 2026-12-07; the kernel
+ran 1.5-2.5 TB/s there). Runs without the fused ops (no triton, SLIDEFORMER_TRITON=0) take it."""
 
 ADAPTER_BYTES = 2.25
 """Device bytes each adapter moves per token, pass and element of its input + output (x A^T,
@@ -110,7 +117,7 @@ def frozen_allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, devic
            Allocation("host", "adapters (checkpoint copy)", A * (c + rem) + mo,
                       f"{A:,} adapter params x {c + rem + 2 * prec.mo} B (weights, remainder, m, v)",
                       "state"),
-           Allocation("host", "runtime baseline", HOST_RUNTIME[device], "Python, torch", "state"),
+           runtime_baseline(device, kernel_path(device, spec.max_head_dim, packed)),
            Allocation("host", "runtime working memory", RUNTIME_WORKING,
                       "heap and library buffers kept across steps", "run")]
     out += [frozen_loading(spec, prec, method)] + base_on_disk(spec, prec, method, disk_layers)
@@ -212,10 +219,15 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     rate = hw.matmul_tflops * 1e12 * layer_efficiency(path, hw)[0]
     mem = DEVICE_MEMORY_GBS * 1e9
     dq = (lb + P * prec.c) / mem if method == "qlora" else 0.0  # read NF4, write the layer
+    if not path.fused_ops:
+        dq *= NF4_TORCH_FACTOR
     io = adapter_params(spec, lora) // spec.num_layers // max(lora.rank, 1)  # in + out, targets
     ad = n * B * T * io * ADAPTER_BYTES / mem  # one pass of a layer's adapters
-    f = (lin - fp8_saving(spec, tokens, 1, prec) + att) / rate + dq + ad
-    b = (2 * lin - fp8_saving(spec, tokens, 2, prec) + 3 * att) / rate + dq + 2 * ad
+    irr = irregular(spec, B, T, hw, device)  # routed experts, the PyTorch delta rule: measured
+    i_fwd, i_bwd = irr.flops(frozen=True)
+    f = (lin - fp8_saving(spec, tokens, 1, prec) + att - n * i_fwd) / rate + n * irr.fwd + dq + ad
+    b = (2 * lin - fp8_saving(spec, tokens, 2, prec) + 3 * att - n * i_bwd) / rate \
+        + n * irr.frozen + dq + 2 * ad
     load = lb / (hw.h2d_gbs * 1e9)
     upd = A * DEVICE_ADAM_BYTES / mem
     streamed = L - k  # the first K layers stay resident across steps

@@ -62,6 +62,34 @@ STEP_PARTS = ("forward", "head", "backward", "dequant")  # ties name the first
 #   their copy finishes. Modelled as 65% of the three parts' transients plus the inputs held
 #   for host checkpoint copies, which over-predicts those five runs by 0.6-1.9%.
 HOST_RUNTIME = {"cuda": 896 * MiB, "cpu": 512 * MiB}
+JIT_HOST = {"triton": 100 * MiB, "flex": 300 * MiB}
+"""Host memory the JIT compilers a CUDA run starts keep for the process's life, beyond
+HOST_RUNTIME (benchmarks/host_baseline.py on the reference H100, torch 2.11, Triton 3.6,
+2026-12-07: RSS grew 99.5 MiB when the fused Triton ops compiled and ran, 299 MiB more when
+FlexAttention did, through torch.compile's Inductor, and 74 MiB more for one more Triton kernel)."""
+STEP_MODULES = 320 * MiB
+"""Host memory a CUDA training step adds beyond HOST_RUNTIME (whose figure comes from one
+matmul and one attention) and JIT_HOST, not attributed by a measurement of its own: the three
+Llama-3.1-8B full fine-tunes at 64K tokens with 8-bit moments on the reference H100
+(2026-12-07, no FlexAttention) peaked 0.23, 0.33 and 0.28 GiB over their plans with the Triton
+term counted. CUDA loads a kernel's module on its first launch (lazy loading), and a step
+launches hundreds of kernels the baseline never did; that is the likely owner."""
+
+
+def runtime_baseline(device: str, path=None) -> Allocation:
+    """Python, torch and the CUDA runtime, plus the JIT compilers ``path``'s kernels start
+    (a kernels.dispatch.KernelPath; None: none)."""
+    b, what = HOST_RUNTIME[device], "Python, torch" + (" and the CUDA runtime" if device == "cuda" else "")
+    if device == "cuda":
+        b += STEP_MODULES
+        what += ", the step's kernels"
+    if device == "cuda" and path is not None and path.fused_ops:
+        b += JIT_HOST["triton"]
+        what += ", Triton's compiler"
+        if path.attention == "flex":
+            b += JIT_HOST["flex"]
+            what += ", torch.compile (FlexAttention)"
+    return Allocation("host", "runtime baseline", b, what, "state")
 # Host memory a training process keeps beyond its tensors once steps run: glibc's heap holding
 # freed transients, library buffers, Python objects. 20-55 MB measured on the CPU backend over
 # the first steps of the models in tests/engine/plan/test_plan_rss.py.
@@ -82,7 +110,7 @@ ALLOCATOR_FLOOR = 128 * MiB
 
 # ---- host state and loading -----------------------------------------------------------------
 def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
-               disk_layers: int = 0, clip: bool = True) -> list[Allocation]:
+               disk_layers: int = 0, clip: bool = True, path=None) -> list[Allocation]:
     """HostItem.w / rem / m / v / g of every item (embed, L layers, head), and the runtime.
 
     The moments of ``disk_layers`` decoder layers live in the NVMe tier (slideformer.engine.runtime.nvme)
@@ -127,8 +155,7 @@ def host_state(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
                        + (f"; {disk_layers} layers' moments on disk" if disk_layers else ""), "state"),
             Allocation("host", "gradient buffers", grads,  # HostItem.g, fp32
                        grad_note + pinned, "state"),
-            Allocation("host", "runtime baseline", HOST_RUNTIME[device],
-                       "Python, torch" + (" and the CUDA runtime" if device == "cuda" else ""), "state"),
+            runtime_baseline(device, path),
             Allocation("host", "runtime working memory", RUNTIME_WORKING,
                        "heap and library buffers kept across steps", "run")]
     if spec_n:  # Speculation's snapshots: w, rem, m, v of each speculative layer
@@ -320,9 +347,10 @@ def allocations(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str,
         disk_layers: decoder layers whose moments the NVMe tier holds.
         clip: exact global-norm clipping (every layer keeps its gradient until the norm is known).
     """
-    out = host_state(spec, shape, prec, device, disk_layers, clip) + loading(spec, prec)
+    path = kernel_path(device, spec.max_head_dim, packed)
+    out = host_state(spec, shape, prec, device, disk_layers, clip, path) + loading(spec, prec)
     out += device_buffers(spec, shape, prec, device)
-    out += step_transients(spec, shape, prec, kernel_path(device, spec.max_head_dim, packed))
+    out += step_transients(spec, shape, prec, path)
     out += regen_boundary(spec, shape, prec, clip)
     if device == "cuda":
         out.append(allocator_reserve(out, shape, spec, prec))

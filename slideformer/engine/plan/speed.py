@@ -38,7 +38,11 @@ FLOPs: each layer does 2 P N in the forward, again in the recompute and 4 P N in
 (8 P N in all), plus attention (2 B T^2 q per pass, causal; backward twice the forward); the LM
 head 6 N V H. The layers run at the profile's matmul rate times the efficiency of the kernel path
 the run takes (:func:`layer_efficiency`: measured by ``slideformer bench --hardware`` where it
-could, else LAYER_EFFICIENCY), the head at HEAD_EFFICIENCY of it.
+could, else LAYER_EFFICIENCY), the head at HEAD_EFFICIENCY of it. Two parts of a layer do
+not run at that rate and are timed by measurement instead (:func:`irregular`): a mixture's
+routed experts (by (token, expert) pairs x hidden size: EXPERT_PAIR_S) and the gated delta rule
+on its PyTorch path (by tokens x value heads: DELTANET_RULE_S), both measured on an H100 and
+scaled by the profile's matmul rate.
 """
 from __future__ import annotations
 
@@ -236,6 +240,88 @@ def mixer_flops(spec: ModelSpec, B: int, T: int) -> float:
     return att
 
 
+IRREGULAR_REFERENCE_TFLOPS = 783.0
+"""The 8192^3 bf16 matmul rate of the H100 80GB HBM3 on which EXPERT_PAIR_S and DELTANET_RULE_S
+were measured (benchmarks/family_layers.py, 2026-12-07); another GPU's times are scaled by its
+rate against this one."""
+EXPERT_PAIR_S = {False: 38e-12, True: 123e-12}
+"""Seconds of a mixture's routed experts in the forward, per (token, expert) pair and element
+of the hidden state, keyed by whether the stacked experts are stored (E, in, out) (GPT-OSS) rather
+than (E, out, in). Routing, the gather, three grouped products (``F.grouped_mm``), the
+activation and the weighted scatter: their time on an H100 did not follow the experts' FLOPs
+but the pairs times the hidden size (benchmarks/family_layers.py, 4 x 1024 tokens, 2026-12-07:
+Qwen3-30B-A3B 37.7, OLMoE-1B-7B 37.5, Qwen3.5-35B-A3B 40.5 ps with expert widths of 768, 1024
+and 512, i.e. 0.10-0.21 of the matmul rate by FLOPs; GPT-OSS-120B 123 ps)."""
+EXPERT_PASSES = {"fwd": 1.0, "frozen": 2.0, "full": 2.5}
+"""The experts' recompute + backward against their forward: dL/dx only (a frozen base) 1.98-2.2x
+on the same four shapes; with the experts' weight gradients the layer's backward grew by
+0.4-0.7 of the experts' forward more."""
+DELTANET_RULE_S = {"fwd": 51e-9, "frozen": 187e-9, "full": 187e-9}
+"""Seconds of the gated delta rule on the PyTorch chunked path (models.deltanet, where fla does
+not run: deltanet_gpu.fla_usable), the causal convolution and gated norm included, per token
+and value head of 128 x 128, forward and recompute + backward (its only weights are vectors):
+51 and 187 ns on both Qwen3.5 shapes (benchmarks/family_layers.py, H100, 2026-12-07). Scaled
+by d_k d_v for other head sizes. Through fla the rule's FLOPs are counted at the layer rate."""
+
+
+@dataclass(frozen=True)
+class Irregular:
+    """The parts of a decoder layer timed by measurement instead of FLOPs at the layer rate,
+    per micro-batch and averaged over the layers: the routed experts' and the PyTorch delta
+    rule's forward FLOPs (left out of the FLOP-timed work) and their seconds per pass."""
+    expert_flops: float = 0.0
+    rule_flops: float = 0.0
+    fwd: float = 0.0
+    frozen: float = 0.0
+    full: float = 0.0
+
+    def flops(self, frozen: bool) -> tuple[float, float]:
+        """(forward, recompute + backward) FLOPs these parts stand for in layer_flops' count."""
+        e, r = self.expert_flops, self.rule_flops
+        return e + r, (2 * e if frozen else 3 * e) + 3 * r
+
+
+def fla_runs(device: str) -> bool:
+    """Whether a CUDA run here would take fla's gated delta rule (kernels.deltanet_gpu)."""
+    from slideformer.engine.kernels import deltanet_gpu
+    if device != "cuda" or deltanet_gpu._chunk_rule() is None:
+        return False
+    return not (torch.cuda.is_available() and deltanet_gpu.fla_refused_on(0))
+
+
+def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str) -> Irregular:
+    """A CUDA layer's routed experts and PyTorch delta rule (:class:`Irregular`)."""
+    if device != "cuda":
+        return Irregular()
+    linear = sum(spec.is_linear(i) for i in range(spec.num_layers))
+    if spec.moe is None and not linear:
+        return Irregular()
+    L, N, scale = spec.num_layers, B * T, IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops
+    e_flops = fwd = frozen = full = r_flops = 0.0
+    m = spec.family.moe
+    if spec.moe is not None:
+        k, E = spec.moe.top_k, spec.moe.experts
+        for lay in spec.layouts:
+            if m.router not in lay.names():
+                continue
+            stacked = sum(math.prod(sh) for n, _, sh in lay.entries
+                          if n.startswith(m.experts + ".") and len(sh) == 3)
+            e_flops += 2.0 * stacked * k / E * N / L
+            t = N * k * spec.hidden_size * EXPERT_PAIR_S[bool(m.gpt_oss)] * scale / L
+            fwd += t
+            frozen += t * EXPERT_PASSES["frozen"]
+            full += t * EXPERT_PASSES["full"]
+    if linear and not fla_runs(device):
+        d = spec.linear
+        r_flops = N * d.num_v_heads * (2 * DELTANET_CHUNK * (d.head_k_dim + d.head_v_dim)
+                                       + 6 * d.head_k_dim * d.head_v_dim) * linear / L
+        th = N * d.num_v_heads * d.head_k_dim * d.head_v_dim / (128 * 128) * scale * linear / L
+        fwd += th * DELTANET_RULE_S["fwd"]
+        frozen += th * DELTANET_RULE_S["frozen"]
+        full += th * DELTANET_RULE_S["full"]
+    return Irregular(e_flops, r_flops, fwd, frozen, full)
+
+
 @dataclass(frozen=True)
 class _Times:
     """Seconds of each kind of work: per layer (forward / recompute+backward compute, CPU update,
@@ -269,6 +355,8 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     f_fwd = f_fwd - fp8_saving(spec, tokens, 1, prec)
     f_bwd = f_bwd - fp8_saving(spec, tokens, 2, prec, skip_down=plain)
     rate = hw.matmul_tflops * 1e12 * efficiency
+    irr, n = irregular(spec, shape.micro_batch, shape.seq_len, hw, "cuda"), shape.n_micro
+    i_fwd, i_bwd = irr.flops(frozen=False)
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
     one, both = hw.h2d_gbs * 1e9, hw.duplex_gbs * 1e9
     host_ck = shape.checkpoints == "host"
@@ -276,7 +364,8 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     u = UPDATE_CONTENTION * update_s(prec, hw)
     head_rate = hw.matmul_tflops * 1e12 * HEAD_EFFICIENCY
     head = 6.0 * tokens * spec.vocab_size * spec.hidden_size / head_rate
-    return _Times(f=f_fwd / rate, b=f_bwd / rate, head=head,
+    return _Times(f=(f_fwd - n * i_fwd) / rate + n * irr.fwd,
+                  b=(f_bwd - n * i_bwd) / rate + n * irr.full, head=head,
                   upd=max(P * u, disk / L), load_f=P * c / (both if host_ck else one),  # D2H busy only for host checkpoints
                   load_b=((L - k) / L) * P * c / both + ck / both, grad=P * 4 / both, ck_d2h=ck / both,
                   reload=P * c / both + ck / both,

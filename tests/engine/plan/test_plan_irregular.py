@@ -1,0 +1,96 @@
+"""The parts of a layer the planner times by measurement rather than FLOPs (plan.speed.irregular):
+routed experts by (token, expert) pairs x hidden size, the PyTorch gated delta rule by tokens x
+value heads; and the runtime baseline's JIT compilers (plan.memory.runtime_baseline)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from benchmarks.shapes import shape_config
+from slideformer.engine.kernels.dispatch import KernelPath
+from slideformer.engine.models.spec import spec_from_config
+from slideformer.engine.plan import memory, speed
+from slideformer.engine.plan.targets import load_profile
+
+H100 = load_profile("h100")
+
+
+def spec_of(name: str, **kw):
+    return spec_from_config(dict(shape_config(name), **kw))
+
+
+def test_experts_are_timed_by_pairs_times_hidden_not_by_flops(monkeypatch):
+    monkeypatch.setattr(speed, "fla_runs", lambda device: False)
+    base = spec_of("qwen3-30b-a3b")
+    irr = speed.irregular(base, 4, 1024, H100, "cuda")
+    N, k, E = 4096, base.moe.top_k, base.moe.experts
+    scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
+    assert irr.fwd == pytest.approx(N * k * base.hidden_size * speed.EXPERT_PAIR_S[False] * scale)
+    assert irr.frozen == pytest.approx(2.0 * irr.fwd) and irr.full == pytest.approx(2.5 * irr.fwd)
+    stacked = 3 * E * base.hidden_size * base.moe.width  # gate, up, down of every expert
+    assert irr.expert_flops == pytest.approx(2 * stacked * k / E * N)
+    assert irr.rule_flops == 0
+    wider = spec_of("qwen3-30b-a3b", moe_intermediate_size=4 * 768)  # 4x the FLOPs, same pairs
+    assert speed.irregular(wider, 4, 1024, H100, "cuda").fwd == pytest.approx(irr.fwd)
+    twice = spec_of("qwen3-30b-a3b", num_experts_per_tok=16)
+    assert speed.irregular(twice, 4, 1024, H100, "cuda").fwd == pytest.approx(2 * irr.fwd)
+    slower = dataclasses.replace(H100, matmul_tflops=H100.matmul_tflops / 4)
+    assert speed.irregular(base, 4, 1024, slower, "cuda").fwd == pytest.approx(4 * irr.fwd)
+    assert speed.irregular(base, 4, 1024, H100, "cpu") == speed.Irregular()
+
+
+def test_gpt_oss_experts_take_their_own_layout_figure():
+    spec = spec_of("gpt-oss-120b")
+    irr = speed.irregular(spec, 4, 1024, H100, "cuda")
+    scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
+    assert irr.fwd == pytest.approx(4096 * 4 * 2880 * speed.EXPERT_PAIR_S[True] * scale)
+
+
+@pytest.mark.parametrize("fla", [False, True])
+def test_the_delta_rule_is_timed_only_where_fla_does_not_run(monkeypatch, fla):
+    monkeypatch.setattr(speed, "fla_runs", lambda device: fla)
+    spec = spec_of("qwen3.5-16l")  # 12 gated DeltaNet layers of 16, dense MLPs
+    irr = speed.irregular(spec, 4, 1024, H100, "cuda")
+    if fla:
+        assert irr == speed.Irregular()
+        return
+    d, share = spec.linear, 12 / 16
+    scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
+    token_heads = 4096 * d.num_v_heads * share * scale  # heads of 128 x 128
+    assert irr.fwd == pytest.approx(token_heads * speed.DELTANET_RULE_S["fwd"])
+    assert irr.frozen == pytest.approx(token_heads * speed.DELTANET_RULE_S["frozen"])
+    assert irr.rule_flops > 0 and irr.expert_flops == 0
+
+
+def test_a_moe_layer_plans_slower_than_its_flops_say(monkeypatch):
+    """The frozen-base step of Qwen3-30B-A3B on an H100 is GPU-bound; counting its experts by
+    FLOPs at the dense layer rate made it 4x too fast (benchmarks/family_layers.py)."""
+    from slideformer.engine.config import LoraConfig
+    from slideformer.engine.models.lora import for_model, lora_spec
+    from slideformer.engine.plan import frozen
+    from slideformer.engine.plan.allocation import Precision
+    from slideformer.engine.runtime.executor import ExecShape
+    import torch
+    spec = spec_of("qwen3-30b-a3b")
+    monkeypatch.setattr(frozen, "kernel_path", lambda *a: KernelPath(True, True, "causal"))
+    shape = ExecShape(micro_batch=4, seq_len=1024, n_micro=4, slots=48, checkpoints="host")
+    prec = Precision(torch.bfloat16, torch.float32)
+    lora = for_model(lora_spec(LoraConfig()), spec)
+    args = (spec, shape, prec, "cuda", H100, "qlora", lora)
+    timed = frozen.frozen_estimate(*args)
+    monkeypatch.setattr(frozen, "irregular", lambda *a: speed.Irregular())
+    by_flops = frozen.frozen_estimate(*args)
+    assert timed.busy_dict()["gpu compute"] > 1.5 * by_flops.busy_dict()["gpu compute"]
+    assert timed.flops == by_flops.flops  # the model FLOPs reported do not change
+
+
+def test_runtime_baseline_adds_the_jit_compilers():
+    mib = memory.MiB
+    assert memory.runtime_baseline("cpu").bytes == memory.HOST_RUNTIME["cpu"]
+    torch_ops = memory.runtime_baseline("cuda", KernelPath(False, False, "mask"))
+    assert torch_ops.bytes == memory.HOST_RUNTIME["cuda"] + memory.STEP_MODULES
+    fused = memory.runtime_baseline("cuda", KernelPath(True, True, "causal"))
+    flex = memory.runtime_baseline("cuda", KernelPath(True, True, "flex"))
+    assert fused.bytes - torch_ops.bytes == 100 * mib and flex.bytes - fused.bytes == 300 * mib
+    assert "FlexAttention" in flex.detail
