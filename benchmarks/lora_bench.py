@@ -39,7 +39,7 @@ from sliding_step import SHAPES, as_pairs, random_batches, shape_config  # noqa:
 
 TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 1024)
     "8b": ("llama-3.1-8b", ("ours-lora", "ours-qlora", "hf-lora", "hf-qlora"), ((4, 4), (4, 16))),
-    "70b": ("llama-3.1-70b", ("ours-qlora",), ((8, 8),)),
+    "70b": ("llama-3.1-70b", ("ours-qlora",), ((4, 4), (8, 8))),
     "123b": ("mistral-large-2", ("ours-qlora",), ((4, 4),)),
     # HF+PEFT holds the 61 GB bf16 base in VRAM: no contender of it under a 24 GiB cap
     "30b-a3b": ("qwen3-30b-a3b", ("ours-lora", "ours-qlora"), ((4, 4),)),
@@ -84,22 +84,28 @@ def vram() -> dict:
 
 
 # ---- ours --------------------------------------------------------------------------------------
-def random_frozen_state(spec, backend, lora, nf4: bool, device: str, dtype: torch.dtype):
-    """Frozen base with random weights, quantised layer by layer on ``device`` (qlora)."""
+def random_frozen_state(spec, backend, lora, nf4: bool, device: str, dtype: torch.dtype,
+                        tier=None):
+    """Frozen base with random weights, quantised layer by layer on ``device`` (qlora); the
+    layers ``tier`` (an NVMe tier) holds are written to their files, as loading does."""
     from slideformer.engine.runtime.lora import init_adapters, is_adapter
     from slideformer.engine.train.state import build_frozen_state
-    host = build_frozen_state(spec, backend, dtype, torch.float32, lora, nf4=nf4)
+    host = build_frozen_state(spec, backend, dtype, torch.float32, lora, nf4=nf4, tier=tier)
     g = torch.Generator(device).manual_seed(0)
     for name, item in host.items():
         if is_adapter(name):
             continue
         w = torch.randn(item.numel, generator=g, device=device) * 0.02
-        if item.quant is None:
-            item.w.copy_(w)
-        else:
-            out = torch.empty(item.quant.nbytes, dtype=torch.uint8, device=device)
-            item.w.copy_(item.quant.quantize(w, out))
+        with item.stored(write=True) as dst:
+            if item.quant is None:
+                dst.copy_(w)
+            else:
+                out = torch.empty(item.quant.nbytes, dtype=torch.uint8, device=device)
+                dst.copy_(item.quant.quantize(w, out))
         del w
+    for item in host.values():
+        if getattr(item, "disk", None) is not None:
+            item.disk.flush()
     init_adapters({k: v for k, v in host.items() if is_adapter(k)}, seed=0)
     return host
 
@@ -122,12 +128,21 @@ def run_ours(a: dict) -> dict:
                                  "train.grad_accum": a["accum"], "data.max_seq_len": a["seq"],
                                  "data.packing": False, "budget.vram": f"{a['vram_cap']}GiB",
                                  "train.device": dev})
+    if a.get("ram"):  # a RAM budget, the base partly in the NVMe tier (--disk)
+        cfg = override(cfg, {"budget.ram": f"{a['ram']}GiB", "budget.nvme_dir": a["disk"] or "",
+                             "budget.nvme_size": "auto" if a["disk"] else "0"})  # noqa: E501
     plan = plan_run(cfg, spec, device=dev)
     lora = for_model(lora_spec(cfg.lora), spec)  # a mixture of experts: attention only
     backend = make_backend(dev)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    tier = None
+    if plan.disk_layers:  # as the trainer opens it (train.trainer.Trainer._open_tier)
+        from slideformer.engine.runtime.nvme import NvmeTier
+        from slideformer.engine.runtime.shapes import disk_layers
+        tier = NvmeTier(a["disk"], [f"layer{i}" for i in disk_layers(spec.num_layers, plan.disk_layers)],
+                        size_limit=plan.budgets.disk, pin=backend.pin_mapping)
     t0 = time.perf_counter()
-    host = random_frozen_state(spec, backend, lora, method == "qlora", dev, dtype)
+    host = random_frozen_state(spec, backend, lora, method == "qlora", dev, dtype, tier)
     setup = time.perf_counter() - t0
     cap(a["vram_cap"])
     ex = SlidingExecutor(spec, backend, host, plan.exec_shape, dtype, lora=lora)
@@ -148,7 +163,17 @@ def run_ours(a: dict) -> dict:
         lanes = {lane: round(sum(s.end - s.start for s in spans if s.lane == lane), 4)
                  for lane in sorted({s.lane for s in spans})}  # the last step's, for calibration
     ex.close()
+    if tier is not None:
+        tier.close()
     med = statistics.median(times[a["warmup"]:])
+    disk_read = 0.0
+    if plan.disk_layers:  # what a step reads (plan.frozen.base_reads: per window that loads it)
+        from slideformer.engine.plan.allocation import Precision
+        from slideformer.engine.plan.frozen import base_reads, layer_bytes
+        from slideformer.engine.runtime.shapes import disk_layers, padded
+        reads = base_reads(spec.num_layers, ex.k, disk_layers(spec.num_layers, plan.disk_layers))
+        lb = layer_bytes(spec, Precision(dtype, torch.float32), method)
+        disk_read = reads * padded(lb) / 1e9
     tokens = a["micro_batch"] * a["seq"] * a["accum"]
     return dict(tokens_per_s=round(tokens / med, 1), step_time_s=round(med, 3),
                 gpu_busy=round(statistics.median(busy[a["warmup"]:]), 3), busy_last_step_s=lanes,
@@ -158,7 +183,9 @@ def run_ours(a: dict) -> dict:
                 planned_tokens_per_s=round(plan.speed.tokens_per_s, 1),
                 planned_vram_gib=round(plan.tier("gpu").peak / GiB, 2),
                 planned_host_gib=round(plan.tier("host").peak / GiB, 2), plan_verdict=plan.verdict,
-                planned_on=plan.hardware.name)
+                planned_on=plan.hardware.name, ram_budget_gib=a.get("ram") or None,
+                disk_layers=plan.disk_layers, disk_read_gb_per_step=round(disk_read, 2),
+                disk_read_gbs=round(disk_read / med, 2) if disk_read else None)
 
 
 # ---- Hugging Face + PEFT -----------------------------------------------------------------------
@@ -374,6 +401,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, help="only the size with this many tokens per step "
                     "(e.g. 16384), to split a table over calls of limited length")
     ap.add_argument("--only", help="comma-separated contenders of the table to run (default: all)")
+    ap.add_argument("--ram", type=float, default=0.0,
+                    help="our runs' RAM budget in GiB (budget.ram; 0: auto)")
+    ap.add_argument("--disk", default="", help="folder of our NVMe tier (budget.nvme_dir): with "
+                    "--ram, the frozen base layers the plan puts on disk are written there"),
     ap.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo"), default="sft",
                     help="a preference objective; with dpo the HF contenders are TRL's "
                          "DPOTrainer + PEFT (+ bitsandbytes) (a micro-batch's rows are half as "
@@ -403,7 +434,7 @@ def main() -> None:
                 c = c.replace("hf-", "trl-")  # Hugging Face's side of DPO: TRL + PEFT (+ bnb)
             a = dict(contender=c, shape=shape, seq=seq, micro_batch=mb, accum=acc, tmp=SCRATCH,
                      vram_cap=args.vram_cap, warmup=args.warmup, steps=args.steps,
-                     objective=args.objective)
+                     objective=args.objective, ram=args.ram, disk=args.disk)
             for rec in attempts(a):
                 rows.append(rec)
                 print(json.dumps(rec), flush=True)
