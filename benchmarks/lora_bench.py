@@ -150,8 +150,10 @@ def run_ours(a: dict) -> dict:
     if pairs:
         ex.objective = (a["objective"], cfg.preference)
         mbs = as_pairs(mbs)
-    times, busy, lanes = [], [], {}
+    times, busy, lanes, read0 = [], [], {}, 0
     for k in range(a["warmup"] + a["steps"]):
+        if k == a["warmup"] and tier is not None:
+            read0 = tier.bytes_read  # what the timed steps read from the NVMe tier
         hyper = lambda coef, k=k: AdamHyper(1e-4, 0.9, 0.999, 1e-8, 0.0, k + 1, coef)  # noqa: E731
         t = time.perf_counter()
         out = ex.train_step(mbs, hyper, 1.0)
@@ -163,11 +165,13 @@ def run_ours(a: dict) -> dict:
         lanes = {lane: round(sum(s.end - s.start for s in spans if s.lane == lane), 4)
                  for lane in sorted({s.lane for s in spans})}  # the last step's, for calibration
     ex.close()
+    read = (tier.bytes_read - read0) / 1e9 / a["steps"] if tier is not None else 0.0
+    timed_s = sum(times[a["warmup"]:])
     if tier is not None:
         tier.close()
     med = statistics.median(times[a["warmup"]:])
     disk_read = 0.0
-    if plan.disk_layers:  # what a step reads (plan.frozen.base_reads: per window that loads it)
+    if plan.disk_layers:  # planned reads a step (plan.frozen.base_reads: per window that loads it)
         from slideformer.engine.plan.allocation import Precision
         from slideformer.engine.plan.frozen import base_reads, layer_bytes
         from slideformer.engine.runtime.shapes import disk_layers, padded
@@ -184,8 +188,9 @@ def run_ours(a: dict) -> dict:
                 planned_vram_gib=round(plan.tier("gpu").peak / GiB, 2),
                 planned_host_gib=round(plan.tier("host").peak / GiB, 2), plan_verdict=plan.verdict,
                 planned_on=plan.hardware.name, ram_budget_gib=a.get("ram") or None,
-                disk_layers=plan.disk_layers, disk_read_gb_per_step=round(disk_read, 2),
-                disk_read_gbs=round(disk_read / med, 2) if disk_read else None)
+                disk_layers=plan.disk_layers, planned_disk_read_gb_per_step=round(disk_read, 2),
+                disk_read_gb_per_step=round(read, 2),
+                disk_read_gbs=round(read * a["steps"] / timed_s, 2) if read else None)
 
 
 # ---- Hugging Face + PEFT -----------------------------------------------------------------------
@@ -404,7 +409,7 @@ def main() -> None:
     ap.add_argument("--ram", type=float, default=0.0,
                     help="our runs' RAM budget in GiB (budget.ram; 0: auto)")
     ap.add_argument("--disk", default="", help="folder of our NVMe tier (budget.nvme_dir): with "
-                    "--ram, the frozen base layers the plan puts on disk are written there"),
+                    "--ram, the frozen base layers the plan puts on disk are written there")
     ap.add_argument("--objective", choices=("sft", "dpo", "simpo", "orpo"), default="sft",
                     help="a preference objective; with dpo the HF contenders are TRL's "
                          "DPOTrainer + PEFT (+ bitsandbytes) (a micro-batch's rows are half as "

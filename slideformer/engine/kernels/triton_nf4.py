@@ -25,7 +25,8 @@ not tuned."""
 
 
 @triton.jit
-def _dequant_nf4(codes_ptr, qabs_ptr, scales_ptr, nf4_ptr, dyn_ptr, out_ptr, n_bytes, n_scales,
+def _dequant_nf4(codes_ptr, qabs_ptr, scales_ptr, nf4_ptr, dyn_ptr, out_ptr, n_bytes, n_weights,
+                 n_scales,
                  BLOCK: tl.constexpr, BLOCK2: tl.constexpr, BYTES: tl.constexpr):
     i = tl.program_id(0).to(tl.int64) * BYTES + tl.arange(0, BYTES)
     m = i < n_bytes
@@ -39,7 +40,7 @@ def _dequant_nf4(codes_ptr, qabs_ptr, scales_ptr, nf4_ptr, dyn_ptr, out_ptr, n_b
     lo = tl.load(nf4_ptr + (code & 15)) * absmax
     w = tl.reshape(tl.join(hi, lo), [2 * BYTES])
     j = tl.program_id(0).to(tl.int64) * (2 * BYTES) + tl.arange(0, 2 * BYTES)
-    tl.store(out_ptr + j, w.to(out_ptr.dtype.element_ty), mask=j < 2 * n_bytes)
+    tl.store(out_ptr + j, w.to(out_ptr.dtype.element_ty), mask=j < n_weights)
 
 
 _TABLES: dict = {}
@@ -61,6 +62,8 @@ def dequantize_nf4(codes: torch.Tensor, qabs: torch.Tensor, scales: torch.Tensor
     n = codes.numel()
     t_nf4, t_dyn = _tables(codes.device, nf4, dynamic)
     count_launch("triton_nf4_dequant")
-    _dequant_nf4[(triton.cdiv(n, BYTES),)](codes, qabs, scales, t_nf4, t_dyn, out, n,
+    # the weight count is its own argument: 2 * n_bytes in the kernel would be an int32 product
+    # (Triton passes a count under 2^31 as int32) and wrap for matrices of 2^31 weights or more
+    _dequant_nf4[(triton.cdiv(n, BYTES),)](codes, qabs, scales, t_nf4, t_dyn, out, n, 2 * n,
                                            scales.numel() - 1, BLOCK=block, BLOCK2=block2,
                                            BYTES=BYTES, num_warps=4, enable_fp_fusion=False)
