@@ -15,7 +15,8 @@ of ``B x T`` tokens, as the executor runs it:
   (runtime.nf4.Nf4Layout.dequantize, PyTorch form and kernels.triton_nf4);
 
 each the median of ``--reps`` runs (CUDA events), in ms. A ``plan`` line per shape gives the
-planner's per-layer averages for the same tokens (plan.speed.layer_flops / mixer_flops at the
+FLOP-based per-layer averages (what the planner assumed before it timed experts and the delta
+rule by measurement: plan.speed.irregular) for the same tokens (plan.speed.layer_flops / mixer_flops at the
 measured 8192^3 matmul rate times the reference layer efficiency of the kernel path, and the
 dequantisation at DEVICE_MEMORY_GBS) beside the measured averages over the model's layers (each
 kind weighted by how many layers it has): their ratio is the planner's compute error on that
@@ -131,9 +132,12 @@ def layer_case(spec, i: int, B: int, T: int, device: str, dtype, reps: int, dequ
                          torch.empty(q.nbytes, dtype=torch.uint8, device=device))
         del flat, p
         out = torch.empty(layout.numel, dtype=dtype, device=device)
+        saved = os.environ.get(dispatch.ENV)
         os.environ[dispatch.ENV] = "0"
         row["dequant_torch"] = timed(lambda: q.dequantize(buf, out), device, max(2, reps // 2))
         os.environ.pop(dispatch.ENV)
+        if saved is not None:  # the caller's own setting back
+            os.environ[dispatch.ENV] = saved
         if dispatch.fused_ops_on(device):
             row["dequant_triton"] = timed(lambda: q.dequantize(buf, out), device, reps)
         row["nf4_bytes"] = q.nbytes

@@ -50,11 +50,13 @@ from slideformer.engine.runtime.shapes import disk_layers as nvme_layers
 from slideformer.engine.runtime.nf4 import CHUNK as NF4_CHUNK, Nf4Layout
 
 
-NF4_TORCH_FACTOR = 10.0
-"""How many times longer the PyTorch form of the NF4 dequantisation takes than the Triton kernel
-(kernels.triton_nf4), whose traffic the ``dq`` term counts at DEVICE_MEMORY_GBS: 7.8-11.9x on
-an H100 over seven model shapes' layers (benchmarks/family_layers.py, 2026-12-07; the kernel
-ran 1.5-2.5 TB/s there). Runs without the fused ops (no triton, SLIDEFORMER_TRITON=0) take it."""
+NF4_TORCH_FACTOR = 5.0
+"""How many times longer than the ``dq`` term (the Triton kernel's traffic at DEVICE_MEMORY_GBS)
+the PyTorch form of the NF4 dequantisation takes: 4.7-5.8x over seven model shapes' layers on an
+H100 (benchmarks/family_layers.py, 2026-12-07: measured PyTorch-form time over the plan's
+kernel figure; the kernel itself ran 6.9-11.9x faster than the PyTorch form, at 1.3-2.5 TB/s,
+where DEVICE_MEMORY_GBS assumes a consumer card's 1 TB/s). Runs without the fused ops (no
+triton, SLIDEFORMER_TRITON=0) take it."""
 
 ADAPTER_BYTES = 2.25
 """Device bytes each adapter moves per token, pass and element of its input + output (x A^T,

@@ -66,7 +66,8 @@ JIT_HOST = {"triton": 100 * MiB, "flex": 300 * MiB}
 """Host memory the JIT compilers a CUDA run starts keep for the process's life, beyond
 HOST_RUNTIME (benchmarks/host_baseline.py on the reference H100, torch 2.11, Triton 3.6,
 2026-12-07: RSS grew 99.5 MiB when the fused Triton ops compiled and ran, 299 MiB more when
-FlexAttention did, through torch.compile's Inductor, and 74 MiB more for one more Triton kernel)."""
+FlexAttention did, through torch.compile's Inductor; 74 MiB more once NF4 quantisation and its
+dequantisation kernel had run on the GPU, not counted here)."""
 STEP_MODULES = 320 * MiB
 """Host memory a CUDA training step adds beyond HOST_RUNTIME (whose figure comes from one
 matmul and one attention) and JIT_HOST, not attributed by a measurement of its own: the three

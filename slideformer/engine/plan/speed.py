@@ -254,8 +254,9 @@ Qwen3-30B-A3B 37.7, OLMoE-1B-7B 37.5, Qwen3.5-35B-A3B 40.5 ps with expert widths
 and 512, i.e. 0.10-0.21 of the matmul rate by FLOPs; GPT-OSS-120B 123 ps)."""
 EXPERT_PASSES = {"fwd": 1.0, "frozen": 2.0, "full": 2.5}
 """The experts' recompute + backward against their forward: dL/dx only (a frozen base) 1.98-2.2x
-on the same four shapes; with the experts' weight gradients the layer's backward grew by
-0.4-0.7 of the experts' forward more."""
+on the same four shapes; with every weight gradient the layer's backward grew by 0.4-0.74 of the
+experts' forward more (the attention projections' gradients included, which the FLOP-timed
+part counts too: 2.5 errs a little high)."""
 DELTANET_RULE_S = {"fwd": 51e-9, "frozen": 187e-9, "full": 187e-9}
 """Seconds of the gated delta rule on the PyTorch chunked path (models.deltanet, where fla does
 not run: deltanet_gpu.fla_usable), the causal convolution and gated norm included, per token
