@@ -94,3 +94,29 @@ def test_runtime_baseline_adds_the_jit_compilers():
     flex = memory.runtime_baseline("cuda", KernelPath(True, True, "flex"))
     assert fused.bytes - torch_ops.bytes == 100 * mib and flex.bytes - fused.bytes == 300 * mib
     assert "FlexAttention" in flex.detail
+
+
+def test_a_full_fine_tune_times_its_experts_the_same_way(monkeypatch):
+    """The full fine-tune's layer times (plan.speed._times) take the experts by measurement too,
+    their backward at EXPERT_PASSES["full"]; the model FLOPs reported stay the same."""
+    import torch
+
+    from slideformer.engine.plan.allocation import Precision
+    from slideformer.engine.runtime.executor import ExecShape
+    spec = spec_of("olmoe-1b-7b")
+    shape = ExecShape(micro_batch=4, seq_len=1024, n_micro=4, slots=4, checkpoints="host")
+    prec = Precision(torch.bfloat16, torch.float32)
+    monkeypatch.setattr(speed, "kernel_path", lambda *a: KernelPath(True, True, "causal"))
+    timed = speed.estimate(spec, shape, prec, "cuda", True, H100)
+    t = speed._times(spec, shape, prec, H100, 0.0, 0.802)
+    monkeypatch.setattr(speed, "irregular", lambda *a: speed.Irregular())
+    by_flops = speed.estimate(spec, shape, prec, "cuda", True, H100)
+    t0 = speed._times(spec, shape, prec, H100, 0.0, 0.802)
+    assert timed.busy_dict()["gpu compute"] > by_flops.busy_dict()["gpu compute"]
+    assert timed.flops == by_flops.flops
+    monkeypatch.undo()
+    irr = speed.irregular(spec, 4, 1024, H100, "cuda")  # the term the first plan took
+    rate = H100.matmul_tflops * 1e12 * 0.802
+    e, _ = irr.flops(frozen=False)
+    assert t.f - t0.f == pytest.approx(4 * (irr.fwd - e / rate))
+    assert t.b - t0.b == pytest.approx(4 * (irr.full - 3 * e / rate))
