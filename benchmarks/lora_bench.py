@@ -110,6 +110,29 @@ def random_frozen_state(spec, backend, lora, nf4: bool, device: str, dtype: torc
     return host
 
 
+def open_tier(plan, spec, folder: str, backend):
+    """The NVMe tier of the layers whose frozen base the plan put on disk, opened as the trainer
+    opens it (train.trainer.Trainer._open_tier); None: none."""
+    if not plan.disk_layers:
+        return None
+    from slideformer.engine.runtime.nvme import NvmeTier
+    from slideformer.engine.runtime.shapes import disk_layers
+    return NvmeTier(folder, [f"layer{i}" for i in disk_layers(spec.num_layers, plan.disk_layers)],
+                    size_limit=plan.budgets.disk, pin=backend.pin_mapping)
+
+
+def planned_disk_read(plan, spec, slots: int, dtype, method: str) -> float:
+    """GB a step reads from the NVMe tier by the plan (plan.frozen.base_reads: each disk layer
+    once per window that loads it)."""
+    if not plan.disk_layers:
+        return 0.0
+    from slideformer.engine.plan.allocation import Precision
+    from slideformer.engine.plan.frozen import base_reads, layer_bytes
+    from slideformer.engine.runtime.shapes import disk_layers, padded
+    reads = base_reads(spec.num_layers, slots, disk_layers(spec.num_layers, plan.disk_layers))
+    return reads * padded(layer_bytes(spec, Precision(dtype, torch.float32), method)) / 1e9
+
+
 def run_ours(a: dict) -> dict:
     from slideformer.engine.config import RunConfig, override
     from slideformer.engine.models.lora import for_model, lora_spec
@@ -130,17 +153,12 @@ def run_ours(a: dict) -> dict:
                                  "train.device": dev})
     if a.get("ram"):  # a RAM budget, the base partly in the NVMe tier (--disk)
         cfg = override(cfg, {"budget.ram": f"{a['ram']}GiB", "budget.nvme_dir": a["disk"] or "",
-                             "budget.nvme_size": "auto" if a["disk"] else "0"})  # noqa: E501
+                             "budget.nvme_size": "auto" if a["disk"] else "0"})
     plan = plan_run(cfg, spec, device=dev)
     lora = for_model(lora_spec(cfg.lora), spec)  # a mixture of experts: attention only
     backend = make_backend(dev)
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    tier = None
-    if plan.disk_layers:  # as the trainer opens it (train.trainer.Trainer._open_tier)
-        from slideformer.engine.runtime.nvme import NvmeTier
-        from slideformer.engine.runtime.shapes import disk_layers
-        tier = NvmeTier(a["disk"], [f"layer{i}" for i in disk_layers(spec.num_layers, plan.disk_layers)],
-                        size_limit=plan.budgets.disk, pin=backend.pin_mapping)
+    tier = open_tier(plan, spec, a["disk"], backend)
     t0 = time.perf_counter()
     host = random_frozen_state(spec, backend, lora, method == "qlora", dev, dtype, tier)
     setup = time.perf_counter() - t0
@@ -170,14 +188,7 @@ def run_ours(a: dict) -> dict:
     if tier is not None:
         tier.close()
     med = statistics.median(times[a["warmup"]:])
-    disk_read = 0.0
-    if plan.disk_layers:  # planned reads a step (plan.frozen.base_reads: per window that loads it)
-        from slideformer.engine.plan.allocation import Precision
-        from slideformer.engine.plan.frozen import base_reads, layer_bytes
-        from slideformer.engine.runtime.shapes import disk_layers, padded
-        reads = base_reads(spec.num_layers, ex.k, disk_layers(spec.num_layers, plan.disk_layers))
-        lb = layer_bytes(spec, Precision(dtype, torch.float32), method)
-        disk_read = reads * padded(lb) / 1e9
+    disk_read = planned_disk_read(plan, spec, ex.k, dtype, method)
     tokens = a["micro_batch"] * a["seq"] * a["accum"]
     return dict(tokens_per_s=round(tokens / med, 1), step_time_s=round(med, 3),
                 gpu_busy=round(statistics.median(busy[a["warmup"]:]), 3), busy_last_step_s=lanes,
