@@ -244,4 +244,4 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
     if step > SERIAL * max(busy.values()):
         note = "layer loads and compute take turns: the pipeline fills and drains"
     return dataclasses.replace(_result(step, tokens, busy, flops, note),
-                               kernels=kernels_note(path, hw))
+                               kernels=kernels_note(path, hw, irr))

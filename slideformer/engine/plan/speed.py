@@ -147,11 +147,17 @@ def layer_efficiency(path: KernelPath, hw: HardwareProfile) -> tuple[float, bool
     return (measured, True) if measured else (LAYER_EFFICIENCY[path.key], False)
 
 
-def kernels_note(path: KernelPath, hw: HardwareProfile) -> str:
+def kernels_note(path: KernelPath, hw: HardwareProfile, irr: "Irregular | None" = None) -> str:
     """The kernel path a CUDA plan assumes, in words, e.g. "fused Triton + FlexAttention
-    (document BlockMask), measured 0.81 of the matmul peak"."""
+    (document BlockMask), measured 0.81 of the matmul peak"; with ``irr``, the layer parts timed
+    by measurement instead (:func:`irregular`)."""
     eff, measured = layer_efficiency(path, hw)
-    return f"{path.describe()}, {'measured' if measured else 'assumed'} {eff:.2f} of the matmul peak"
+    note = f"{path.describe()}, {'measured' if measured else 'assumed'} {eff:.2f} of the matmul peak"
+    timed = [what for what, on in (("routed experts", irr and irr.expert_flops),
+                                   ("the gated delta rule (PyTorch)", irr and irr.rule_flops)) if on]
+    if timed:
+        note += f"; {' and '.join(timed)} at their times measured on an H100, scaled by matmul rate"
+    return note
 
 
 def cpu_dispatch_s(layers: int, n_micro: int) -> float:
@@ -457,7 +463,8 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
         note = ("the forward waits for the CPU updates (exact clipping), so the optimizer and "
                 "the GPU take turns" if clip else
                 "the pipeline fills and drains: resources wait for each other")
-    return replace(_result(step, tokens, busy, flops, note), kernels=kernels_note(path, hw))
+    irr = irregular(spec, shape.micro_batch, shape.seq_len, hw, device)
+    return replace(_result(step, tokens, busy, flops, note), kernels=kernels_note(path, hw, irr))
 
 
 def _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk, regen: int = 0) -> SpeedEstimate:

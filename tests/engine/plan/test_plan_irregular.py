@@ -83,6 +83,8 @@ def test_a_moe_layer_plans_slower_than_its_flops_say(monkeypatch):
     by_flops = frozen.frozen_estimate(*args)
     assert timed.busy_dict()["gpu compute"] > 1.5 * by_flops.busy_dict()["gpu compute"]
     assert timed.flops == by_flops.flops  # the model FLOPs reported do not change
+    assert "routed experts at their times measured" in timed.kernels  # the plan says so
+    assert "routed experts" not in by_flops.kernels
 
 
 def test_runtime_baseline_adds_the_jit_compilers():
