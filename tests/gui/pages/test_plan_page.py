@@ -256,6 +256,9 @@ def test_choosing_fp8_plans_fp8_projections(qtbot, page, tmp_path):
     assert page.inputs.precision.currentText().startswith("FP8")
     ref = reference(model, settings)
     assert page.plan.speed == ref.speed and "FP8 projections" in page.shape.text()
+    # a frozen base: the CPU updates nothing, the adapters are updated on the GPU
+    assert "adapters updated on the GPU" in page.shape.text()
+    assert "updates on the CPU" not in page.shape.text()
     assert category("FP8 operand copies") == "Step scratch"
     show(qtbot, page, model, {**settings, "train.precision": "bf16"})
     assert "FP8" not in page.shape.text()

@@ -454,7 +454,7 @@ class PlanPage(QWidget):
             f"{human_count(plan.total_params)} parameters{_active(plan)}) on {plan.device}: "
             f"{s.slots} layer slots "
             f"{device}, checkpoints {ckpt}, "
-            f"{_device_items(s)}"
+            f"{_device_items(s, plan.method)}"
             f"{plan.compute_dtype} compute, {plan.moments_dtype} moments.</span>")
 
     def fix_buttons(self) -> list[QPushButton]:
@@ -471,8 +471,11 @@ class PlanPage(QWidget):
                          f"({steps:,} steps)")
 
 
-def _device_items(shape) -> str:
-    """Which items the GPU updates itself (the rest go through the CPU optimizer)."""
+def _device_items(shape, method: str = "full") -> str:
+    """Which items the GPU updates itself (the rest go through the CPU optimizer); a frozen
+    base's adapters are all updated on the GPU (plan.frozen)."""
+    if method in ("lora", "qlora"):
+        return "adapters updated on the GPU, "
     if not shape.device_update and not shape.device_layers:
         return "all updates on the CPU, "
     layers = f" and {shape.device_layers} layers" if shape.device_layers else ""
