@@ -43,12 +43,25 @@ class Task(QObject):
         try:
             result = self._fn(*self._args)
         except (UserError, TaskError) as e:
-            self.failed.emit(str(e))
+            self._send(self.failed, str(e))
         except Exception as e:  # noqa: BLE001 - shown to the user, not swallowed
-            self.failed.emit(f"{type(e).__name__}: {e}")
+            self._send(self.failed, f"{type(e).__name__}: {e}")
         else:
-            self.done.emit(result)
-        self.finished.emit()
+            self._send(self.done, result)
+        self._send(self.finished)
+        if not shiboken6.isValid(self):  # no finished signal reached _forget
+            _live.discard(self)
+
+    def _send(self, signal, *args) -> None:
+        """Emit, unless this task's C++ object is gone: the application closed (its objects
+        deleted) while the worker still ran, and nobody is left to tell."""
+        if not shiboken6.isValid(self):
+            return
+        try:
+            signal.emit(*args)
+        except RuntimeError:  # deleted between the check and the emit
+            if shiboken6.isValid(self):
+                raise
 
     def _forget(self) -> None:
         _live.discard(self)

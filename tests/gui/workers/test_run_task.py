@@ -48,3 +48,22 @@ def test_a_destroyed_owner_is_not_called_back(qtbot):
             release.set()
         qtbot.wait(10)  # let any queued delivery run: it would raise on the deleted label
         assert calls == []
+
+
+def test_a_task_deleted_before_its_worker_ends_raises_nothing_there(qtbot, monkeypatch):
+    """The application closing while a worker runs deletes the task's C++ object; the worker's
+    emits then have no source. It ends quietly instead of printing a traceback at exit."""
+    errors = []
+    monkeypatch.setattr(threading, "excepthook", errors.append)
+    label = QLabel()
+    qtbot.addWidget(label)
+    task, release, calls = held_task(qtbot, label, "answer")
+    thread = task._thread
+    shiboken6.delete(task)
+    release.set()
+    thread.join(END_MS / 1000)
+    assert not thread.is_alive()
+    assert errors == [] and calls == []
+    from slideformer.gui.workers.thread import _live
+    assert task not in _live
+
