@@ -425,6 +425,8 @@ def main() -> None:
                     help="a preference objective; with dpo the HF contenders are TRL's "
                          "DPOTrainer + PEFT (+ bitsandbytes) (a micro-batch's rows are half as "
                          "many pairs, half of each row the prompt)")
+    ap.add_argument("--sizes", help="micro-batch x accumulation pairs instead of the table's, "
+                    "e.g. 1x1 (with --seq 65536: one 64K-token sequence a step)")
     ap.add_argument("--one", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
@@ -439,6 +441,8 @@ def main() -> None:
     print(json.dumps({"versions": versions(), "table": args.table, "shape": shape}))
     if args.only:
         contenders = tuple(c for c in contenders if c in args.only.split(","))
+    if args.sizes:
+        sizes = tuple(tuple(int(v) for v in p.split("x")) for p in args.sizes.split(","))
     if args.tokens:
         sizes = tuple((mb, acc) for mb, acc in sizes if mb * seq * acc == args.tokens)
     rows = []

@@ -245,45 +245,76 @@ def attention(spec: ModelSpec, p: dict, h: torch.Tensor, rope, mask, cache=None,
     """
     if LINEAR_MIXER in p:  # a gated DeltaNet layer: ``mask`` holds its rows' document ids
         return linear_mixer(spec, p, h, mask, cache, lora)
-    B, T, _ = h.shape
     nh = spec.num_heads
-    gate = None
     if spec.family.fused:  # one projection, split after the matmul (Phi-3)
         nkv, hd = spec.num_kv_heads, spec.head_dim
         q, k, v = linear(p, "self_attn.qkv_proj", h, lora).split(
             [nh * hd, nkv * hd, nkv * hd], dim=-1)
     else:  # the layer's own head size and KV heads (Gemma 4's full layers differ)
         q = linear(p, "self_attn.q_proj", h, lora)
-        k = linear(p, "self_attn.k_proj", h, lora)
-        # without v_proj (Gemma 4's attention_k_eq_v) the values are the keys' projection
-        v = linear(p, "self_attn.v_proj", h, lora) if "self_attn.v_proj.weight" in p else k
-        hd = q.shape[-1] // (2 * nh if spec.family.attn_gate else nh)
-        nkv = k.shape[-1] // hd
-    if spec.family.attn_gate:  # each head's [query | gate] (Qwen3.5)
-        q, gate = q.view(B, T, nh, 2 * hd).chunk(2, dim=-1)  # (B, T, nh, hd) each
-        q, gate = q.reshape(B, T, nh * hd), gate.reshape(B, T, nh * hd)
-    tables = v.dtype if rope is None else rope[0].dtype
-    if spec.qk_norm == "full":  # over all heads at once, before they split (OLMo 2)
-        q, k = norm(spec, p, "self_attn.q_norm", q), norm(spec, p, "self_attn.k_norm", k)
-    q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
-    k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
-    v = v.view(B, T, nkv, hd).transpose(1, 2)
-    if spec.family.v_norm:  # per head, without a weight (Gemma 4)
-        v = unit_rms(v, spec.rms_norm_eps)
-    if spec.qk_norm == "head":  # normed q, k in the tables' dtype: fp32 tables rotate fp32 values
-        q = norm(spec, p, "self_attn.q_norm", q, tables)
-        k = norm(spec, p, "self_attn.k_norm", k, tables)
-    if rope is not None:
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin, v.dtype), apply_rope(k, cos, sin, v.dtype)
-    else:
-        q, k = q.to(v.dtype), k.to(v.dtype)
+        k, v = _kv_projections(p, h, lora)
+    q, gate = _query_heads(spec, p, q, rope, v.dtype)
+    k, v = _kv_heads(spec, p, k, v, rope, q.shape[-1])
     if cache is not None:
         k, v = cache.extend(k, v)  # (B, nkv, past + T, hd)
     # is_causal aligns the mask top-left; with cached keys the caller passes the mask
     # (one new token attends to everything: no mask at all).
-    causal = mask is None and k.shape[2] == T and T > 1
-    a = attend(q, k, v, mask, causal, nh != nkv, spec.attn_scale,
+    causal = mask is None and k.shape[2] == q.shape[2] and q.shape[2] > 1
+    return _attention_output(spec, p, q, k, v, gate, mask, causal, lora)
+
+
+def _kv_projections(p: dict, h: torch.Tensor, lora=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys' and values' projections of h (B, T, kv width); without v_proj (Gemma 4's
+    attention_k_eq_v) the values are the keys' projection."""
+    k = linear(p, "self_attn.k_proj", h, lora)
+    v = linear(p, "self_attn.v_proj", h, lora) if "self_attn.v_proj.weight" in p else k
+    return k, v
+
+
+def _query_heads(spec: ModelSpec, p: dict, q: torch.Tensor, rope, dtype: torch.dtype):
+    """(q (B, nh, T, hd) normed and rotated in ``dtype``, the output gate (B, T, nh x hd) or
+    None) of the queries' projection q (B, T, ...)."""
+    B, T, _ = q.shape
+    nh, gate = spec.num_heads, None
+    hd = q.shape[-1] // (2 * nh if spec.family.attn_gate else nh)
+    if spec.family.attn_gate:  # each head's [query | gate] (Qwen3.5)
+        q, gate = q.view(B, T, nh, 2 * hd).chunk(2, dim=-1)  # (B, T, nh, hd) each
+        q, gate = q.reshape(B, T, nh * hd), gate.reshape(B, T, nh * hd)
+    tables = dtype if rope is None else rope[0].dtype
+    if spec.qk_norm == "full":  # over all heads at once, before they split (OLMo 2)
+        q = norm(spec, p, "self_attn.q_norm", q)
+    q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+    if spec.qk_norm == "head":  # normed q in the tables' dtype: fp32 tables rotate fp32 values
+        q = norm(spec, p, "self_attn.q_norm", q, tables)
+    if rope is not None:
+        return apply_rope(q, *rope, dtype), gate
+    return q.to(dtype), gate
+
+
+def _kv_heads(spec: ModelSpec, p: dict, k: torch.Tensor, v: torch.Tensor, rope,
+              hd: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (B, nkv, T, hd), k normed and rotated, of the projections k, v (B, T, nkv x hd)."""
+    B, T, _ = k.shape
+    nkv = k.shape[-1] // hd
+    tables = v.dtype if rope is None else rope[0].dtype
+    if spec.qk_norm == "full":
+        k = norm(spec, p, "self_attn.k_norm", k)
+    k = k.view(B, T, nkv, hd).transpose(1, 2)  # (B, nkv, T, hd)
+    v = v.view(B, T, nkv, hd).transpose(1, 2)
+    if spec.family.v_norm:  # per head, without a weight (Gemma 4)
+        v = unit_rms(v, spec.rms_norm_eps)
+    if spec.qk_norm == "head":
+        k = norm(spec, p, "self_attn.k_norm", k, tables)
+    if rope is not None:
+        return apply_rope(k, *rope, v.dtype), v
+    return k.to(v.dtype), v
+
+
+def _attention_output(spec: ModelSpec, p: dict, q, k, v, gate, mask, causal: bool,
+                      lora=None) -> torch.Tensor:
+    """The output projection of the attention of q (B, nh, T, hd) over k, v: (B, T, H)."""
+    B, nh, T, hd = q.shape
+    a = attend(q, k, v, mask, causal, nh != k.shape[1], spec.attn_scale,
                p.get("self_attn.sinks"))  # (B, nh, T, hd)
     a = a.transpose(1, 2).reshape(B, T, nh * hd)
     if gate is not None:
@@ -493,7 +524,8 @@ def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Ten
     compare them with ``torch.equal``). Other layer shapes (a down projection with a bias,
     post or sandwich norms, experts) keep the plain autograd path; ``aux`` (models.moe.RouterAux)
     adds the router loss's terms of this layer to what is backpropagated. ``tile``: the
-    feed-forward half in tiles of that many tokens (:func:`tiled_grads`).
+    layer in tiles of that many tokens, of queries where attention allows it
+    (:func:`query_tiled_grads`), else of its feed-forward half (:func:`tiled_grads`).
     """
     into = into or {}
     x = x.detach().requires_grad_()
@@ -508,6 +540,9 @@ def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Ten
             into.get("mlp.down_proj.weight"))
     else:
         ff = lambda m: ff_block(spec, p, m, aux=aux)  # noqa: E731
+    if query_tiles(spec, leaves, x, mask, tile, aux):
+        gx, grads = query_tiled_grads(spec, p, ff, x, gy, wanted, rope, mask, tile)
+        return gx, dict(zip(names, grads))
     if tiles(tile, x, aux):
         gx, grads = tiled_grads(lambda v: mixer_block(spec, p, v, rope, mask), ff, x, gy,
                                 wanted, tile)
@@ -522,6 +557,91 @@ def layer_backward(spec: ModelSpec, leaves: dict, x: torch.Tensor, gy: torch.Ten
     return grads[0], dict(zip(names, grads[1:]))
 
 
+def query_tiles(spec: ModelSpec, p: dict, x: torch.Tensor, mask, tile: int, aux=None,
+                lora=None) -> bool:
+    """Whether the layer's backward runs in tiles of queries (:func:`query_tiled_grads`): as
+    :func:`tiles`, for attention with its own q, k and v projections (not Phi-3's fused one,
+    nor a gated DeltaNet, whose recurrence reads every earlier position), no sinks, and plain
+    causal rows or a boolean mask (a FlexAttention BlockMask is not cut into query rows)."""
+    return (tiles(tile, x, aux, lora) and x.shape[1] > max(1, tile // x.shape[0])
+            and LINEAR_MIXER not in p and not spec.family.fused and "self_attn.sinks" not in p
+            and (mask is None or type(mask) is torch.Tensor))
+
+
+def query_tiled_grads(spec: ModelSpec, p: dict, ff, x: torch.Tensor, gy: torch.Tensor,
+                      params: list[torch.Tensor], rope, mask, tile: int, lora=None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """dL/dx and dL/d ``params`` of y = ff(mixer_block(x)) for dL/dy = ``gy``, the whole layer
+    recomputed and backpropagated a tile of queries at a time (``tile`` tokens: tile // B
+    positions of every row), so that one long sequence holds a tile's activations, not the
+    sequence's.
+
+    Keys and values are the only part of a layer a position reads from others: they are
+    computed once for every position with autograd (the normed input, k and v), and each tile
+    computes its queries, attends them to the keys up to its last position (causal, aligned to
+    the bottom right; or its rows of the boolean ``mask``), adds the output projection and the
+    token-wise feed-forward, and backpropagates at once, summing dL/dk and dL/dv in fp32. A
+    last backward takes them through the keys' and values' projections. The same maths as the
+    whole layer, up to the order in which the sums over tokens add up (tests compare them)."""
+    from torch.nn.attention.bias import causal_lower_right
+    B, T, _ = x.shape
+    qt = max(1, tile // B)
+    style, c, nh = spec.family.norm, _compute(p), spec.num_heads
+    wq = p["self_attn.q_proj.weight"]
+    hd = (wq.w if isinstance(wq, GradInto) else wq).shape[0] // (
+        2 * nh if spec.family.attn_gate else nh)
+
+    def normed(v):
+        return v.to(c) if style == "post" else norm(spec, p, "input_layernorm", v, c)
+    xf = x.detach().requires_grad_()
+    with torch.enable_grad():
+        k, v = _kv_heads(spec, p, *_kv_projections(p, normed(xf), lora), rope, hd)
+    gk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
+    gv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    gx = torch.empty_like(x)
+    acc: list[torch.Tensor | None] = [None] * len(params)
+    for s in range(0, T, qt):
+        e = min(T, s + qt)
+        xt = x[:, s:e].detach().contiguous().requires_grad_()
+        ks = k.detach()[:, :, :e].requires_grad_()
+        vs = v.detach()[:, :, :e].requires_grad_()
+        rt = None if rope is None else tuple(t[:, :, s:e].contiguous() for t in rope)
+        if mask is not None:
+            mt, causal = mask[..., s:e, :e], False
+        elif s == 0 or e - s == 1:  # square, or one query that sees every key
+            mt, causal = None, s == 0 and e > 1
+        else:
+            mt, causal = causal_lower_right(e - s, e), False
+        with torch.enable_grad():
+            q, gate = _query_heads(spec, p, linear(p, "self_attn.q_proj", normed(xt), lora),
+                                   rt, v.dtype)
+            a = _attention_output(spec, p, q, ks, vs, gate, mt, causal, lora)
+            if style != "pre":
+                a = norm(spec, p, "post_attention_layernorm", a)
+            y = ff(xt + a)
+            got = torch.autograd.grad(y, [xt, ks, vs, *params], gy[:, s:e].contiguous(),
+                                      allow_unused=True)
+        gx[:, s:e] = got[0]
+        gk[:, :, :e] += got[1]
+        gv[:, :, :e] += got[2]
+        acc = _sum_grads(acc, got[3:])
+        del q, gate, a, y, got, xt, ks, vs
+    got = torch.autograd.grad([k, v], [xf, *params], [gk.to(k.dtype), gv.to(v.dtype)],
+                              allow_unused=True)
+    gx += got[0]
+    return gx, _as_params(params, _sum_grads(acc, got[1:]))
+
+
+def _sum_grads(sums: list, grads) -> list:
+    """Tile-by-tile sums of parameter grads, in fp32 (one rounding at the end)."""
+    return [a if g is None else g.float() if a is None else a.add_(g) for a, g in zip(sums, grads)]
+
+
+def _as_params(params: list[torch.Tensor], sums: list) -> list[torch.Tensor]:
+    """The sums in each parameter's dtype (a leaf no tile read gets 0)."""
+    return [torch.zeros_like(w) if g is None else g.to(w.dtype) for w, g in zip(params, sums)]
+
+
 def tiled_grads(mixer, ff, x: torch.Tensor, gy: torch.Tensor, params: list[torch.Tensor],
                 tile: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """dL/dx and dL/d ``params`` of y = ff(mixer(x)) for dL/dy = ``gy``, the token-wise ``ff``
@@ -534,18 +654,13 @@ def tiled_grads(mixer, ff, x: torch.Tensor, gy: torch.Tensor, params: list[torch
     flat = m.detach().reshape(1, -1, m.shape[-1])
     g_out, g_mid = gy.reshape(flat.shape), torch.empty_like(flat)
     acc: list[torch.Tensor | None] = [None] * len(params)  # fp32: one rounding at the end
-
-    def add(sums, grads):
-        return [a if g is None else g.float() if a is None else a.add_(g) for a, g in zip(sums, grads)]
     for s in range(0, flat.shape[1], tile):
         part = flat[:, s:s + tile].requires_grad_()
         with torch.enable_grad():
             y = ff(part)
             got = torch.autograd.grad(y, [part, *params], g_out[:, s:s + tile], allow_unused=True)
         g_mid[:, s:s + tile] = got[0]
-        acc = add(acc, got[1:])
+        acc = _sum_grads(acc, got[1:])
         del y, got, part
     got = torch.autograd.grad(m, [x, *params], g_mid.view(m.shape), allow_unused=True)
-    grads = add(acc, got[1:])
-    return got[0], [torch.zeros_like(w) if g is None else g.to(w.dtype)
-                    for w, g in zip(params, grads)]
+    return got[0], _as_params(params, _sum_grads(acc, got[1:]))

@@ -248,7 +248,8 @@ class Evaluator:
         return ExecShape(micro_batch=k.micro_batch, seq_len=k.seq_len, n_micro=k.grad_accum,
                          slots=slots, checkpoints=ckpt, head_chunk=head_chunk(self.spec.vocab_size),
                          spec_layers=SPEC_LAYERS if k.clip and k.speculate else 0,
-                         ff_tokens=ff_tile(self.spec, k.micro_batch * k.seq_len, dropout))
+                         ff_tokens=ff_tile(self.spec, k.micro_batch * k.seq_len, dropout,
+                                           k.micro_batch))
 
     def _most_slots(self, k: Knobs, ckpt: str) -> Evaluation:
         """As many slots as fit (at least 2, at most L) keeping the budgets' last 10% free, or

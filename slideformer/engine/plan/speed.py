@@ -154,7 +154,9 @@ def kernels_note(path: KernelPath, hw: HardwareProfile, irr: "Irregular | None" 
     eff, measured = layer_efficiency(path, hw)
     note = f"{path.describe()}, {'measured' if measured else 'assumed'} {eff:.2f} of the matmul peak"
     timed = [what for what, on in (("routed experts", irr and irr.expert_flops),
-                                   ("the gated delta rule (PyTorch)", irr and irr.rule_flops)) if on]
+                                   ("the gated delta rule (PyTorch)", irr and irr.rule_flops),
+                                   (f"attention of heads over {FLASH_HEAD_DIM} (SDPA's math path)",
+                                    irr and irr.score_flops)) if on]
     if timed:
         note += f"; {' and '.join(timed)} at their times measured on an H100, scaled by matmul rate"
     return note
@@ -274,17 +276,19 @@ by d_k d_v for other head sizes. Through fla the rule's FLOPs are counted at the
 @dataclass(frozen=True)
 class Irregular:
     """The parts of a decoder layer timed by measurement instead of FLOPs at the layer rate,
-    per micro-batch and averaged over the layers: the routed experts' and the PyTorch delta
-    rule's forward FLOPs (left out of the FLOP-timed work) and their seconds per pass."""
+    per micro-batch and averaged over the layers: the routed experts', the PyTorch delta
+    rule's and the math-path attention's forward FLOPs (left out of the FLOP-timed work) and
+    their seconds per pass."""
     expert_flops: float = 0.0
     rule_flops: float = 0.0
     fwd: float = 0.0
     frozen: float = 0.0
     full: float = 0.0
+    score_flops: float = 0.0
 
     def flops(self, frozen: bool) -> tuple[float, float]:
         """(forward, recompute + backward) FLOPs these parts stand for in layer_flops' count."""
-        e, r = self.expert_flops, self.rule_flops
+        e, r = self.expert_flops, self.rule_flops + self.score_flops
         return e + r, (2 * e if frozen else 3 * e) + 3 * r
 
 
@@ -296,12 +300,26 @@ def fla_runs(device: str) -> bool:
     return not (torch.cuda.is_available() and deltanet_gpu.fla_refused_on(0))
 
 
+FLASH_HEAD_DIM = 256
+"""The largest head size PyTorch's fused SDPA kernels (flash, memory-efficient) take on CUDA;
+attention of wider heads (Gemma 4's full layers, 512) runs on SDPA's math path."""
+SCORE_S = {"fwd": 78e-12, "frozen": 208e-12, "full": 208e-12}
+"""Seconds per attention score (batch x heads x T x T) on SDPA's math path, forward and
+recompute + backward: Gemma-4 31B's full-attention layers (32 heads of 512, 4 x 1024 tokens;
+benchmarks/family_layers.py, H100, 2026-12-07): their mixer took 13.5 ms forward and 34.3 ms
+for the recompute + backward, of which the projections at the layer rate and the norms are
+about 3 and 6 ms. The path forms the scores, their softmax and grads in memory: 12 TFLOP/s."""
+
+
 def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str) -> Irregular:
-    """A CUDA layer's routed experts and PyTorch delta rule (:class:`Irregular`)."""
+    """A CUDA layer's routed experts, PyTorch delta rule and math-path attention
+    (:class:`Irregular`)."""
     if device != "cuda":
         return Irregular()
     linear = sum(spec.is_linear(i) for i in range(spec.num_layers))
-    if spec.moe is None and not linear:
+    wide = [i for i in range(spec.num_layers)
+            if not spec.is_linear(i) and spec.head_dim_of(i) > FLASH_HEAD_DIM]
+    if spec.moe is None and not linear and not wide:
         return Irregular()
     L, N, scale = spec.num_layers, B * T, IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops
     e_flops = fwd = frozen = full = r_flops = 0.0
@@ -326,7 +344,14 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str)
         fwd += th * DELTANET_RULE_S["fwd"]
         frozen += th * DELTANET_RULE_S["frozen"]
         full += th * DELTANET_RULE_S["full"]
-    return Irregular(e_flops, r_flops, fwd, frozen, full)
+    s_flops = 0.0
+    if wide:  # mixer_flops counts every attention layer at the widest layer's query width
+        s_flops = 2.0 * B * T * T * spec.q_width * len(wide) / L
+        scores = B * spec.num_heads * T * T * scale * len(wide) / L
+        fwd += scores * SCORE_S["fwd"]
+        frozen += scores * SCORE_S["frozen"]
+        full += scores * SCORE_S["full"]
+    return Irregular(e_flops, r_flops, fwd, frozen, full, s_flops)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ CUDA); see slideformer.engine.plan.memory for how the phases combine into peaks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from slideformer.engine.kernels import fp8
 from slideformer.engine.kernels.dispatch import KernelPath
@@ -102,11 +102,25 @@ def layer_transients(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     (ExecShape.ff_tokens; 0: none)."""
     masked = kernels.attention == "mask"
     into = kernels.fp32_grads and frozen is None and prec.c < 4
+    queries = query_tiled(spec, kernels)
     if kernels.fused_ops:
-        return [fused_forward_scratch(spec, N, B, T, prec, masked, tile),
-                *fused_recompute_scratch(spec, N, B, T, prec, masked, frozen, into, tile)]
-    return [forward_scratch(spec, N, B, T, prec, masked, tile),
-            *recompute_scratch(spec, N, B, T, prec, masked, frozen, into, tile)]
+        out = [fused_forward_scratch(spec, N, B, T, prec, masked, tile),
+               *fused_recompute_scratch(spec, N, B, T, prec, masked, frozen, into, tile, queries)]
+    else:
+        out = [forward_scratch(spec, N, B, T, prec, masked, tile),
+               *recompute_scratch(spec, N, B, T, prec, masked, frozen, into, tile, queries)]
+    if queries and _ff_tokens(N, tile) < N:
+        out = [replace(a, detail=f"{a.detail}, {tile:,} tokens of queries at a time")
+               if a.purpose == "recompute activations" else a for a in out]
+    return out
+
+
+def query_tiled(spec: ModelSpec, kernels: KernelPath) -> bool:
+    """Whether a tiled layer's backward tiles its queries (models.layers.query_tiles) in every
+    layer of the model: attention with its own q, k, v projections and no sinks in every layer
+    (no gated DeltaNet), plain causal rows or a boolean mask (not a FlexAttention BlockMask)."""
+    return (kernels.attention != "flex" and not spec.family.fused and not spec.family.sinks
+            and not any(spec.is_linear(i) for i in range(spec.num_layers)))
 
 
 def _ff_tokens(N: int, tile: int) -> int:
@@ -171,7 +185,7 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
 
 def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
                       masked: bool, frozen: FrozenBase | None = None,
-                      into: bool = False, tile: int = 0) -> list[Allocation]:
+                      into: bool = False, tile: int = 0, queries: bool = False) -> list[Allocation]:
     """_layer_backward for one micro-batch, PyTorch ops: the recompute's saved activations and
     the grads (``masked``: attention takes a boolean document mask).
 
@@ -202,9 +216,22 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     mask = B * T * T * c if masked else 0
     # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
     # fp32 temporaries of the norm's backward, the residual grad and dL/dh (and the output)
-    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff)
-                                          + _tile_sums(spec, prec, N, tile, into) + mask, H * I * c),
-                          (N * H * (20 + 2 * c + out), P * c), frozen, into)
+    sums = _tile_sums(spec, prec, N, tile, into)
+    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff, queries,
+                                                 H * norms // 2) + sums + mask, H * I * c),
+                          (N * H * (20 + 2 * c + out) + _kv_sums(spec, prec, N, tile, queries, sums),
+                           P * c), frozen, into)
+
+
+def _kv_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, queries: bool,
+             sums: int) -> int:
+    """What the last backward of a query-tiled layer (models.layers.query_tiled_grads: through
+    the keys' and values' projections and the input norm) holds beyond the untiled layer's
+    input-norm backward: the parameter grads' fp32 sums, dL/dk and dL/dv in fp32 and in the
+    compute dtype, and the tiles' dL/dx."""
+    if not queries or _ff_tokens(N, tile) >= N:
+        return 0
+    return sums + N * (2 * spec.kv_width * (4 + prec.c) + spec.hidden_size * prec.r)
 
 
 def _tile_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, into: bool) -> int:
@@ -221,21 +248,29 @@ def _tile_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, into: bool) 
                               if not (into and n.endswith("_proj.weight")))
 
 
-def _tiled(spec: ModelSpec, prec: Precision, N: int, tile: int, per_token: int, ff: int) -> int:
+def _tiled(spec: ModelSpec, prec: Precision, N: int, tile: int, per_token: int, ff: int,
+           queries: bool = False, normed: int = 0) -> int:
     """Bytes saved at the feed-forward's backward for N tokens of ``per_token`` bytes, of which
     ``ff`` are the feed-forward's own. In tiles (models.layers.tiled_grads) the larger of two
     moments: a tile's backward (the mixer's part for every token, the tile's feed-forward part,
     the detached mid residual, dL/d(mid residual) and the tile's output), and the attention's
     backward after the tiles, where the mixer's part meets its grads: dL/d(mid residual) and
     dL/dx (residual dtype), dL/dh, dL/d(output), its (B, T, H) copy and dL/dq, dL/dk and dL/dv
-    as repeated to the query heads (GQA) and as reduced to the KV heads."""
+    as repeated to the query heads (GQA) and as reduced to the KV heads.
+
+    In tiles of queries (``queries``; models.layers.query_tiled_grads) every token holds only
+    the keys' and values' graph (the normed input, ``normed`` bytes a token with what its norm
+    saves, and k and v), their fp32 gradient sums, the gradient of the keys and values a tile
+    reads and dL/dx; a tile holds the whole layer's activations and the attention's grads."""
     t = _ff_tokens(N, tile)
     if t >= N:
         return N * per_token
     c, r, H, q, kv = prec.c, prec.r, spec.hidden_size, spec.q_width, spec.kv_width
     mixer = per_token - ff
-    tiles = N * (mixer + 2 * H * r) + t * (ff + H * r)
     grads = 2 * H * r + H * c + 3 * q * c + 2 * (q if q > kv else kv) * c + 2 * kv * c
+    if queries:
+        return N * (normed + 2 * kv * c + 2 * kv * 4 + 2 * kv * c + H * r) + t * (per_token + grads)
+    tiles = N * (mixer + 2 * H * r) + t * (ff + H * r)
     return max(tiles, N * (mixer + grads))
 
 
@@ -295,7 +330,8 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
 
 def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
                             masked: bool, frozen: FrozenBase | None = None,
-                            into: bool = False, tile: int = 0) -> list[Allocation]:
+                            into: bool = False, tile: int = 0,
+                            queries: bool = False) -> list[Allocation]:
     """_layer_backward for one micro-batch on the fused Triton RMSNorm, RoPE and SwiGLU.
 
     Saved per token at the MLP's backward (the peak for long micro-batches): the two normed
@@ -320,9 +356,11 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
     per_token = H * (2 * c + r + out) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8
     mask = B * T * T * c if masked else 0
     ff = H * c + 5 * I * c + 4  # the feed-forward's normed input and rsqrt, its MLP's
-    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff)
-                                          + _tile_sums(spec, prec, N, tile, into) + mask, H * I * c),
-                          (N * H * (3 * r + c + out), spec.params_per_layer * c), frozen, into)
+    sums = _tile_sums(spec, prec, N, tile, into)
+    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff, queries,
+                                                 H * c + 4) + sums + mask, H * I * c),
+                          (N * H * (3 * r + c + out) + _kv_sums(spec, prec, N, tile, queries, sums),
+                           spec.params_per_layer * c), frozen, into)
 
 
 def _largest_layer_tensor(spec: ModelSpec) -> int:

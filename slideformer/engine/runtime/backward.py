@@ -13,7 +13,7 @@ import torch
 from slideformer.engine.kernels.fp8 import enabled as fp8_enabled
 from slideformer.engine.kernels.dispatch import fp32_accumulate
 from slideformer.engine.models.layers import (decoder_layer, ff_block, layer_backward, mixer_block,
-                                              tiled_grads, tiles)
+                                              query_tiled_grads, query_tiles, tiled_grads, tiles)
 from slideformer.engine.models.lora import LoraForward
 from slideformer.engine.models.spec import Layout
 from slideformer.engine.runtime.host_state import AdamHyper
@@ -162,7 +162,11 @@ class WindowBackward:
                 leaves = {k: v.detach().requires_grad_() for k, v in layout.views(item.w).items()}
                 adapters = LoraForward(self.lora, leaves, self._dropout_seed(layer, mb, True))
                 x = x.detach().requires_grad_()
-                if tiles(self.ff_tile, x, aux, adapters):
+                if query_tiles(spec, base, x, mask, self.ff_tile, aux, adapters):
+                    gx, grads = query_tiled_grads(
+                        spec, base, lambda m: ff_block(spec, base, m, adapters), x, gy,
+                        list(leaves.values()), rope, mask, self.ff_tile, adapters)
+                elif tiles(self.ff_tile, x, aux, adapters):
                     gx, grads = tiled_grads(
                         lambda v: mixer_block(spec, base, v, rope, mask, lora=adapters),
                         lambda m: ff_block(spec, base, m, adapters), x, gy, list(leaves.values()),

@@ -60,21 +60,28 @@ class ExecShape:
 
 
 FF_TILE = 16384
-"""Tokens per feed-forward tile the planner gives a micro-batch of more tokens than this
-(ExecShape.ff_tokens): a long sequence's MLP intermediates (several tokens x intermediate-width
-tensors: ~10 GiB for one 64K-token sequence of an 8B) then take a 16K-token tile's memory,
-while each tile's matmuls stay large enough to run at the GPU's full rate. Micro-batches of at
-most this many tokens run untiled."""
+"""Micro-batches of more tokens than this run each layer in tiles (ExecShape.ff_tokens): a long
+sequence's MLP intermediates (several tokens x intermediate-width tensors: ~10 GiB for one
+64K-token sequence of an 8B) and, where attention allows it, its queries' activations
+(models.layers.query_tiles) then take a tile's memory. Micro-batches of at most this many
+tokens run untiled."""
+TILE_ROWS = 512
+"""Positions of each row a tile holds at least (:func:`ff_tile`): a tile of queries attends as
+a block of that many rows or more."""
+MIN_TILE = 4096
+"""Tokens per tile at the least: each tile's matmuls stay large enough (4096 rows) to run at
+the GPU's full rate."""
 
 
-def ff_tile(spec, tokens: int, lora_dropout: float = 0.0) -> int:
-    """ExecShape.ff_tokens for micro-batches of ``tokens`` tokens: :data:`FF_TILE` where they
-    have more and tiling computes the same (models.layers.tiles: no router loss, no LoRA
-    dropout), else 0."""
+def ff_tile(spec, tokens: int, lora_dropout: float = 0.0, rows: int = 1) -> int:
+    """ExecShape.ff_tokens for micro-batches of ``rows`` rows and ``tokens`` tokens: where
+    they have more than :data:`FF_TILE` and tiling computes the same (models.layers.tiles: no
+    router loss, no LoRA dropout), tiles of :data:`MIN_TILE` tokens, or of :data:`TILE_ROWS`
+    positions of every row if more (at most FF_TILE); else 0 (untiled)."""
     moe = getattr(spec, "moe", None)
     if tokens <= FF_TILE or lora_dropout or (moe is not None and moe.aux_coef):
         return 0
-    return FF_TILE
+    return min(FF_TILE, max(MIN_TILE, TILE_ROWS * rows))
 
 
 def speculative_layers(num_layers: int, device_layers: int, depth: int,

@@ -178,18 +178,24 @@ TILED = [(a, i) for a in ("llama", "qwen3", "olmo2", "gemma3_text", "phi3", "qwe
         [("qwen3_5_moe_text", 0)]
 
 
+FF_TILED_ONLY = {"phi3", "gpt_oss"}
+"""Families whose layers tile their feed-forward only (models.layers.query_tiles): Phi-3's
+fused projection, GPT-OSS's sinks; and the gated DeltaNet layers of Qwen3.5."""
+
+
 @pytest.mark.parametrize("arch,layer", TILED)
 def test_feed_forward_in_tiles_equals_the_whole_layer(arch, layer, monkeypatch):
     """Every layer style (pre, post and sandwich norms, Phi-3's fused gate-up, experts, GPT-OSS's
     sinks and biases, Gemma 4's experts beside the MLP and layer scalar, the gated DeltaNet as the
     mixer): the forward and the recompute + backward in tiles of 7 tokens (48 tokens: the last
-    tile partial) give the untiled layer's output and gradients, up to the order of summation."""
+    tile partial) give the untiled layer's output and gradients, up to the order of summation.
+    The backward tiles the queries where attention allows it (3 positions of both rows a tile)."""
     from slideformer.engine.models import layers
     spec, leaves, x, gy, (rope, mask) = family_layer(arch, layer)
     with torch.no_grad():
         ref_y = decoder_layer(spec, leaves, x, rope, mask)
     ref_gx, ref = layer_backward(spec, leaves, x, gy, rope, mask)
-    calls = {"ff_block": [], "tiled_grads": []}
+    calls = {"ff_block": [], "tiled_grads": [], "query_tiled_grads": []}
     for fn in calls:
         real = getattr(layers, fn)
         monkeypatch.setattr(layers, fn, lambda *a, _r=real, _n=fn, **k: calls[_n].append(1) or _r(*a, **k))
@@ -197,11 +203,47 @@ def test_feed_forward_in_tiles_equals_the_whole_layer(arch, layer, monkeypatch):
         assert_near(decoder_layer(spec, leaves, x, rope, mask, tile=7), ref_y, "output")
     assert len(calls["ff_block"]) == 7  # 48 tokens in tiles of 7
     gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, tile=7)
-    assert len(calls["tiled_grads"]) == 1
+    linear = layers.LINEAR_MIXER in leaves
+    queries = arch not in FF_TILED_ONLY and not linear
+    assert (len(calls["query_tiled_grads"]), len(calls["tiled_grads"])) == \
+        ((1, 0) if queries else (0, 1))
     assert list(grads) == list(ref)
     assert_near(gx, ref_gx, "dL/dx")
     for name in ref:
         assert_near(grads[name], ref[name], name)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("T,tile", [(24, 8), (24, 2), (23, 10), (40, 46)])
+def test_query_tiles_with_a_document_mask_equal_the_whole_layer(arch, T, tile):
+    """Packed rows (a boolean mask cut into each tile's rows) and tiles of one position (a
+    query that sees every key of its rows' prefix), partial last tiles: the same gradients."""
+    from slideformer.engine.models.layers import query_tiles
+    spec, leaves, x, gy, (rope, _) = family_layer(arch, 0, T=T)
+    doc = torch.tensor([0] * (T // 3) + [1] * (T - T // 3 - 2) + [2] * 2).expand(2, T)
+    mask = packed_causal_mask(doc)
+    assert query_tiles(spec, leaves, x, mask, tile)
+    ref_gx, ref = layer_backward(spec, leaves, x, gy, rope, mask)
+    gx, grads = layer_backward(spec, leaves, x, gy, rope, mask, tile=tile)
+    assert_near(gx, ref_gx, "dL/dx")
+    for name in ref:
+        assert_near(grads[name], ref[name], name)
+
+
+def test_query_tiles_only_where_attention_allows_them():
+    """Not for a FlexAttention BlockMask, GPT-OSS's sinks, Phi-3's fused projection, the gated
+    DeltaNet, nor rows short enough for one tile."""
+    from slideformer.engine.kernels.attention import document_block_mask
+    from slideformer.engine.models.layers import LINEAR_MIXER, query_tiles
+    spec, leaves, x, *_ = family_layer("llama", 0)
+    assert query_tiles(spec, leaves, x, None, 8) and not query_tiles(spec, leaves, x, None, 48)
+    assert not query_tiles(spec, leaves, x, None, 0)
+    block = document_block_mask(torch.zeros(2, 24, dtype=torch.long))
+    assert not query_tiles(spec, leaves, x, block, 8)
+    for arch, layer in (("gpt_oss", 0), ("phi3", 0), ("qwen3_5_text", 0)):
+        spec, leaves, x, *_ = family_layer(arch, layer)
+        assert not query_tiles(spec, leaves, x, None, 8), arch
+    assert LINEAR_MIXER in leaves
 
 
 def test_tiles_add_projection_grads_into_their_buffers():
@@ -242,3 +284,28 @@ def test_bf16_tiles_sum_their_gradients_in_fp32():
         assert grads[name].dtype == torch.bfloat16
         rel = ((grads[name].float() - ref[name].float()).norm() / ref[name].float().norm()).item()
         assert rel < 8e-3, f"{name}: {rel:.1e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
+def test_query_tiles_on_cuda_match_the_whole_layer(arch):
+    """bf16 on the GPU (the fused kernels, flash attention aligned to the bottom right for each
+    tile of queries, the projection grads added into fp32 buffers): the tiled layer's
+    gradients within bf16 rounding of the untiled layer's."""
+    from slideformer.engine.models.layers import query_tiles
+    spec, leaves, x, gy, (rope, mask) = family_layer(arch, 0, B=1, T=2048, dtype=torch.bfloat16)
+    leaves = {k: v.detach().cuda().requires_grad_() for k, v in leaves.items()}
+    x, gy, rope = x.cuda(), gy.cuda(), tuple(t.cuda() for t in rope)
+    assert query_tiles(spec, leaves, x, mask, 512)
+    names = [n for n in leaves if n.endswith("_proj.weight")]
+    results = []
+    for tile in (0, 512):
+        bufs = {n: torch.zeros(leaves[n].shape, device="cuda") for n in names}
+        plain = {k: v.detach() if k in bufs else v for k, v in leaves.items()}
+        gx, grads = layer_backward(spec, plain, x, gy, rope, mask, into=bufs, tile=tile)
+        results.append((gx, {**{k: g.float() for k, g in grads.items()}, **bufs}))
+    (ref_gx, ref), (gx, got) = results
+    for name, a, b in [("dL/dx", gx.float(), ref_gx.float())] + [(n, got[n], ref[n]) for n in ref]:
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < 1e-2, f"{name}: {rel:.1e}"

@@ -63,6 +63,25 @@ def test_the_delta_rule_is_timed_only_where_fla_does_not_run(monkeypatch, fla):
     assert irr.rule_flops > 0 and irr.expert_flops == 0
 
 
+def test_attention_of_heads_wider_than_flash_takes_is_timed_by_its_scores():
+    """Gemma 4's full layers (heads of 512) run SDPA's math path: timed per score, their share
+    of the widest-layer attention FLOPs left out of the FLOP-timed work; heads of 256 and less
+    (the sliding layers, Llama) are not."""
+    g = spec_of("gemma-4-31b")
+    wide = [i for i in range(g.num_layers) if g.head_dim_of(i) > speed.FLASH_HEAD_DIM]
+    assert len(wide) == 10
+    irr = speed.irregular(g, 4, 1024, H100, "cuda")
+    scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
+    scores = 4 * g.num_heads * 1024 * 1024 * scale * 10 / g.num_layers
+    assert irr.fwd == pytest.approx(scores * speed.SCORE_S["fwd"])
+    assert irr.frozen == pytest.approx(scores * speed.SCORE_S["frozen"])
+    assert irr.score_flops == pytest.approx(2.0 * 4 * 1024 * 1024 * g.q_width * 10 / g.num_layers)
+    assert irr.flops(frozen=True) == pytest.approx((irr.score_flops, 3 * irr.score_flops))
+    assert speed.irregular(spec_of("llama-3.1-8b"), 4, 1024, H100, "cuda") == speed.Irregular()
+    # 4x the positions: 16x the scores
+    assert speed.irregular(g, 4, 4096, H100, "cuda").fwd == pytest.approx(16 * irr.fwd)
+
+
 def test_a_moe_layer_plans_slower_than_its_flops_say(monkeypatch):
     """The frozen-base step of Qwen3-30B-A3B on an H100 is GPU-bound; counting its experts by
     FLOPs at the dense layer rate made it 4x too fast (benchmarks/family_layers.py)."""
