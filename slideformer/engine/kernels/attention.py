@@ -29,6 +29,12 @@ ENV = "SLIDEFORMER_FLEX"
 """``SLIDEFORMER_FLEX=0`` keeps packed documents on the boolean-mask SDPA (the reference)."""
 
 
+FLASH_HEAD_DIM = 256
+"""The largest head size PyTorch's fused SDPA kernels (flash, memory-efficient) take on CUDA;
+attention of wider heads (Gemma 4's full layers, 512) runs on SDPA's math path, which forms
+the scores in memory (plan.speed.SCORE_S, plan.transients.math_scores)."""
+
+
 def packed_causal_mask(doc_ids: torch.Tensor, window: int | None = None) -> torch.Tensor:
     """Block-diagonal causal mask (B, 1, T, T) from per-token document ids (B, T); with a
     ``window``, a query also sees only itself and the ``window - 1`` keys before it."""

@@ -124,6 +124,9 @@ class KernelPath:
     fp32_grads: bool = False
     """Weight gradients (decoder layers' projections, the LM head) accumulate inside their
     matmul (fp32_accumulate): no compute-dtype copy of them exists."""
+    cuda: bool = True
+    """The layers run on CUDA (where SDPA has no fused kernel for heads wider than
+    kernels.attention.FLASH_HEAD_DIM)."""
 
     @property
     def key(self) -> str:
@@ -145,7 +148,7 @@ def kernel_path(device: str, head_dim: int, packed: bool) -> KernelPath:
     fused = fused_ops_on(device)
     attention = "causal" if not packed else "flex" if flex_available(device, head_dim) else "mask"
     return KernelPath(fused_ops=fused, fused_ce=fused and device == "cuda", attention=attention,
-                      fp32_grads=fp32_accumulate(device))
+                      fp32_grads=fp32_accumulate(device), cuda=device == "cuda")
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,

@@ -577,12 +577,14 @@ def query_tiled_grads(spec: ModelSpec, p: dict, ff, x: torch.Tensor, gy: torch.T
     sequence's.
 
     Keys and values are the only part of a layer a position reads from others: they are
-    computed once for every position with autograd (the normed input, k and v), and each tile
-    computes its queries, attends them to the keys up to its last position (causal, aligned to
-    the bottom right; or its rows of the boolean ``mask``), adds the output projection and the
-    token-wise feed-forward, and backpropagates at once, summing dL/dk and dL/dv in fp32. A
-    last backward takes them through the keys' and values' projections. The same maths as the
-    whole layer, up to the order in which the sums over tokens add up (tests compare them)."""
+    computed once for every position (without autograd), and each tile computes its queries,
+    attends them to the keys up to its last position (causal, aligned to the bottom right; or
+    its rows of the boolean ``mask``), adds the output projection and the token-wise
+    feed-forward, and backpropagates at once, summing dL/dk and dL/dv in fp32. A last pass,
+    tile by tile again, recomputes each tile's keys and values with autograd and takes their
+    sums through the keys' and values' projections and the input norm. Only k, v, their fp32
+    sums and dL/dx span the sequence. The same maths as the whole layer, up to the order in
+    which the sums over tokens add up (tests compare them)."""
     from torch.nn.attention.bias import causal_lower_right
     B, T, _ = x.shape
     qt = max(1, tile // B)
@@ -593,9 +595,13 @@ def query_tiled_grads(spec: ModelSpec, p: dict, ff, x: torch.Tensor, gy: torch.T
 
     def normed(v):
         return v.to(c) if style == "post" else norm(spec, p, "input_layernorm", v, c)
-    xf = x.detach().requires_grad_()
-    with torch.enable_grad():
-        k, v = _kv_heads(spec, p, *_kv_projections(p, normed(xf), lora), rope, hd)
+    def keys(xt, rt):
+        return _kv_heads(spec, p, *_kv_projections(p, normed(xt), lora), rt, hd)
+
+    def tables(s, e):
+        return None if rope is None else tuple(t[:, :, s:e].contiguous() for t in rope)
+    with torch.no_grad():
+        k, v = keys(x, rope)
     gk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     gv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     gx = torch.empty_like(x)
@@ -605,7 +611,7 @@ def query_tiled_grads(spec: ModelSpec, p: dict, ff, x: torch.Tensor, gy: torch.T
         xt = x[:, s:e].detach().contiguous().requires_grad_()
         ks = k.detach()[:, :, :e].requires_grad_()
         vs = v.detach()[:, :, :e].requires_grad_()
-        rt = None if rope is None else tuple(t[:, :, s:e].contiguous() for t in rope)
+        rt = tables(s, e)
         if mask is not None:
             mt, causal = mask[..., s:e, :e], False
         elif s == 0 or e - s == 1:  # square, or one query that sees every key
@@ -626,10 +632,18 @@ def query_tiled_grads(spec: ModelSpec, p: dict, ff, x: torch.Tensor, gy: torch.T
         gv[:, :, :e] += got[2]
         acc = _sum_grads(acc, got[3:])
         del q, gate, a, y, got, xt, ks, vs
-    got = torch.autograd.grad([k, v], [xf, *params], [gk.to(k.dtype), gv.to(v.dtype)],
-                              allow_unused=True)
-    gx += got[0]
-    return gx, _as_params(params, _sum_grads(acc, got[1:]))
+    for s in range(0, T, qt):  # dL/dk, dL/dv through the keys' and values' projections
+        e = min(T, s + qt)
+        xt = x[:, s:e].detach().contiguous().requires_grad_()
+        with torch.enable_grad():
+            kt, vt = keys(xt, tables(s, e))
+            got = torch.autograd.grad([kt, vt], [xt, *params], [gk[:, :, s:e].to(kt.dtype),
+                                                                gv[:, :, s:e].to(vt.dtype)],
+                                      allow_unused=True)
+        gx[:, s:e] += got[0]
+        acc = _sum_grads(acc, got[1:])
+        del kt, vt, got, xt
+    return gx, _as_params(params, acc)
 
 
 def _sum_grads(sums: list, grads) -> list:

@@ -52,6 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from slideformer.engine.kernels import fp8
+from slideformer.engine.kernels.attention import FLASH_HEAD_DIM
 from slideformer.engine.kernels.dispatch import KernelPath, kernel_path
 from slideformer.engine.models import layers
 from slideformer.engine.models.spec import ModelSpec
@@ -300,9 +301,6 @@ def fla_runs(device: str) -> bool:
     return not (torch.cuda.is_available() and deltanet_gpu.fla_refused_on(0))
 
 
-FLASH_HEAD_DIM = 256
-"""The largest head size PyTorch's fused SDPA kernels (flash, memory-efficient) take on CUDA;
-attention of wider heads (Gemma 4's full layers, 512) runs on SDPA's math path."""
 SCORE_S = {"fwd": 78e-12, "frozen": 208e-12, "full": 208e-12}
 """Seconds per attention score (batch x heads x T x T) on SDPA's math path, forward and
 recompute + backward: Gemma-4 31B's full-attention layers (32 heads of 512, 4 x 1024 tokens;

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, replace
 
 from slideformer.engine.kernels import fp8
+from slideformer.engine.kernels.attention import FLASH_HEAD_DIM
 from slideformer.engine.kernels.dispatch import KernelPath
 from slideformer.engine.kernels.linear_ce import GW_ROWS
 from slideformer.engine.models.spec import ModelSpec
@@ -102,25 +103,56 @@ def layer_transients(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     (ExecShape.ff_tokens; 0: none)."""
     masked = kernels.attention == "mask"
     into = kernels.fp32_grads and frozen is None and prec.c < 4
-    queries = query_tiled(spec, kernels)
+    # tiles of queries: "flash" (CUDA's fused kernels align causal rows to the bottom right)
+    # or "mask" (a boolean mask for each tile: the CPU, and document masks)
+    queries = (("mask" if masked or not kernels.cuda else "flash")
+               if query_tiled(spec, kernels, T) else "")
     if kernels.fused_ops:
         out = [fused_forward_scratch(spec, N, B, T, prec, masked, tile),
                *fused_recompute_scratch(spec, N, B, T, prec, masked, frozen, into, tile, queries)]
     else:
         out = [forward_scratch(spec, N, B, T, prec, masked, tile),
                *recompute_scratch(spec, N, B, T, prec, masked, frozen, into, tile, queries)]
-    if queries and _ff_tokens(N, tile) < N:
+    tiled = queries and _ff_tokens(N, tile) < N
+    if tiled:
         out = [replace(a, detail=f"{a.detail}, {tile:,} tokens of queries at a time")
                if a.purpose == "recompute activations" else a for a in out]
+    fwd, bwd = math_scores(spec, B, T, kernels), math_scores(
+        spec, B, T, kernels, max(1, tile // B) if tiled else T)
+    if fwd:
+        out = [replace(a, bytes=a.bytes + fwd) if a.purpose == "layer forward scratch" else
+               replace(a, bytes=a.bytes + bwd) if a.purpose == "recompute activations" else a
+               for a in out]
     return out
 
 
-def query_tiled(spec: ModelSpec, kernels: KernelPath) -> bool:
+MATH_SCORE_BYTES = 14
+"""Bytes per attention score (batch x heads x query rows x keys) at the peak of SDPA's math
+path, its forward or its forward and backward: fp32 scores, their softmax, the dtype casts
+and the causal mask, with 16-bit inputs (allocator peaks on the CPU with the math backend
+forced, heads of 512, 4K positions: 13.5 and 14.0 bytes; more at 1K-2K, where q, k and v
+weigh more beside the scores; tests/engine/plan/test_plan_memory.py)."""
+
+
+def math_scores(spec: ModelSpec, B: int, T: int, kernels: KernelPath, rows: int | None = None) -> int:
+    """The scores SDPA's math path keeps for a layer whose heads are wider than its fused
+    kernels take (kernels.attention.FLASH_HEAD_DIM) on CUDA, for ``rows`` query positions of
+    each of B rows over T keys (default: all T); 0 when no layer is that wide."""
+    if not kernels.cuda or spec.max_head_dim <= FLASH_HEAD_DIM:
+        return 0
+    return MATH_SCORE_BYTES * B * spec.num_heads * (T if rows is None else rows) * T
+
+
+def query_tiled(spec: ModelSpec, kernels: KernelPath, T: int) -> bool:
     """Whether a tiled layer's backward tiles its queries (models.layers.query_tiles) in every
-    layer of the model: attention with its own q, k, v projections and no sinks in every layer
-    (no gated DeltaNet), plain causal rows or a boolean mask (not a FlexAttention BlockMask)."""
-    return (kernels.attention != "flex" and not spec.family.fused and not spec.family.sinks
-            and not any(spec.is_linear(i) for i in range(spec.num_layers)))
+    layer of the model, for rows of T positions: attention with its own q, k, v projections and
+    no sinks in every layer (no gated DeltaNet), plain causal rows or a boolean mask, not a
+    FlexAttention BlockMask: neither packed documents on the Flex path, nor sliding layers
+    whose window is shorter than the rows (their mask is then a BlockMask on CUDA; counted
+    untiled everywhere, which errs high on the CPU)."""
+    window = spec.sliding_window is not None and spec.sliding_window < T
+    return (kernels.attention != "flex" and not window and not spec.family.fused
+            and not spec.family.sinks and not any(spec.is_linear(i) for i in range(spec.num_layers)))
 
 
 def _ff_tokens(N: int, tile: int) -> int:
@@ -185,7 +217,7 @@ def head_scratch(spec: ModelSpec, shape: ExecShape, prec: Precision, fused_ce: b
 
 def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
                       masked: bool, frozen: FrozenBase | None = None,
-                      into: bool = False, tile: int = 0, queries: bool = False) -> list[Allocation]:
+                      into: bool = False, tile: int = 0, queries: str = "") -> list[Allocation]:
     """_layer_backward for one micro-batch, PyTorch ops: the recompute's saved activations and
     the grads (``masked``: attention takes a boolean document mask).
 
@@ -216,22 +248,37 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     mask = B * T * T * c if masked else 0
     # input RMSNorm's backward, last: all grads but its weight's, its fp32 input and about four
     # fp32 temporaries of the norm's backward, the residual grad and dL/dh (and the output)
-    sums = _tile_sums(spec, prec, N, tile, into)
-    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff, queries,
-                                                 H * norms // 2) + sums + mask, H * I * c),
-                          (N * H * (20 + 2 * c + out) + _kv_sums(spec, prec, N, tile, queries, sums),
-                           P * c), frozen, into)
+    sums = 0 if frozen is not None else _tile_sums(spec, prec, N, tile, into)
+    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff, queries)
+                                          + sums + mask, H * I * c),
+                          (_input_norm(spec, prec, N, tile, queries, H * (20 + 2 * c + out)),
+                           P * c), frozen, into, _saved_tokens(N, tile, queries))
 
 
-def _kv_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, queries: bool,
-             sums: int) -> int:
-    """What the last backward of a query-tiled layer (models.layers.query_tiled_grads: through
-    the keys' and values' projections and the input norm) holds beyond the untiled layer's
-    input-norm backward: the parameter grads' fp32 sums, dL/dk and dL/dv in fp32 and in the
-    compute dtype, and the tiles' dL/dx."""
+def _saved_tokens(N: int, tile: int, queries: str) -> int:
+    """Tokens whose adapter activations (a frozen base's LoRA) are alive at once: a tile's in
+    tiles of queries, else every token's (the feed-forward tiles keep the mixer's whole)."""
+    return _ff_tokens(N, tile) if queries else N
+
+
+def _input_norm(spec: ModelSpec, prec: Precision, N: int, tile: int, queries: str,
+                per_token: int) -> int:
+    """The input norm's backward (``per_token`` bytes a token): for every token at once, or in
+    tiles of queries (models.layers.query_tiled_grads) a tile's, beside what spans the
+    sequence."""
     if not queries or _ff_tokens(N, tile) >= N:
-        return 0
-    return sums + N * (2 * spec.kv_width * (4 + prec.c) + spec.hidden_size * prec.r)
+        return N * per_token
+    return _ff_tokens(N, tile) * per_token + _query_span(spec, prec, N, queries)
+
+
+def _query_span(spec: ModelSpec, prec: Precision, N: int, queries: str) -> int:
+    """What spans the sequence in tiles of queries: k and v (no graph), their fp32 gradient
+    sums, dL/dx, and the last tile's attention grads over every key: dL/dk and dL/dv, and with
+    grouped KV heads their copies as wide as the query heads (CUDA's flash backward makes
+    them; on the CPU the term matched the allocator at 4:1 and errs high at 8:1)."""
+    c, r, H, q, kv = prec.c, prec.r, spec.hidden_size, spec.q_width, spec.kv_width
+    wide = 2 * q * c if q > kv else 0
+    return N * (2 * kv * c + 2 * kv * 4 + H * r + 2 * kv * c + wide)
 
 
 def _tile_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, into: bool) -> int:
@@ -249,7 +296,7 @@ def _tile_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, into: bool) 
 
 
 def _tiled(spec: ModelSpec, prec: Precision, N: int, tile: int, per_token: int, ff: int,
-           queries: bool = False, normed: int = 0) -> int:
+           queries: str = "") -> int:
     """Bytes saved at the feed-forward's backward for N tokens of ``per_token`` bytes, of which
     ``ff`` are the feed-forward's own. In tiles (models.layers.tiled_grads) the larger of two
     moments: a tile's backward (the mixer's part for every token, the tile's feed-forward part,
@@ -258,10 +305,11 @@ def _tiled(spec: ModelSpec, prec: Precision, N: int, tile: int, per_token: int, 
     dL/dx (residual dtype), dL/dh, dL/d(output), its (B, T, H) copy and dL/dq, dL/dk and dL/dv
     as repeated to the query heads (GQA) and as reduced to the KV heads.
 
-    In tiles of queries (``queries``; models.layers.query_tiled_grads) every token holds only
-    the keys' and values' graph (the normed input, ``normed`` bytes a token with what its norm
-    saves, and k and v), their fp32 gradient sums, the gradient of the keys and values a tile
-    reads and dL/dx; a tile holds the whole layer's activations and the attention's grads."""
+    In tiles of queries (``queries``; models.layers.query_tiled_grads) a tile holds the whole
+    layer's activations and the attention's grads of its queries, beside :func:`_query_span`;
+    with a mask (``queries`` "mask": the CPU's causal rows, or a document mask) the tile's rows
+    of it over every key, boolean and as the additive float SDPA makes of it (6 bytes each:
+    the CPU allocator's peaks, tests/engine/plan/test_plan_memory.py)."""
     t = _ff_tokens(N, tile)
     if t >= N:
         return N * per_token
@@ -269,14 +317,15 @@ def _tiled(spec: ModelSpec, prec: Precision, N: int, tile: int, per_token: int, 
     mixer = per_token - ff
     grads = 2 * H * r + H * c + 3 * q * c + 2 * (q if q > kv else kv) * c + 2 * kv * c
     if queries:
-        return N * (normed + 2 * kv * c + 2 * kv * 4 + 2 * kv * c + H * r) + t * (per_token + grads)
+        return (_query_span(spec, prec, N, queries) + t * (per_token + 2 * H * r + H * c + 3 * q * c)
+                + (t * N * 6 if queries == "mask" else 0))
     tiles = N * (mixer + 2 * H * r) + t * (ff + H * r)
     return max(tiles, N * (mixer + grads))
 
 
 def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int],
                    norm1: tuple[int, int], frozen: FrozenBase | None = None,
-                   into: bool = False) -> list[Allocation]:
+                   into: bool = False, saved: int | None = None) -> list[Allocation]:
     """The recompute's peak, of (activations, grads) at the MLP's backward, at the input norm's
     backward, at the end of the layer and in the embedding's backward. A ``frozen`` base has
     no weight grads at any of them, only its adapters' (held from the end of autograd.grad
@@ -293,7 +342,8 @@ def _backward_peak(spec: ModelSpec, N: int, prec: Precision, mlp: tuple[int, int
     end = N * H * prec.r, P * c + (largest * 4 if c < 4 else 0)
     embed_grad = N * H * 4 if prec.r < 4 else 0  # _embed_backward: gy.float() per micro-batch
     if frozen is not None:  # dL/dx beside the output decoder_layer formed
-        acts = max(mlp[0] + N * frozen.saved_per_token, norm1[0], 2 * end[0])
+        acts = max(mlp[0] + (N if saved is None else saved) * frozen.saved_per_token,
+                   norm1[0], 2 * end[0])
         return [Allocation("gpu", "recompute activations", acts,
                            f"one layer, one micro-batch of {N:,} tokens, with autograd", "backward"),
                 Allocation("gpu", "adapter grads", frozen.grads, "one layer's adapter grads as "
@@ -331,7 +381,7 @@ def fused_forward_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precisi
 def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
                             masked: bool, frozen: FrozenBase | None = None,
                             into: bool = False, tile: int = 0,
-                            queries: bool = False) -> list[Allocation]:
+                            queries: str = "") -> list[Allocation]:
     """_layer_backward for one micro-batch on the fused Triton RMSNorm, RoPE and SwiGLU.
 
     Saved per token at the MLP's backward (the peak for long micro-batches): the two normed
@@ -356,11 +406,12 @@ def fused_recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Preci
     per_token = H * (2 * c + r + out) + 2 * q * c + 2 * kv * c + 5 * I * c + qk + 4 * nh + 8
     mask = B * T * T * c if masked else 0
     ff = H * c + 5 * I * c + 4  # the feed-forward's normed input and rsqrt, its MLP's
-    sums = _tile_sums(spec, prec, N, tile, into)
-    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff, queries,
-                                                 H * c + 4) + sums + mask, H * I * c),
-                          (N * H * (3 * r + c + out) + _kv_sums(spec, prec, N, tile, queries, sums),
-                           spec.params_per_layer * c), frozen, into)
+    sums = 0 if frozen is not None else _tile_sums(spec, prec, N, tile, into)
+    return _backward_peak(spec, N, prec, (_tiled(spec, prec, N, tile, per_token, ff, queries)
+                                          + sums + mask, H * I * c),
+                          (_input_norm(spec, prec, N, tile, queries, H * (3 * r + c + out)),
+                           spec.params_per_layer * c), frozen, into,
+                          _saved_tokens(N, tile, queries))
 
 
 def _largest_layer_tensor(spec: ModelSpec) -> int:
