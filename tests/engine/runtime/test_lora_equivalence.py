@@ -198,9 +198,15 @@ def test_variants_match_peft(llama_models, slots, clip, targets, rslora, tie):
     assert_same(spec, lora, host, model, losses, ref_losses)
 
 
-def test_feed_forward_tiles_match_peft(llama_models):
+def test_feed_forward_tiles_match_peft(llama_models, monkeypatch):
     """A micro-batch's feed-forward in tiles of 5 tokens (2 x 12 tokens: models.layers.tiles),
-    forward and recompute + backward, all seven projections adapted: the same as PEFT."""
+    forward and recompute + backward (in tiles of 2 query positions: query_tiled_grads), all
+    seven projections adapted: the same as PEFT."""
+    from slideformer.engine.runtime import backward
+    calls = []
+    real = backward.query_tiled_grads
+    monkeypatch.setattr(backward, "query_tiled_grads",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
     spec, d = llama_models[False]
     lora = lora_spec(LoraConfig(rank=3, alpha=6.0, target_modules=ALL))
     steps = make_batches(spec, n_micro=2, B=2, T=12, seed=15)
@@ -210,6 +216,7 @@ def test_feed_forward_tiles_match_peft(llama_models):
     losses = run_lora(spec, host, lora, steps, OPTIM,
                       ExecShape(micro_batch=2, seq_len=12, n_micro=2, slots=2, ff_tokens=5))
     assert_same(spec, lora, host, model, losses, ref_losses)
+    assert len(calls) == spec.num_layers * 2 * len(steps)  # every layer, micro-batch and step
 
 
 @pytest.mark.parametrize("slots,clip", [(1, 0.5), (2, 0.0)])

@@ -203,10 +203,15 @@ def test_checkpoints_split_between_host_and_device_match_dense(tmp_path, gpu_che
     assert_same(spec, ref, ref_losses, losses, host)
 
 
-def test_feed_forward_tiles_match_dense(tmp_path):
+def test_feed_forward_tiles_match_dense(tmp_path, monkeypatch):
     """Each layer's feed-forward half in tiles of 7 tokens of the 2 x 20 of a packed
-    micro-batch (ExecShape.ff_tokens), clipping on: the same losses and weights as dense
-    training."""
+    micro-batch (ExecShape.ff_tokens), and its recompute + backward in tiles of 3 query
+    positions (rows of the boolean document mask: models.layers.query_tiled_grads), clipping
+    on: the same losses and weights as dense training."""
+    from slideformer.engine.models import layers
+    calls = []
+    real = layers.query_tiled_grads
+    monkeypatch.setattr(layers, "query_tiled_grads", lambda *a, **k: calls.append(1) or real(*a, **k))
     d = make_tiny_model(tmp_path / "m", "llama", TinyShape(layers=4), seed=6)
     spec = load_spec(d)
     optim = OptimConfig(lr=2e-3, weight_decay=0.05, schedule="linear", max_grad_norm=0.5)
@@ -217,6 +222,7 @@ def test_feed_forward_tiles_match_dense(tmp_path):
                                ExecShape(micro_batch=2, seq_len=20, n_micro=2, slots=2,
                                          ff_tokens=7))
     assert_same(spec, ref, ref_losses, losses, host)
+    assert calls  # the layers' backward ran in tiles of queries
 
 
 @pytest.mark.parametrize("arch", ["gemma3_text", "qwen3_5_text", "gpt_oss"])
