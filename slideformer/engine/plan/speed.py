@@ -160,6 +160,8 @@ def kernels_note(path: KernelPath, hw: HardwareProfile, irr: "Irregular | None" 
                                     irr and irr.score_flops)) if on]
     if timed:
         note += f"; {' and '.join(timed)} at their times measured on an H100, scaled by matmul rate"
+    if irr and irr.flash_flops:
+        note += f"; flash attention at {FLASH_ATTENTION_RATE:.2f} of the matmul rate (measured)"
     return note
 
 
@@ -286,10 +288,11 @@ class Irregular:
     frozen: float = 0.0
     full: float = 0.0
     score_flops: float = 0.0
+    flash_flops: float = 0.0
 
     def flops(self, frozen: bool) -> tuple[float, float]:
         """(forward, recompute + backward) FLOPs these parts stand for in layer_flops' count."""
-        e, r = self.expert_flops, self.rule_flops + self.score_flops
+        e, r = self.expert_flops, self.rule_flops + self.score_flops + self.flash_flops
         return e + r, (2 * e if frozen else 3 * e) + 3 * r
 
 
@@ -309,16 +312,28 @@ for the recompute + backward, of which the projections at the layer rate and the
 about 3 and 6 ms. The path forms the scores, their softmax and grads in memory: 12 TFLOP/s."""
 
 
+FLASH_ATTENTION_RATE = 0.41
+"""The flash attention kernels' rate (SDPA on CUDA), as a share of the matmul rate, forward
+and recompute + backward counted as 1 + 3 times the causal forward's FLOPs (mixer_flops):
+Llama-3.1-70B QLoRA, one 65,536-token sequence, tiles of 4096 queries, H100 under a 24 GiB cap
+(benchmarks/RESULTS.md, 2026-12-07 sixth session): GPU busy 122.1 s of a 122.9 s step, of
+which the projections and the rest at the layer rate were 52.1 s by the plan; 70.0 s for
+2.25e16 FLOPs of attention is 321 TFLOP/s, 0.41 of the H100's 783."""
+
+
 def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str) -> Irregular:
-    """A CUDA layer's routed experts, PyTorch delta rule and math-path attention
-    (:class:`Irregular`)."""
+    """A CUDA layer's routed experts, PyTorch delta rule and attention: flash at its own rate
+    (:data:`FLASH_ATTENTION_RATE`), heads too wide for it on the math path (:class:`Irregular`)."""
     if device != "cuda":
         return Irregular()
     linear = sum(spec.is_linear(i) for i in range(spec.num_layers))
     wide = [i for i in range(spec.num_layers)
             if not spec.is_linear(i) and spec.head_dim_of(i) > FLASH_HEAD_DIM]
+    flash = spec.num_layers - linear - len(wide)
+    f_flops = 2.0 * B * T * T * spec.q_width * flash / spec.num_layers  # as mixer_flops counts
+    f_s = f_flops / (FLASH_ATTENTION_RATE * hw.matmul_tflops * 1e12)
     if spec.moe is None and not linear and not wide:
-        return Irregular()
+        return Irregular(fwd=f_s, frozen=3 * f_s, full=3 * f_s, flash_flops=f_flops)
     L, N, scale = spec.num_layers, B * T, IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops
     e_flops = fwd = frozen = full = r_flops = 0.0
     m = spec.family.moe
@@ -342,6 +357,7 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str)
         fwd += th * DELTANET_RULE_S["fwd"]
         frozen += th * DELTANET_RULE_S["frozen"]
         full += th * DELTANET_RULE_S["full"]
+    fwd, frozen, full = fwd + f_s, frozen + 3 * f_s, full + 3 * f_s
     s_flops = 0.0
     if wide:  # mixer_flops counts every attention layer at the widest layer's query width
         s_flops = 2.0 * B * T * T * spec.q_width * len(wide) / L
@@ -349,7 +365,7 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str)
         fwd += scores * SCORE_S["fwd"]
         frozen += scores * SCORE_S["frozen"]
         full += scores * SCORE_S["full"]
-    return Irregular(e_flops, r_flops, fwd, frozen, full, s_flops)
+    return Irregular(e_flops, r_flops, fwd, frozen, full, s_flops, f_flops)
 
 
 @dataclass(frozen=True)

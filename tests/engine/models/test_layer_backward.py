@@ -289,23 +289,28 @@ def test_bf16_tiles_sum_their_gradients_in_fp32():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
-def test_query_tiles_on_cuda_match_the_whole_layer(arch):
+def test_query_tiles_on_cuda_match_the_whole_layer(arch, device="cuda"):
     """bf16 on the GPU (the fused kernels, flash attention aligned to the bottom right for each
     tile of queries, the projection grads added into fp32 buffers): the tiled layer's
-    gradients within bf16 rounding of the untiled layer's."""
+    gradients as close to the fp32 layer's as the untiled bf16 layer's are (bf16 rounding; on
+    the H100 the two differed by up to 1.03e-2 relative, Gemma 3's q_norm weight)."""
     from slideformer.engine.models.layers import query_tiles
     spec, leaves, x, gy, (rope, mask) = family_layer(arch, 0, B=1, T=2048, dtype=torch.bfloat16)
-    leaves = {k: v.detach().cuda().requires_grad_() for k, v in leaves.items()}
-    x, gy, rope = x.cuda(), gy.cuda(), tuple(t.cuda() for t in rope)
     assert query_tiles(spec, leaves, x, mask, 512)
     names = [n for n in leaves if n.endswith("_proj.weight")]
     results = []
-    for tile in (0, 512):
-        bufs = {n: torch.zeros(leaves[n].shape, device="cuda") for n in names}
-        plain = {k: v.detach() if k in bufs else v for k, v in leaves.items()}
-        gx, grads = layer_backward(spec, plain, x, gy, rope, mask, into=bufs, tile=tile)
-        results.append((gx, {**{k: g.float() for k, g in grads.items()}, **bufs}))
-    (ref_gx, ref), (gx, got) = results
-    for name, a, b in [("dL/dx", gx.float(), ref_gx.float())] + [(n, got[n], ref[n]) for n in ref]:
-        rel = ((a - b).norm() / b.norm()).item()
-        assert rel < 1e-2, f"{name}: {rel:.1e}"
+    for dt, tile in ((torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 512)):
+        lv = {k: v.detach().to(device, dt).requires_grad_() for k, v in leaves.items()}
+        bufs = {n: torch.zeros(lv[n].shape, device=device) for n in names}
+        plain = {k: v.detach() if k in bufs else v for k, v in lv.items()}
+        gx, grads = layer_backward(spec, plain, x.to(device, dt), gy.to(device, dt),
+                                   tuple(t.to(device, dt) for t in rope), mask, into=bufs,
+                                   tile=tile)
+        results.append((gx.float(), {**{k: g.float() for k, g in grads.items()}, **bufs}))
+    (ref_gx, ref), (whole_gx, whole), (gx, got) = results
+
+    def rel(a, b):
+        return ((a - b).norm() / b.norm()).item()
+    for name, a, w, b in [("dL/dx", gx, whole_gx, ref_gx)] + [(n, got[n], whole[n], ref[n])
+                                                            for n in ref]:
+        assert rel(a, b) <= 1.5 * rel(w, b) + 1e-3, (name, rel(a, b), rel(w, b))

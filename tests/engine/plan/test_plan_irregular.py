@@ -20,21 +20,28 @@ def spec_of(name: str, **kw):
     return spec_from_config(dict(shape_config(name), **kw))
 
 
+def flash_s(irr, hw=H100) -> float:
+    """The forward seconds of the flash attention term (speed.FLASH_ATTENTION_RATE)."""
+    return irr.flash_flops / (speed.FLASH_ATTENTION_RATE * hw.matmul_tflops * 1e12)
+
+
 def test_experts_are_timed_by_pairs_times_hidden_not_by_flops(monkeypatch):
     monkeypatch.setattr(speed, "fla_runs", lambda device: False)
     base = spec_of("qwen3-30b-a3b")
     irr = speed.irregular(base, 4, 1024, H100, "cuda")
     N, k, E = 4096, base.moe.top_k, base.moe.experts
     scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
-    assert irr.fwd == pytest.approx(N * k * base.hidden_size * speed.EXPERT_PAIR_S[False] * scale)
-    assert irr.frozen == pytest.approx(2.0 * irr.fwd) and irr.full == pytest.approx(2.5 * irr.fwd)
+    ex = irr.fwd - flash_s(irr)  # the experts' share
+    assert ex == pytest.approx(N * k * base.hidden_size * speed.EXPERT_PAIR_S[False] * scale)
+    assert irr.frozen - 3 * flash_s(irr) == pytest.approx(2.0 * ex)
+    assert irr.full - 3 * flash_s(irr) == pytest.approx(2.5 * ex)
     stacked = 3 * E * base.hidden_size * base.moe.width  # gate, up, down of every expert
     assert irr.expert_flops == pytest.approx(2 * stacked * k / E * N)
     assert irr.rule_flops == 0
     wider = spec_of("qwen3-30b-a3b", moe_intermediate_size=4 * 768)  # 4x the FLOPs, same pairs
     assert speed.irregular(wider, 4, 1024, H100, "cuda").fwd == pytest.approx(irr.fwd)
     twice = spec_of("qwen3-30b-a3b", num_experts_per_tok=16)
-    assert speed.irregular(twice, 4, 1024, H100, "cuda").fwd == pytest.approx(2 * irr.fwd)
+    assert speed.irregular(twice, 4, 1024, H100, "cuda").fwd == pytest.approx(ex * 2 + flash_s(irr))
     slower = dataclasses.replace(H100, matmul_tflops=H100.matmul_tflops / 4)
     assert speed.irregular(base, 4, 1024, slower, "cuda").fwd == pytest.approx(4 * irr.fwd)
     assert speed.irregular(base, 4, 1024, H100, "cpu") == speed.Irregular()
@@ -44,7 +51,7 @@ def test_gpt_oss_experts_take_their_own_layout_figure():
     spec = spec_of("gpt-oss-120b")
     irr = speed.irregular(spec, 4, 1024, H100, "cuda")
     scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
-    assert irr.fwd == pytest.approx(4096 * 4 * 2880 * speed.EXPERT_PAIR_S[True] * scale)
+    assert irr.fwd - flash_s(irr) == pytest.approx(4096 * 4 * 2880 * speed.EXPERT_PAIR_S[True] * scale)
 
 
 @pytest.mark.parametrize("fla", [False, True])
@@ -52,14 +59,16 @@ def test_the_delta_rule_is_timed_only_where_fla_does_not_run(monkeypatch, fla):
     monkeypatch.setattr(speed, "fla_runs", lambda device: fla)
     spec = spec_of("qwen3.5-16l")  # 12 gated DeltaNet layers of 16, dense MLPs
     irr = speed.irregular(spec, 4, 1024, H100, "cuda")
-    if fla:
-        assert irr == speed.Irregular()
+    assert irr.flash_flops == pytest.approx(2.0 * 4 * 1024 * 1024 * spec.q_width * 4 / 16)
+    if fla:  # only the four attention layers' flash term
+        assert irr.rule_flops == 0 and irr.fwd == pytest.approx(flash_s(irr))
         return
     d, share = spec.linear, 12 / 16
     scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
     token_heads = 4096 * d.num_v_heads * share * scale  # heads of 128 x 128
-    assert irr.fwd == pytest.approx(token_heads * speed.DELTANET_RULE_S["fwd"])
-    assert irr.frozen == pytest.approx(token_heads * speed.DELTANET_RULE_S["frozen"])
+    assert irr.fwd - flash_s(irr) == pytest.approx(token_heads * speed.DELTANET_RULE_S["fwd"])
+    assert irr.frozen - 3 * flash_s(irr) == pytest.approx(
+        token_heads * speed.DELTANET_RULE_S["frozen"])
     assert irr.rule_flops > 0 and irr.expert_flops == 0
 
 
@@ -73,12 +82,15 @@ def test_attention_of_heads_wider_than_flash_takes_is_timed_by_its_scores():
     irr = speed.irregular(g, 4, 1024, H100, "cuda")
     scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
     scores = 4 * g.num_heads * 1024 * 1024 * scale * 10 / g.num_layers
-    assert irr.fwd == pytest.approx(scores * speed.SCORE_S["fwd"])
-    assert irr.frozen == pytest.approx(scores * speed.SCORE_S["frozen"])
+    assert irr.fwd - flash_s(irr) == pytest.approx(scores * speed.SCORE_S["fwd"])
+    assert irr.frozen - 3 * flash_s(irr) == pytest.approx(scores * speed.SCORE_S["frozen"])
     assert irr.score_flops == pytest.approx(2.0 * 4 * 1024 * 1024 * g.q_width * 10 / g.num_layers)
-    assert irr.flops(frozen=True) == pytest.approx((irr.score_flops, 3 * irr.score_flops))
-    assert speed.irregular(spec_of("llama-3.1-8b"), 4, 1024, H100, "cuda") == speed.Irregular()
-    # 4x the positions: 16x the scores
+    assert irr.flash_flops == pytest.approx(2.0 * 4 * 1024 * 1024 * g.q_width * 50 / g.num_layers)
+    both = irr.score_flops + irr.flash_flops
+    assert irr.flops(frozen=True) == pytest.approx((both, 3 * both))
+    llama = speed.irregular(spec_of("llama-3.1-8b"), 4, 1024, H100, "cuda")
+    assert llama.score_flops == 0 and llama.fwd == pytest.approx(flash_s(llama))
+    # 4x the positions: 16x the scores and the flash FLOPs
     assert speed.irregular(g, 4, 4096, H100, "cuda").fwd == pytest.approx(16 * irr.fwd)
 
 

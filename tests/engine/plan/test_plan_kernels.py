@@ -105,7 +105,12 @@ def test_speed_uses_the_paths_efficiency_and_prefers_the_measured_one(triton_her
     spec = shape_spec("llama-3.2-3b")
     shape = ExecShape(micro_batch=8, seq_len=1024, n_micro=4, slots=2, checkpoints="gpu")
     f, b = layer_flops(spec, shape)
-    layers = spec.num_layers * (f + b)
+    # attention at the flash kernels' own rate (plan.speed.FLASH_ATTENTION_RATE), the rest of
+    # the layer at the path's efficiency
+    from slideformer.engine.plan.speed import FLASH_ATTENTION_RATE, irregular
+    att = 4 * irregular(spec, 8, 1024, REFERENCE, "cuda").flash_flops * shape.n_micro * spec.num_layers
+    layers = spec.num_layers * (f + b) - att
+    flash = att / FLASH_ATTENTION_RATE
 
     def compute_time(hw, packed):
         est = estimate(spec, shape, M.Precision(BF16, F32), "cuda", True, hw, packed=packed)
@@ -118,18 +123,18 @@ def test_speed_uses_the_paths_efficiency_and_prefers_the_measured_one(triton_her
     for packed, key in ((True, "fused+flex"), (False, "fused+causal")):
         t, est = compute_time(REFERENCE, packed)
         rate = REFERENCE.matmul_tflops * 1e12
-        expect = (layers / LAYER_EFFICIENCY[key] + head / HEAD_EFFICIENCY) / rate / 2
+        expect = (layers / LAYER_EFFICIENCY[key] + flash + head / HEAD_EFFICIENCY) / rate / 2
         assert t == pytest.approx(expect)
         assert f"assumed {LAYER_EFFICIENCY[key]:.2f} of the matmul peak" in est.kernels
     measured = replace(REFERENCE, layer_efficiency=(("fused+flex", 0.5),))
     t, est = compute_time(measured, True)
-    assert t == pytest.approx((layers / 0.5 + head / HEAD_EFFICIENCY) / rate / 2)
+    assert t == pytest.approx((layers / 0.5 + flash + head / HEAD_EFFICIENCY) / rate / 2)
     assert est.kernels == ("fused Triton + FlexAttention (document BlockMask), measured 0.50 of "
-                           "the matmul peak")
+                           "the matmul peak; flash attention at 0.41 of the matmul rate (measured)")
     monkeypatch.setenv(dispatch.ENV, "0")  # the switch the run would see: the PyTorch figure
     t, est = compute_time(measured, True)
-    assert t == pytest.approx((layers / LAYER_EFFICIENCY["torch+flex"] + head / HEAD_EFFICIENCY)
-                              / rate / 2)
+    assert t == pytest.approx((layers / LAYER_EFFICIENCY["torch+flex"] + flash
+                               + head / HEAD_EFFICIENCY) / rate / 2)
     assert estimate(spec, shape, M.Precision(F32, F32), "cpu", True, REFERENCE).kernels == ""
 
 
