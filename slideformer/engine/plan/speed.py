@@ -161,7 +161,8 @@ def kernels_note(path: KernelPath, hw: HardwareProfile, irr: "Irregular | None" 
     if timed:
         note += f"; {' and '.join(timed)} at their times measured on an H100, scaled by matmul rate"
     if irr and irr.flash_flops:
-        note += f"; flash attention at {FLASH_ATTENTION_RATE:.2f} of the matmul rate (measured)"
+        note += (f"; attention at {FLASH_ATTENTION_RATE:.2f} of the matmul rate (fitted to a "
+                 "measured long-sequence step)")
     return note
 
 
@@ -312,13 +313,18 @@ for the recompute + backward, of which the projections at the layer rate and the
 about 3 and 6 ms. The path forms the scores, their softmax and grads in memory: 12 TFLOP/s."""
 
 
-FLASH_ATTENTION_RATE = 0.41
-"""The flash attention kernels' rate (SDPA on CUDA), as a share of the matmul rate, forward
-and recompute + backward counted as 1 + 3 times the causal forward's FLOPs (mixer_flops):
-Llama-3.1-70B QLoRA, one 65,536-token sequence, tiles of 4096 queries, H100 under a 24 GiB cap
-(benchmarks/RESULTS.md, 2026-12-07 sixth session): GPU busy 122.1 s of a 122.9 s step, of
-which the projections and the rest at the layer rate were 52.1 s by the plan; 70.0 s for
-2.25e16 FLOPs of attention is 321 TFLOP/s, 0.41 of the H100's 783."""
+FLASH_ATTENTION_RATE = 0.42
+"""The attention kernels' rate on CUDA as a share of the matmul rate, forward and recompute +
+backward counted as 1 + 3 times the causal forward's FLOPs (mixer_flops); the rest of a layer
+keeps the path's efficiency. Fitted to one step: Llama-3.1-70B QLoRA, one 65,536-token sequence,
+tiles of 4096 queries on SDPA's flash kernel, H100 under a 24 GiB cap (benchmarks/RESULTS.md,
+2026-12-07 sixth session). The GPU was busy 122.1 s; the plan (H100 preset, 759 TFLOP/s, 0.80
+layer efficiency) put the rest of the step at 50.9 s, leaving 71.3 s for 2.25e16 FLOPs of
+attention: 316 TFLOP/s, 0.42 of 759. The residual also holds what the plan does not model (the
+dequantisation and adapters beyond their terms, the keys' second pass). Applied to FlexAttention
+and the boolean-mask path too, where it was not measured; at 1K-token rows attention is a few %
+of a layer and the path efficiencies (measured on whole layers) already hold some of it, so
+those plans err ~3% slow."""
 
 
 def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str) -> Irregular:
