@@ -585,7 +585,6 @@ def query_tiled_grads(spec: ModelSpec, p: dict, ff, x: torch.Tensor, gy: torch.T
     sums through the keys' and values' projections and the input norm. Only k, v, their fp32
     sums and dL/dx span the sequence. The same maths as the whole layer, up to the order in
     which the sums over tokens add up (tests compare them)."""
-    from torch.nn.attention.bias import causal_lower_right
     B, T, _ = x.shape
     qt = max(1, tile // B)
     style, c, nh = spec.family.norm, _compute(p), spec.num_heads
@@ -611,13 +610,7 @@ def query_tiled_grads(spec: ModelSpec, p: dict, ff, x: torch.Tensor, gy: torch.T
         xt = x[:, s:e].detach().contiguous().requires_grad_()
         ks = k.detach()[:, :, :e].requires_grad_()
         vs = v.detach()[:, :, :e].requires_grad_()
-        rt = tables(s, e)
-        if mask is not None:
-            mt, causal = mask[..., s:e, :e], False
-        elif s == 0 or e - s == 1:  # square, or one query that sees every key
-            mt, causal = None, s == 0 and e > 1
-        else:
-            mt, causal = causal_lower_right(e - s, e), False
+        rt, (mt, causal) = tables(s, e), _tile_mask(mask, s, e)
         with torch.enable_grad():
             q, gate = _query_heads(spec, p, linear(p, "self_attn.q_proj", normed(xt), lora),
                                    rt, v.dtype)
@@ -644,6 +637,18 @@ def query_tiled_grads(spec: ModelSpec, p: dict, ff, x: torch.Tensor, gy: torch.T
         acc = _sum_grads(acc, got[1:])
         del kt, vt, got, xt
     return gx, _as_params(params, acc)
+
+
+def _tile_mask(mask, s: int, e: int):
+    """(mask, causal) for the queries s..e-1 over the keys 0..e-1: the rows of a boolean
+    ``mask``, else causal rows aligned to the bottom right (a square first tile, or one query
+    that sees every key, needs no mask)."""
+    from torch.nn.attention.bias import causal_lower_right
+    if mask is not None:
+        return mask[..., s:e, :e], False
+    if s == 0 or e - s == 1:
+        return None, s == 0 and e > 1
+    return causal_lower_right(e - s, e), False
 
 
 def _sum_grads(sums: list, grads) -> list:
