@@ -8,13 +8,15 @@ of ``B x T`` tokens, as the executor runs it:
 - ``fwd``: the layer without autograd (both kinds of run);
 - ``bwd_frozen``: the recompute and dL/dx only (a LoRA / QLoRA base: no weight gradient;
   the adapters' own cost is the planner's ADAPTER_BYTES term, not timed here);
-- ``bwd_full``: the recompute and every parameter's gradient (models.layers.layer_backward);
+- ``bwd_full``: the recompute and every parameter's gradient (models.recompute.layer_backward);
 - the two halves alone (``mixer_*``: the token mixer with its norms, ``ff_*``: the MLP or the
   experts), forward and frozen backward;
 - ``dequant_torch`` / ``dequant_triton``: the layer's NF4 buffer back to bf16
   (runtime.nf4.Nf4Layout.dequantize, PyTorch form and kernels.triton_nf4);
 
-each the median of ``--reps`` runs (CUDA events), in ms. A ``plan`` line per shape gives the
+each the median of ``--reps`` runs (CUDA events), in ms. ``--profile``: also the token mixer's
+forward + frozen backward under torch.profiler, its kernels with the most device time
+(``mixer_kernels``: name, ms per pass, calls per pass), to see where a mixer's time goes. A ``plan`` line per shape gives the
 FLOP-based per-layer averages (what the planner assumed before it timed experts and the delta
 rule by measurement: plan.speed.irregular) for the same tokens (plan.speed.layer_flops / mixer_flops at the
 measured 8192^3 matmul rate times the reference layer efficiency of the kernel path, and the
@@ -43,8 +45,8 @@ from benchmarks.shapes import shape_spec  # noqa: E402
 from slideformer.engine.kernels import attention, dispatch  # noqa: E402
 from slideformer.engine.kernels.dispatch import kernel_path  # noqa: E402
 from slideformer.engine.models.inputs import LayerInputs  # noqa: E402
-from slideformer.engine.models.layers import (decoder_layer, ff_block, layer_backward,  # noqa: E402
-                                              mixer_block)
+from slideformer.engine.models.layers import decoder_layer, ff_block, mixer_block  # noqa: E402
+from slideformer.engine.models.recompute import layer_backward  # noqa: E402
 from slideformer.engine.plan.bench import gpu_matmul_tflops  # noqa: E402
 from slideformer.engine.plan.speed import (DEVICE_MEMORY_GBS, LAYER_EFFICIENCY,  # noqa: E402
                                            layer_flops, mixer_flops)
@@ -96,7 +98,22 @@ def frozen_grad(fn, x, gy):
         return torch.autograd.grad(fn(x), x, gy)[0]
 
 
-def layer_case(spec, i: int, B: int, T: int, device: str, dtype, reps: int, dequant: bool) -> dict:
+def top_kernels(fn, reps: int, n: int = 8) -> list:
+    """The ``n`` kernels with the most device time over ``reps`` runs of ``fn`` (after one
+    warm-up): [name (80 characters), ms per run, calls per run]."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:n]
+    return [[e.key[:80], round(e.device_time_total / 1e3 / reps, 3), e.count // reps] for e in rows]
+
+
+def layer_case(spec, i: int, B: int, T: int, device: str, dtype, reps: int, dequant: bool,
+               profile: bool = False) -> dict:
     layout = spec.layout(i)
     flat = random_weights(layout, device, dtype, i)
     p = layout.views(flat)
@@ -119,6 +136,9 @@ def layer_case(spec, i: int, B: int, T: int, device: str, dtype, reps: int, dequ
         lambda v: mixer_block(spec, p, v, rope, mask), x, gy), device, reps)
     row["ff_bwd_frozen"] = timed(lambda: frozen_grad(lambda v: ff_block(spec, p, v), m, gy),
                                  device, reps)
+    if profile:
+        row["mixer_kernels"] = top_kernels(lambda: frozen_grad(
+            lambda v: mixer_block(spec, p, v, rope, mask), x, gy), reps)
     leaves = {k: v.detach().requires_grad_() for k, v in p.items()}
     try:
         row["bwd_full"] = timed(lambda: layer_backward(spec, leaves, x, gy, rope, mask),
@@ -184,6 +204,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--no-dequant", action="store_true", help="skip the NF4 timings")
+    ap.add_argument("--profile", action="store_true",
+                    help="the token mixer's kernels by device time (CUDA)")
     args = ap.parse_args()
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -197,7 +219,7 @@ def main() -> None:
         dispatch.LAUNCHES.clear()
         for (kind, _), layers in kinds(spec).items():
             row = layer_case(spec, layers[0], args.micro_batch, args.seq, device, dtype,
-                             args.reps, not args.no_dequant)
+                             args.reps, not args.no_dequant, args.profile and device == "cuda")
             row.update(shape=name, kind=kind, count=len(layers))
             print(json.dumps(row), flush=True)
             rows.append(row)

@@ -1,5 +1,5 @@
 """benchmarks/ceiling.py: its matmul FLOPs against torch's FLOP counter over the layer's forward and
-the executor's recompute + backward (models.layers.layer_backward), and its answer's consistency."""
+the executor's recompute + backward (models.recompute.layer_backward), and its answer's consistency."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ceiling import analyse, flops_per_token, matmul_params, saved_bytes_per_token  # noqa: E402
 from sliding_step import shape_spec  # noqa: E402
 
-from slideformer.engine.models.layers import decoder_layer, layer_backward, rope_tables  # noqa: E402
+from slideformer.engine.models.layers import decoder_layer, rope_tables  # noqa: E402
+from slideformer.engine.models.recompute import layer_backward  # noqa: E402
 from slideformer.engine.models.spec import spec_from_config  # noqa: E402
 from slideformer.engine.models.tiny import TinyShape, tiny_config  # noqa: E402
 

@@ -32,7 +32,8 @@ import torch
 
 from slideformer.engine.kernels import attention, dispatch
 from slideformer.engine.kernels.dispatch import kernel_path
-from slideformer.engine.models.layers import decoder_layer, layer_backward, rope_tables
+from slideformer.engine.models.layers import decoder_layer, rope_tables
+from slideformer.engine.models.recompute import layer_backward
 from slideformer.engine.models.model import positions_for
 from slideformer.engine.models.spec import Layout, ModelSpec, spec_from_config
 from slideformer.engine.plan.hardware import HardwareProfile

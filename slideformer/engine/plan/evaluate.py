@@ -158,7 +158,7 @@ class Evaluator:
                         regen_layers=shape.regen_layers if k.regen is not None else 0)
         if shape.spec_layers and self.budgets.ram:
             e = self._evaluate(k, shape, 0 if k.disk_layers is None else k.disk_layers)
-            if e.tiers[1].peak > e.tiers[1].budget:
+            if e.tiers[1].peak > self._host_limit():
                 shape = replace(shape, spec_layers=0)
         return self._placed(k, self._gpu_checkpoints(k, self._regenerated(k, shape)))
 
@@ -219,7 +219,7 @@ class Evaluator:
         if k.disk_layers is not None:
             return self._evaluate(k, shape, k.disk_layers)
         e = self._evaluate(k, shape, 0)
-        target = e.tiers[1].budget * (1 - DISK_MARGIN)
+        target = self._host_limit()
         if not self.budgets.disk or e.tiers[1].peak <= target:
             return e
 
@@ -231,6 +231,11 @@ class Evaluator:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if host_fits(mid) else (mid + 1, hi)
         return self._evaluate(k, shape, lo)  # all layers when even that does not fit
+
+    def _host_limit(self) -> int:
+        """The host RAM the choices below keep within: the budget, less DISK_MARGIN of it
+        where an NVMe tier may take what does not fit."""
+        return int(self.budgets.ram * (1 - DISK_MARGIN)) if self.budgets.disk else self.budgets.ram
 
     def _evaluate(self, k: Knobs, shape: ExecShape, disk_layers: int) -> Evaluation:
         if k.method == "full":

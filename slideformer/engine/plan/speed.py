@@ -54,7 +54,7 @@ import torch
 from slideformer.engine.kernels import fp8
 from slideformer.engine.kernels.attention import FLASH_HEAD_DIM
 from slideformer.engine.kernels.dispatch import KernelPath, kernel_path
-from slideformer.engine.models import layers
+from slideformer.engine.models.recompute import plain_layer
 from slideformer.engine.models.spec import ModelSpec
 from slideformer.engine.plan.hardware import HardwareProfile
 from slideformer.engine.plan.memory import Precision
@@ -116,7 +116,7 @@ def fp8_saving(spec: ModelSpec, tokens: int, passes: int, prec: Precision,
     """The bf16-equivalent FLOPs FP8 saves in ``passes`` passes of a layer's projections over
     ``tokens`` tokens. Only a dense MLP's matrices go through FP8 (kernels.fp8.PROJECTIONS), not
     the attention's, nor a mixture's experts or its shared expert (their own matmuls). ``skip_down``: the down projection is not in these passes (a trained plain
-    layer's recompute and backward: layers.layer_backward never forms its output, and its
+    layer's recompute and backward: recompute.layer_backward never forms its output, and its
     dL/dz is a bf16 product)."""
     if not prec.fp8:
         return 0.0
@@ -403,7 +403,7 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     f_fwd, f_bwd = layer_flops(spec, shape)
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
-    plain = layers._plain(spec, dict.fromkeys(spec.largest_layout.names()))
+    plain = plain_layer(spec, dict.fromkeys(spec.largest_layout.names()))
     f_fwd = f_fwd - fp8_saving(spec, tokens, 1, prec)
     f_bwd = f_bwd - fp8_saving(spec, tokens, 2, prec, skip_down=plain)
     rate = hw.matmul_tflops * 1e12 * efficiency

@@ -144,7 +144,7 @@ def math_scores(spec: ModelSpec, B: int, T: int, kernels: KernelPath, rows: int 
 
 
 def query_tiled(spec: ModelSpec, kernels: KernelPath, T: int) -> bool:
-    """Whether a tiled layer's backward tiles its queries (models.layers.query_tiles) in every
+    """Whether a tiled layer's backward tiles its queries (models.recompute.query_tiles) in every
     layer of the model, for rows of T positions: attention with its own q, k, v projections and
     no sinks in every layer (no gated DeltaNet), plain causal rows or a boolean mask, not a
     FlexAttention BlockMask: neither packed documents on the Flex path, nor sliding layers
@@ -224,7 +224,7 @@ def recompute_scratch(spec: ModelSpec, N: int, B: int, T: int, prec: Precision,
     The peak is at the MLP's backward (all activations saved, the down-projection's weight grad
     and three N x I grads alive) for long micro-batches; for short ones at the input norm's
     backward or at the end (every parameter grad of the layer in the compute dtype, returned at
-    once by autograd.grad, plus dL/dx). models.layers.layer_backward never forms the layer's
+    once by autograd.grad, plus dL/dx). models.recompute.layer_backward never forms the layer's
     output.
     Saved per token: the two RMSNorms (their fp32 input copy when the compute dtype is narrower,
     normalised value and output); rotated q, attention output (2 per q element),
@@ -264,7 +264,7 @@ def _saved_tokens(N: int, tile: int, queries: str) -> int:
 def _input_norm(spec: ModelSpec, prec: Precision, N: int, tile: int, queries: str,
                 per_token: int) -> int:
     """The input norm's backward (``per_token`` bytes a token): for every token at once, or in
-    tiles of queries (models.layers.query_tiled_grads) a tile's, beside what spans the
+    tiles of queries (models.recompute.query_tiled_grads) a tile's, beside what spans the
     sequence."""
     if not queries or _ff_tokens(N, tile) >= N:
         return N * per_token
@@ -282,7 +282,7 @@ def _query_span(spec: ModelSpec, prec: Precision, N: int, queries: str) -> int:
 
 
 def _tile_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, into: bool) -> int:
-    """What models.layers.tiled_grads' fp32 sums of the returned parameter grads (with ``into``
+    """What models.recompute.tiled_grads' fp32 sums of the returned parameter grads (with ``into``
     only the norms' and biases': the projections add into the gradient slot) hold beyond a
     compute-dtype copy of them: (4 - c) bytes a parameter. The compute-dtype copy is within the
     other terms: with compute-dtype sums the model matched the CPU allocator's peaks in fp32
@@ -298,14 +298,14 @@ def _tile_sums(spec: ModelSpec, prec: Precision, N: int, tile: int, into: bool) 
 def _tiled(spec: ModelSpec, prec: Precision, N: int, tile: int, per_token: int, ff: int,
            queries: str = "") -> int:
     """Bytes saved at the feed-forward's backward for N tokens of ``per_token`` bytes, of which
-    ``ff`` are the feed-forward's own. In tiles (models.layers.tiled_grads) the larger of two
+    ``ff`` are the feed-forward's own. In tiles (models.recompute.tiled_grads) the larger of two
     moments: a tile's backward (the mixer's part for every token, the tile's feed-forward part,
     the detached mid residual, dL/d(mid residual) and the tile's output), and the attention's
     backward after the tiles, where the mixer's part meets its grads: dL/d(mid residual) and
     dL/dx (residual dtype), dL/dh, dL/d(output), its (B, T, H) copy and dL/dq, dL/dk and dL/dv
     as repeated to the query heads (GQA) and as reduced to the KV heads.
 
-    In tiles of queries (``queries``; models.layers.query_tiled_grads) a tile holds the whole
+    In tiles of queries (``queries``; models.recompute.query_tiled_grads) a tile holds the whole
     layer's activations and the attention's grads of its queries, beside :func:`_query_span`;
     with a mask (``queries`` "mask": the CPU's causal rows, or a document mask) the tile's rows
     of it over every key, boolean and as the additive float SDPA makes of it (6 bytes each:

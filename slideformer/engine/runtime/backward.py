@@ -12,8 +12,9 @@ import torch
 
 from slideformer.engine.kernels.fp8 import enabled as fp8_enabled
 from slideformer.engine.kernels.dispatch import fp32_accumulate
-from slideformer.engine.models.layers import (decoder_layer, ff_block, layer_backward, mixer_block,
-                                              query_tiled_grads, query_tiles, tiled_grads, tiles)
+from slideformer.engine.models.layers import decoder_layer, ff_block, mixer_block, tiles
+from slideformer.engine.models.recompute import (layer_backward, query_tiled_grads, query_tiles,
+                                                 tiled_grads)
 from slideformer.engine.models.lora import LoraForward
 from slideformer.engine.models.spec import Layout
 from slideformer.engine.runtime.host_state import AdamHyper

@@ -63,7 +63,7 @@ FF_TILE = 16384
 """Micro-batches of more tokens than this run each layer in tiles (ExecShape.ff_tokens): a long
 sequence's MLP intermediates (several tokens x intermediate-width tensors: ~10 GiB for one
 64K-token sequence of an 8B) and, where attention allows it, its queries' activations
-(models.layers.query_tiles) then take a tile's memory. Micro-batches of at most this many
+(models.recompute.query_tiles) then take a tile's memory. Micro-batches of at most this many
 tokens run untiled."""
 TILE_ROWS = 512
 """Positions of each row a tile holds at least (:func:`ff_tile`): a tile of queries attends as

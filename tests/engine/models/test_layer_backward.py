@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from slideformer.engine.kernels.attention import packed_causal_mask
-from slideformer.engine.models.layers import decoder_layer, layer_backward, rope_tables
+from slideformer.engine.models.layers import decoder_layer, rope_tables
+from slideformer.engine.models.recompute import layer_backward
 from slideformer.engine.models.spec import spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config
 
@@ -179,7 +180,7 @@ TILED = [(a, i) for a in ("llama", "qwen3", "olmo2", "gemma3_text", "phi3", "qwe
 
 
 FF_TILED_ONLY = {"phi3", "gpt_oss"}
-"""Families whose layers tile their feed-forward only (models.layers.query_tiles): Phi-3's
+"""Families whose layers tile their feed-forward only (models.recompute.query_tiles): Phi-3's
 fused projection, GPT-OSS's sinks; and the gated DeltaNet layers of Qwen3.5."""
 
 
@@ -190,15 +191,16 @@ def test_feed_forward_in_tiles_equals_the_whole_layer(arch, layer, monkeypatch):
     mixer): the forward and the recompute + backward in tiles of 7 tokens (48 tokens: the last
     tile partial) give the untiled layer's output and gradients, up to the order of summation.
     The backward tiles the queries where attention allows it (3 positions of both rows a tile)."""
-    from slideformer.engine.models import layers
+    from slideformer.engine.models import layers, recompute
     spec, leaves, x, gy, (rope, mask) = family_layer(arch, layer)
     with torch.no_grad():
         ref_y = decoder_layer(spec, leaves, x, rope, mask)
     ref_gx, ref = layer_backward(spec, leaves, x, gy, rope, mask)
     calls = {"ff_block": [], "tiled_grads": [], "query_tiled_grads": []}
     for fn in calls:
-        real = getattr(layers, fn)
-        monkeypatch.setattr(layers, fn, lambda *a, _r=real, _n=fn, **k: calls[_n].append(1) or _r(*a, **k))
+        mod = layers if fn == "ff_block" else recompute
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _r=real, _n=fn, **k: calls[_n].append(1) or _r(*a, **k))
     with torch.no_grad():
         assert_near(decoder_layer(spec, leaves, x, rope, mask, tile=7), ref_y, "output")
     assert len(calls["ff_block"]) == 7  # 48 tokens in tiles of 7
@@ -218,7 +220,7 @@ def test_feed_forward_in_tiles_equals_the_whole_layer(arch, layer, monkeypatch):
 def test_query_tiles_with_a_document_mask_equal_the_whole_layer(arch, T, tile):
     """Packed rows (a boolean mask cut into each tile's rows) and tiles of one position (a
     query that sees every key of its rows' prefix), partial last tiles: the same gradients."""
-    from slideformer.engine.models.layers import query_tiles
+    from slideformer.engine.models.recompute import query_tiles
     spec, leaves, x, gy, (rope, _) = family_layer(arch, 0, T=T)
     doc = torch.tensor([0] * (T // 3) + [1] * (T - T // 3 - 2) + [2] * 2).expand(2, T)
     mask = packed_causal_mask(doc)
@@ -234,7 +236,8 @@ def test_query_tiles_only_where_attention_allows_them():
     """Not for a FlexAttention BlockMask, GPT-OSS's sinks, Phi-3's fused projection, the gated
     DeltaNet, nor rows short enough for one tile."""
     from slideformer.engine.kernels.attention import document_block_mask
-    from slideformer.engine.models.layers import LINEAR_MIXER, query_tiles
+    from slideformer.engine.models.layers import LINEAR_MIXER
+    from slideformer.engine.models.recompute import query_tiles
     spec, leaves, x, *_ = family_layer("llama", 0)
     assert query_tiles(spec, leaves, x, None, 8) and not query_tiles(spec, leaves, x, None, 48)
     assert not query_tiles(spec, leaves, x, None, 0)
@@ -294,7 +297,7 @@ def test_query_tiles_on_cuda_match_the_whole_layer(arch, device="cuda"):
     tile of queries, the projection grads added into fp32 buffers): the tiled layer's
     gradients as close to the fp32 layer's as the untiled bf16 layer's are (bf16 rounding; on
     the H100 the two differed by up to 1.03e-2 relative, Gemma 3's q_norm weight)."""
-    from slideformer.engine.models.layers import query_tiles
+    from slideformer.engine.models.recompute import query_tiles
     spec, leaves, x, gy, (rope, mask) = family_layer(arch, 0, B=1, T=2048, dtype=torch.bfloat16)
     assert query_tiles(spec, leaves, x, mask, 512)
     names = [n for n in leaves if n.endswith("_proj.weight")]

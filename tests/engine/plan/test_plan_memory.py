@@ -151,12 +151,12 @@ UNDER = pytest.mark.xfail(strict=True, reason="the PyTorch-op forward's attentio
 def test_tiled_feed_forward_transients_match_allocator_peaks(arch, kw, B, T, dt, packed, tile, res,
                                                              monkeypatch):
     """A long sequence with its feed-forward in tiles (ExecShape.ff_tokens) and its attention
-    whole (the layers that cannot tile their queries: models.layers.query_tiles): the forward's
+    whole (the layers that cannot tile their queries: models.recompute.query_tiles): the forward's
     and the recompute's peaks as predicted (the intermediate width 5.4x the hidden: the untiled
     recompute peaks are 3-4x these). Where tiles leave the peak to attention, the PyTorch-op
     path's attention is modelled for fp32 and for 16-bit without grouped KV heads only."""
-    from slideformer.engine.models import layers
-    monkeypatch.setattr(layers, "query_tiles", lambda *a, **k: False)
+    from slideformer.engine.models import recompute
+    monkeypatch.setattr(recompute, "query_tiles", lambda *a, **k: False)
     check_transients(arch, kw, B, T, dt, packed, 4096, res, tile)
 
 
@@ -166,7 +166,7 @@ def test_tiled_feed_forward_transients_match_allocator_peaks(arch, kw, B, T, dt,
     ("llama", dict(hidden=1024, heads=8, kv_heads=2, intermediate=2816, head_dim=128), 8192, 1024)])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_query_tiled_transients_match_allocator_peaks(arch, kw, T, tile, dt):
-    """The layer in tiles of queries (models.layers.query_tiled_grads), one sequence a step:
+    """The layer in tiles of queries (models.recompute.query_tiled_grads), one sequence a step:
     the recompute's peak within 8% (-4% to +7% on these; on the CPU each tile's rows of the
     causal mask over every key count; grouped KV heads of 4:1)."""
     check_transients(arch, kw, 1, T, dt, False, 4096, None, tile, queries="mask",
@@ -178,7 +178,7 @@ def test_query_tiles_plan_no_more_than_the_feed_forward_tiles_would():
     plan's, and the planner and the layers agree on which models do (sinks, fused
     projections, windows shorter than the rows, FlexAttention's BlockMask: not)."""
     from slideformer.engine.kernels.dispatch import KernelPath
-    from slideformer.engine.models.layers import query_tiles
+    from slideformer.engine.models.recompute import query_tiles
     flash = KernelPath(True, True, "causal")
     spec = _spec("llama", layers=1, vocab=4000, hidden=1024, heads=8, kv_heads=2,
                  intermediate=2816, head_dim=128)

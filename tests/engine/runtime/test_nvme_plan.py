@@ -15,7 +15,7 @@ from slideformer.engine.models.spec import load_spec, spec_from_config
 from slideformer.engine.models.tiny import TinyShape, tiny_config
 from slideformer.engine.plan import REFERENCE, plan_run
 from slideformer.engine.plan import memory as M
-from slideformer.engine.plan.evaluate import Evaluator
+from slideformer.engine.plan.evaluate import DISK_MARGIN, Evaluator
 from slideformer.engine.plan.planner import knobs_from_config
 from slideformer.engine.runtime.backend import CpuBackend
 from slideformer.engine.runtime.executor import ExecShape
@@ -55,10 +55,11 @@ def test_planner_moves_the_fewest_layers_that_fit(llama_8b, tmp_path):
     assert [a.bytes for a in staging] == [BUFFERS * per]
     busy = plan.speed.busy_dict()["disk"]  # a read and a write per disk layer and step
     assert busy == pytest.approx(n * per / 1.7e9 + n * per / 1.5e9)
-    # one layer fewer does not fit: n is the least
+    # one layer fewer does not leave the budget's margin free: n is the least
+    assert plan.tier("host").peak <= 96 * GiB * (1 - DISK_MARGIN)
     ev = Evaluator(spec, "cuda", plan.budgets, REFERENCE)
     fewer = ev.choose(replace(knobs_from_config(cfg, spec, "cuda"), disk_layers=n - 1))
-    assert fewer.tiers[1].peak > 96 * GiB
+    assert fewer.tiers[1].peak > 96 * GiB * (1 - DISK_MARGIN)
     # with RAM to spare nothing goes to disk
     roomy = plan_run(override(cfg, {"budget.ram": "200GiB"}), spec, hardware=REFERENCE)
     assert roomy.disk_layers == 0 and roomy.tier("disk").peak == 0
@@ -141,8 +142,10 @@ def test_trainer_run_with_disk_layers_resumes_exactly(run_base, run_cfg):
     # short host RAM drops the speculative layers' snapshots first (slideformer.engine.plan.evaluate)
     snaps = sum(a.bytes for a in plan.allocations if a.purpose == "speculative update snapshots")
     assert snaps > 0
-    # regenerated gradients would make this budget fit without the disk (they come first): off
-    cfg = run_cfg("disk", {"budget.ram": str(full - snaps - per_layer), "train.clip_regen": 0,
+    # regenerated gradients would make this budget fit without the disk (they come first): off.
+    # The tier's search leaves DISK_MARGIN of the budget free: one layer short of that
+    ram = int((full - snaps - per_layer) / (1 - DISK_MARGIN))
+    cfg = run_cfg("disk", {"budget.ram": str(ram), "train.clip_regen": 0,
                            "budget.nvme_dir": str(run_base / "nvme")})
     t = Trainer(cfg, callbacks=[lambda ev: isinstance(ev, StepMetrics) and ev.step == 2 and t.stop(True)])
     t.setup()

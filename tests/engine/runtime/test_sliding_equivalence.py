@@ -206,12 +206,12 @@ def test_checkpoints_split_between_host_and_device_match_dense(tmp_path, gpu_che
 def test_feed_forward_tiles_match_dense(tmp_path, monkeypatch):
     """Each layer's feed-forward half in tiles of 7 tokens of the 2 x 20 of a packed
     micro-batch (ExecShape.ff_tokens), and its recompute + backward in tiles of 3 query
-    positions (rows of the boolean document mask: models.layers.query_tiled_grads), clipping
+    positions (rows of the boolean document mask: models.recompute.query_tiled_grads), clipping
     on: the same losses and weights as dense training."""
-    from slideformer.engine.models import layers
+    from slideformer.engine.models import recompute
     calls = []
-    real = layers.query_tiled_grads
-    monkeypatch.setattr(layers, "query_tiled_grads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = recompute.query_tiled_grads
+    monkeypatch.setattr(recompute, "query_tiled_grads", lambda *a, **k: calls.append(1) or real(*a, **k))
     d = make_tiny_model(tmp_path / "m", "llama", TinyShape(layers=4), seed=6)
     spec = load_spec(d)
     optim = OptimConfig(lr=2e-3, weight_decay=0.05, schedule="linear", max_grad_norm=0.5)
