@@ -2,7 +2,8 @@
 per invocation, every contender in a process of its own (fresh CUDA context, clean peaks).
 
     python3 benchmarks/lora_bench.py --table 8b     # Llama-3.1-8B shape: ours lora, qlora vs
-                                                    # HF+PEFT lora, HF+PEFT+bnb qlora; 16K, 64K
+                                                    # HF+PEFT lora, HF+PEFT+bnb qlora and
+                                                    # Unsloth lora, qlora; 16K, 64K
     python3 benchmarks/lora_bench.py --table 70b    # Llama-3.1-70B shape, ours qlora at 64K
     python3 benchmarks/lora_bench.py --table 123b   # Mistral-Large-2 shape, ours qlora
     python3 benchmarks/lora_bench.py --table 30b-a3b  # Qwen3-30B-A3B (MoE), ours lora, qlora
@@ -14,10 +15,11 @@ per invocation, every contender in a process of its own (fresh CUDA context, cle
 Weights are random (N(0, 0.02)); ours quantises them layer by layer on the GPU into the host
 state (the loading path from safetensors is tested in tests/). VRAM is capped in-process at
 --vram-cap GiB (torch.cuda.set_per_process_memory_fraction) for every contender, after set-up.
-Tokens/step = micro_batch x seq x grad_accum; HF trains micro-batches one after another with
-gradient checkpointing, ours layer-wise. Reported: tokens/s (median of the timed steps), peak
-VRAM allocated / reserved, peak RSS (VmHWM), the GPU busy share of our step (compute spans of
-the timeline over the step time) and the planner's prediction for our runs.
+Tokens/step = micro_batch x seq x grad_accum; HF and Unsloth train micro-batches one after
+another with gradient checkpointing (Unsloth's own), ours layer-wise. Reported: tokens/s (median
+of the timed steps), peak VRAM allocated / reserved, peak RSS (VmHWM), the GPU busy share of our
+step (compute spans of the timeline over the step time) and the planner's prediction for our runs.
+Unsloth runs on a CUDA GPU only: elsewhere (--tiny on a CPU) its records say it was skipped.
 """
 from __future__ import annotations
 
@@ -38,7 +40,8 @@ import torch  # noqa: E402
 from sliding_step import SHAPES, as_pairs, random_batches, shape_config  # noqa: E402
 
 TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 1024)
-    "8b": ("llama-3.1-8b", ("ours-lora", "ours-qlora", "hf-lora", "hf-qlora"), ((4, 4), (4, 16))),
+    "8b": ("llama-3.1-8b", ("ours-lora", "ours-qlora", "hf-lora", "hf-qlora", "unsloth-lora",
+                            "unsloth-qlora"), ((4, 4), (4, 16))),
     "70b": ("llama-3.1-70b", ("ours-qlora",), ((4, 4), (8, 8))),
     "123b": ("mistral-large-2", ("ours-qlora",), ((4, 4),)),
     # HF+PEFT holds the 61 GB bf16 base in VRAM: no contender of it under a 24 GiB cap
@@ -55,6 +58,13 @@ TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 102
 GiB = 1 << 30
 MARK = "@@LORA "
 SETUP: dict = {}  # the HF contender's set-up figures, kept for the record of a run out of memory
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # LoRA's
+# Unsloth offline: no statistics download (a README fetched from the Hub at each load), no Hub or
+# GitHub look-ups (model-name mapper), its compiled modules in a temporary folder, not the cwd
+UNSLOTH_ENV = {"UNSLOTH_DISABLE_STATISTICS": "1", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1",
+               "UNSLOTH_COMPILE_LOCATION": os.path.join(tempfile.gettempdir(), "unsloth_compiled")}
 # HF + bnb saves and reloads the model to quantise it as users load one: in RAM where possible
 SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.statvfs("/dev/shm").f_bavail * \
     os.statvfs("/dev/shm").f_frsize > 40 * (1 << 30) else None
@@ -269,14 +279,19 @@ def run_hf(a: dict) -> dict:
     model = hf_model(a, dev)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     model = peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=8, lora_dropout=0.0,
-                                                       target_modules=targets))
+                                                       target_modules=TARGETS))
     model.enable_input_require_grads()
     # from_pretrained returns the model in eval mode, where HF skips gradient checkpointing (it
     # is gated on self.training): without this the 4-bit contender kept every layer's activations
     model.train()
-    setup = time.perf_counter() - t0
+    return timed_steps(model, a, dev, time.perf_counter() - t0)
+
+
+def timed_steps(model, a: dict, dev: str, setup: float) -> dict:
+    """The HF protocol, Unsloth's too: the cap after set-up, then steps of AdamW (fused) on the
+    adapters, micro-batches of ``labels = input_ids`` one after another, clipping at 1.0; tokens/s
+    of the median timed step."""
     setup_vram = torch.cuda.memory_allocated() / GiB if dev == "cuda" else 0.0
     SETUP.update(setup_s=round(setup, 1), setup_vram_gib=round(setup_vram, 2))
     cap(a["vram_cap"])
@@ -301,6 +316,37 @@ def run_hf(a: dict) -> dict:
     return dict(tokens_per_s=round(tokens / med, 1), step_time_s=round(med, 3),
                 setup_s=round(setup, 1), setup_vram_gib=round(setup_vram, 2), **vram(),
                 peak_rss_gib=round(peak_rss(), 2))
+
+
+# ---- Unsloth ------------------------------------------------------------------------------------
+def run_unsloth(a: dict) -> dict:
+    """Unsloth as its users run it, on the random model: the bf16 folder of write_random_folder
+    (with word_tokenizer's tokenizer, which from_pretrained loads beside the weights) loaded by
+    FastLanguageModel.from_pretrained, in bf16 for lora or quantised by it on load for qlora
+    (bitsandbytes NF4); then get_peft_model with the HF contender's rank, alpha and targets and
+    Unsloth's gradient checkpointing, and timed_steps. The folder lives until the end of the run."""
+    if not torch.cuda.is_available():
+        return {"error": "skipped: Unsloth trains on a CUDA GPU only, none here"}
+    os.environ.update(UNSLOTH_ENV)
+    import unsloth  # noqa: I001  (first: it patches transformers, peft and trl on import)
+    import transformers
+    from unsloth import FastLanguageModel
+    t0 = time.perf_counter()
+    cfg = transformers.LlamaConfig(**shape_config(a["shape"]))
+    with tempfile.TemporaryDirectory(dir=a.get("tmp")) as d:
+        write_random_folder(cfg, d, "cuda", torch.bfloat16)
+        word_tokenizer(cfg.vocab_size).save_pretrained(d)
+        torch.cuda.empty_cache()
+        model, _ = FastLanguageModel.from_pretrained(
+            d, max_seq_length=a["seq"], dtype=torch.bfloat16,
+            load_in_4bit=a["contender"] == "unsloth-qlora", full_finetuning=False,
+            local_files_only=True, use_exact_model_name=True)
+        model = FastLanguageModel.get_peft_model(
+            model, r=8, lora_alpha=8, lora_dropout=0.0, target_modules=TARGETS, bias="none",
+            use_gradient_checkpointing="unsloth", random_state=0)
+        FastLanguageModel.for_training(model)
+        return dict(timed_steps(model, a, "cuda", time.perf_counter() - t0),
+                    unsloth=unsloth.__version__)
 
 
 # ---- TRL's DPOTrainer (+ PEFT, + bitsandbytes) -------------------------------------------------
@@ -344,7 +390,6 @@ def run_trl(a: dict) -> dict:
     # A fingerprint of our own: datasets 5.0 hashes a new table by pickling it with dill, which
     # fails on Python 3.12 with pyarrow 26 ("Can't pickle <class 'MonthDayNano'>").
     ds = datasets.Dataset(datasets.table.InMemoryTable.from_pydict(rows), fingerprint="lora-bench")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     times: list[float] = []
 
     class Timer(transformers.TrainerCallback):
@@ -369,7 +414,7 @@ def run_trl(a: dict) -> dict:
         trainer = trl.DPOTrainer(model=model, args=args, train_dataset=ds,
                                  processing_class=word_tokenizer(V), callbacks=[Timer()],
                                  peft_config=peft.LoraConfig(r=8, lora_alpha=8, lora_dropout=0.0,
-                                                             target_modules=targets))
+                                                             target_modules=TARGETS))
         setup = time.perf_counter() - t0
         SETUP.update(setup_s=round(setup, 1))
         tokens_seen = sum(len(r["prompt_ids"]) * 2 + len(r["chosen_ids"]) + len(r["rejected_ids"])
@@ -387,7 +432,8 @@ def run_trl(a: dict) -> dict:
 def one(a: dict) -> None:
     try:
         res = run_ours(a) if a["contender"].startswith("ours") else \
-            run_trl(a) if a["contender"].startswith("trl") else run_hf(a)
+            run_trl(a) if a["contender"].startswith("trl") else \
+            run_unsloth(a) if a["contender"].startswith("unsloth") else run_hf(a)
     except torch.cuda.OutOfMemoryError as e:
         res = {**SETUP, "error": f"out of memory: {str(e).splitlines()[0]}"}
     except ImportError as e:
@@ -449,7 +495,7 @@ def main() -> None:
     for mb, acc in sizes:
         for c in contenders:
             if args.objective != "sft" and not c.startswith("ours"):
-                if args.objective != "dpo":
+                if args.objective != "dpo" or c.startswith("unsloth"):
                     continue  # TRL's DPOTrainer is the contender of DPO only
                 c = c.replace("hf-", "trl-")  # Hugging Face's side of DPO: TRL + PEFT (+ bnb)
             a = dict(contender=c, shape=shape, seq=seq, micro_batch=mb, accum=acc, tmp=SCRATCH,
@@ -465,9 +511,9 @@ def main() -> None:
 
 
 def attempts(a: dict):
-    """Run one contender in a fresh process; an HF contender out of VRAM is retried with half
-    the micro-batch and twice the accumulation (same tokens per step), down to micro-batch 1,
-    since that is what its users would do. Every attempt is a record."""
+    """Run one contender in a fresh process; an HF or Unsloth contender out of VRAM is retried
+    with half the micro-batch and twice the accumulation (same tokens per step), down to
+    micro-batch 1, since that is what its users would do. Every attempt is a record."""
     while True:
         p = subprocess.run([sys.executable, __file__, "--one", json.dumps(a)],
                            capture_output=True, text=True)
@@ -477,8 +523,9 @@ def attempts(a: dict):
             "stderr_tail": p.stderr.strip().splitlines()[-25:]}  # the traceback, for the log
         yield rec
         oom = "out of memory" in rec.get("error", "")
-        if not (oom and a["contender"].startswith(("hf", "trl")) and a["micro_batch"] > 1 + a[
-                "contender"].startswith("trl")):  # TRL's micro-batch counts pairs: 2 rows at least
+        # TRL's micro-batch counts pairs: 2 rows at least
+        if not (oom and a["contender"].startswith(("hf", "trl", "unsloth")) and
+                a["micro_batch"] > 1 + a["contender"].startswith("trl")):
             return
         a = dict(a, micro_batch=a["micro_batch"] // 2, accum=a["accum"] * 2)
 
