@@ -289,14 +289,49 @@ def test_bf16_tiles_sum_their_gradients_in_fp32():
         assert rel < 8e-3, f"{name}: {rel:.1e}"
 
 
+BF16_TILE_SLACK = 3.0
+"""How much farther from the fp32 layer a bf16 layer's tiled gradients may be than its untiled
+ones. The tiles round at other points (each tile's partial sums; dL/dk and dL/dv once, summed in
+fp32) and gradients with heavy cancellation, like the 16 numbers of a q_norm weight summed over
+every token and head, move by a few 1e-3: on the H100, Gemma 3's q_norm weight's tiled gradient
+was 1.11e-2 from the fp32 layer's and the untiled one's 0.64e-2; on the CPU k_norm's 0.75e-2 and
+0.65e-2. A tile lost or counted twice moves a gradient by about one tile's share (25% and more
+here)."""
+
+
+@pytest.mark.parametrize("arch,layer", [("llama", 0), ("gemma3_text", 0), ("gemma4_text", 0),
+                                        ("gemma4_text", 3)])
+def test_bf16_query_tiles_are_as_near_the_fp32_layer_as_the_whole(arch, layer):
+    """In bf16 on the CPU, 16 tiles of 16 queries: every gradient of the tiled layer is about as
+    near the fp32 layer's as the untiled bf16 layer's is (:data:`BF16_TILE_SLACK`)."""
+    from slideformer.engine.models.recompute import query_tiles
+    spec, leaves, x, gy, (rope, mask) = family_layer(arch, layer, B=1, T=256)
+    assert query_tiles(spec, leaves, x, mask, 16)
+    results = []
+    for dt, tile in ((torch.float32, 0), (torch.bfloat16, 0), (torch.bfloat16, 16)):
+        lv = {k: v.detach().to(dt).requires_grad_() for k, v in leaves.items()}
+        gx, grads = layer_backward(spec, lv, x.to(dt), gy.to(dt),
+                                   None if rope is None else tuple(t.to(dt) for t in rope),
+                                   mask, tile=tile)
+        results.append((gx.float(), {k: g.float() for k, g in grads.items()}))
+    (ref_gx, ref), (whole_gx, whole), (gx, got) = results
+    for name, a, w, b in [("dL/dx", gx, whole_gx, ref_gx)] + [(n, got[n], whole[n], ref[n])
+                                                            for n in ref]:
+        if not b.any():  # a leaf the layer reads without a gradient (Gemma 4's layer_scalar)
+            assert not a.any() and not w.any(), name
+            continue
+        err, base = ((a - b).norm() / b.norm()).item(), ((w - b).norm() / b.norm()).item()
+        assert err <= BF16_TILE_SLACK * base + 1e-3, (name, err, base)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
 def test_query_tiles_on_cuda_match_the_whole_layer(arch, device="cuda"):
     """bf16 on the GPU (the fused kernels, flash attention aligned to the bottom right for each
     tile of queries, the projection grads added into fp32 buffers): the tiled layer's
-    gradients as close to the fp32 layer's as the untiled bf16 layer's are (bf16 rounding; on
-    the H100 the two differed by up to 1.03e-2 relative, Gemma 3's q_norm weight)."""
+    gradients about as close to the fp32 layer's as the untiled bf16 layer's are
+    (:data:`BF16_TILE_SLACK`)."""
     from slideformer.engine.models.recompute import query_tiles
     spec, leaves, x, gy, (rope, mask) = family_layer(arch, 0, B=1, T=2048, dtype=torch.bfloat16)
     assert query_tiles(spec, leaves, x, mask, 512)
@@ -316,4 +351,4 @@ def test_query_tiles_on_cuda_match_the_whole_layer(arch, device="cuda"):
         return ((a - b).norm() / b.norm()).item()
     for name, a, w, b in [("dL/dx", gx, whole_gx, ref_gx)] + [(n, got[n], whole[n], ref[n])
                                                             for n in ref]:
-        assert rel(a, b) <= 1.5 * rel(w, b) + 1e-3, (name, rel(a, b), rel(w, b))
+        assert rel(a, b) <= BF16_TILE_SLACK * rel(w, b) + 1e-3, (name, rel(a, b), rel(w, b))
