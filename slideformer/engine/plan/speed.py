@@ -327,6 +327,34 @@ of a layer and the path efficiencies (measured on whole layers) already hold som
 those plans err ~3% slow."""
 
 
+HEAD_NORM_S = {"fwd": 24e-12, "frozen": 93e-12, "full": 93e-12}
+"""Seconds per element of the per-head q, k and value norms, forward and recompute + backward,
+where the family's norms run as PyTorch ops in fp32 (models.layers.rms_norm with an offset or
+fp32 scaling: Gemma 3 and 4, Qwen3.5; the fused Triton norm does not take them). What Gemma-4
+31B's sliding layer's mixer (32 query heads and 16 KV heads of 256, 4 x 1024 tokens; H100,
+benchmarks/RESULTS.md 2026-12-07 seventh session) took beyond its projections at the layer rate
+and flash attention at FLASH_ATTENTION_RATE: 1.63 ms forward and 6.21 ms recompute + frozen
+backward over 16,384 normed elements a token. The profile put most of it in elementwise
+kernels and copies (the norms' fp32 steps, casts, the heads' layout for attention). Counted
+for the layers on the flash path only: the math path's SCORE_S was fitted with its norms
+taken out."""
+
+
+def _head_norm_elements(spec: ModelSpec, layers: list[int]) -> float:
+    """Per-head normed elements a token, averaged over all layers, of ``layers``: q and k (and
+    v with a value norm; once where the keys are the values) where the family normalises each
+    head in PyTorch ops (HEAD_NORM_S)."""
+    fam = spec.family
+    if fam.qk_norm != "head" or not (fam.norm_offset or fam.norm_fp32):
+        return 0.0
+    total = 0
+    for i in layers:
+        hd, kv = spec.head_dim_of(i), spec.kv_heads_of(i)
+        values = fam.v_norm and not spec.values_are_keys(i)
+        total += hd * (spec.num_heads + kv * (1 + values))
+    return total / spec.num_layers
+
+
 def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str) -> Irregular:
     """A CUDA layer's routed experts, PyTorch delta rule and attention: flash at its own rate
     (:data:`FLASH_ATTENTION_RATE`), heads too wide for it on the math path (:class:`Irregular`)."""
@@ -338,8 +366,13 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str)
     flash = spec.num_layers - linear - len(wide)
     f_flops = 2.0 * B * T * T * spec.q_width * flash / spec.num_layers  # as mixer_flops counts
     f_s = f_flops / (FLASH_ATTENTION_RATE * hw.matmul_tflops * 1e12)
+    normed = B * T * _head_norm_elements(spec, [i for i in range(spec.num_layers) if not (
+        spec.is_linear(i) or spec.head_dim_of(i) > FLASH_HEAD_DIM)])
+    normed *= IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops
+    n_fwd, n_frozen, n_full = (normed * HEAD_NORM_S[k] for k in ("fwd", "frozen", "full"))
     if spec.moe is None and not linear and not wide:
-        return Irregular(fwd=f_s, frozen=3 * f_s, full=3 * f_s, flash_flops=f_flops)
+        return Irregular(fwd=f_s + n_fwd, frozen=3 * f_s + n_frozen, full=3 * f_s + n_full,
+                         flash_flops=f_flops)
     L, N, scale = spec.num_layers, B * T, IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops
     e_flops = fwd = frozen = full = r_flops = 0.0
     m = spec.family.moe
@@ -363,7 +396,7 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str)
         fwd += th * DELTANET_RULE_S["fwd"]
         frozen += th * DELTANET_RULE_S["frozen"]
         full += th * DELTANET_RULE_S["full"]
-    fwd, frozen, full = fwd + f_s, frozen + 3 * f_s, full + 3 * f_s
+    fwd, frozen, full = fwd + f_s + n_fwd, frozen + 3 * f_s + n_frozen, full + 3 * f_s + n_full
     s_flops = 0.0
     if wide:  # mixer_flops counts every attention layer at the widest layer's query width
         s_flops = 2.0 * B * T * T * spec.q_width * len(wide) / L

@@ -1,6 +1,7 @@
 """The parts of a layer the planner times by measurement rather than FLOPs (plan.speed.irregular):
 routed experts by (token, expert) pairs x hidden size, the PyTorch gated delta rule by tokens x
-value heads; and the runtime baseline's JIT compilers (plan.memory.runtime_baseline)."""
+value heads, math-path attention by scores, per-head norms in PyTorch ops by their elements; and
+the runtime baseline's JIT compilers (plan.memory.runtime_baseline)."""
 from __future__ import annotations
 
 import dataclasses
@@ -23,6 +24,14 @@ def spec_of(name: str, **kw):
 def flash_s(irr, hw=H100) -> float:
     """The forward seconds of the flash attention term (speed.FLASH_ATTENTION_RATE)."""
     return irr.flash_flops / (speed.FLASH_ATTENTION_RATE * hw.matmul_tflops * 1e12)
+
+
+def norms_s(spec, B: int, T: int, key: str, hw=H100) -> float:
+    """The seconds of the per-head norms on the flash layers (speed.HEAD_NORM_S)."""
+    flash = [i for i in range(spec.num_layers)
+             if not spec.is_linear(i) and spec.head_dim_of(i) <= speed.FLASH_HEAD_DIM]
+    return (B * T * speed._head_norm_elements(spec, flash) * speed.HEAD_NORM_S[key]
+            * speed.IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops)
 
 
 def test_experts_are_timed_by_pairs_times_hidden_not_by_flops(monkeypatch):
@@ -60,14 +69,17 @@ def test_the_delta_rule_is_timed_only_where_fla_does_not_run(monkeypatch, fla):
     spec = spec_of("qwen3.5-16l")  # 12 gated DeltaNet layers of 16, dense MLPs
     irr = speed.irregular(spec, 4, 1024, H100, "cuda")
     assert irr.flash_flops == pytest.approx(2.0 * 4 * 1024 * 1024 * spec.q_width * 4 / 16)
-    if fla:  # only the four attention layers' flash term
-        assert irr.rule_flops == 0 and irr.fwd == pytest.approx(flash_s(irr))
+    attn = {k: norms_s(spec, 4, 1024, k) for k in ("fwd", "frozen")}  # Qwen3.5's offset q/k norms
+    assert attn["fwd"] > 0
+    if fla:  # only the four attention layers' flash and norm terms
+        assert irr.rule_flops == 0 and irr.fwd == pytest.approx(flash_s(irr) + attn["fwd"])
         return
     d, share = spec.linear, 12 / 16
     scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
     token_heads = 4096 * d.num_v_heads * share * scale  # heads of 128 x 128
-    assert irr.fwd - flash_s(irr) == pytest.approx(token_heads * speed.DELTANET_RULE_S["fwd"])
-    assert irr.frozen - 3 * flash_s(irr) == pytest.approx(
+    assert irr.fwd - flash_s(irr) - attn["fwd"] == pytest.approx(
+        token_heads * speed.DELTANET_RULE_S["fwd"])
+    assert irr.frozen - 3 * flash_s(irr) - attn["frozen"] == pytest.approx(
         token_heads * speed.DELTANET_RULE_S["frozen"])
     assert irr.rule_flops > 0 and irr.expert_flops == 0
 
@@ -82,16 +94,19 @@ def test_attention_of_heads_wider_than_flash_takes_is_timed_by_its_scores():
     irr = speed.irregular(g, 4, 1024, H100, "cuda")
     scale = speed.IRREGULAR_REFERENCE_TFLOPS / H100.matmul_tflops
     scores = 4 * g.num_heads * 1024 * 1024 * scale * 10 / g.num_layers
-    assert irr.fwd - flash_s(irr) == pytest.approx(scores * speed.SCORE_S["fwd"])
-    assert irr.frozen - 3 * flash_s(irr) == pytest.approx(scores * speed.SCORE_S["frozen"])
+    n_fwd, n_frozen = norms_s(g, 4, 1024, "fwd"), norms_s(g, 4, 1024, "frozen")
+    assert irr.fwd - flash_s(irr) - n_fwd == pytest.approx(scores * speed.SCORE_S["fwd"])
+    assert irr.frozen - 3 * flash_s(irr) - n_frozen == pytest.approx(
+        scores * speed.SCORE_S["frozen"])
     assert irr.score_flops == pytest.approx(2.0 * 4 * 1024 * 1024 * g.q_width * 10 / g.num_layers)
     assert irr.flash_flops == pytest.approx(2.0 * 4 * 1024 * 1024 * g.q_width * 50 / g.num_layers)
     both = irr.score_flops + irr.flash_flops
     assert irr.flops(frozen=True) == pytest.approx((both, 3 * both))
     llama = speed.irregular(spec_of("llama-3.1-8b"), 4, 1024, H100, "cuda")
     assert llama.score_flops == 0 and llama.fwd == pytest.approx(flash_s(llama))
-    # 4x the positions: 16x the scores and the flash FLOPs
-    assert speed.irregular(g, 4, 4096, H100, "cuda").fwd == pytest.approx(16 * irr.fwd)
+    # 4x the positions: 16x the scores and the flash FLOPs, 4x the norms' elements
+    assert speed.irregular(g, 4, 4096, H100, "cuda").fwd == pytest.approx(
+        16 * (irr.fwd - n_fwd) + 4 * n_fwd)
 
 
 def test_a_moe_layer_plans_slower_than_its_flops_say(monkeypatch):
