@@ -6,9 +6,11 @@
   layer count;
 - head_chunk: tokens per LM-head chunk, the largest power of two up to 4096 whose fp32 logits
   stay within 512 MiB (a 1024 x 128k-vocab chunk already runs the GEMM at full speed);
-- NVMe tier (with a disk budget): when the host state exceeds the RAM budget, the moments of the
-  fewest decoder layers that bring it within the budget less DISK_MARGIN go to disk (every disk layer costs a read and a
-  write per step; a "tight" host is left alone). The first layers moved save nothing while
+- NVMe tier (with a disk budget): when the host state exceeds the RAM budget less DISK_MARGIN
+  (with a disk budget every host-RAM choice below keeps within that: :meth:`Evaluator._host_limit`),
+  the moments of the fewest decoder layers that bring it within go to disk (every disk layer
+  costs a read and a write per step; a host within that limit is left alone, "tight" or not).
+  The first layers moved save nothing while
   each still gets its own staging buffer (slideformer.engine.runtime.nvme.BUFFERS of them). With a
   frozen base (lora, qlora) the same search moves the base weights of the fewest layers
   (read once or twice per step, never written; slideformer.engine.plan.frozen).
@@ -173,8 +175,8 @@ class Evaluator:
             return shape
 
         def fits(r: int) -> bool:
-            e = self._evaluate(k, replace(shape, regen_layers=r), 0)
-            return e.tiers[1].peak <= e.tiers[1].budget
+            return self._evaluate(k, replace(shape, regen_layers=r), 0).tiers[1].peak \
+                <= self._host_limit()
         lo, hi = 1, self.spec.num_layers - min(shape.device_layers, self.spec.num_layers)
         if fits(0) or not hi:
             return shape
@@ -200,7 +202,7 @@ class Evaluator:
 
         def at(g: int) -> tuple[bool, bool]:
             e = self._evaluate(k, replace(shape, gpu_checkpoints=g), 0)
-            return e.tiers[1].peak <= e.tiers[1].budget, _within(e.tiers[:1], 1.0)
+            return e.tiers[1].peak <= self._host_limit(), _within(e.tiers[:1], 1.0)
         if at(0)[0] or not at(L)[0]:
             return shape
         lo, hi = 1, L

@@ -163,7 +163,8 @@ def _states_to_disk(ev: Evaluator, base: Evaluation, k: Knobs, goal: _Goal) -> l
     """The NVMe tier with room for what host RAM needs moved (the planner then moves exactly
     that: the fewest layers that fit, see slideformer.engine.plan.evaluate): the AdamW moments of full
     training, or the frozen base of lora / qlora. Only for a host over its budget: a tight one
-    stays in RAM (disk layers cost reads, and with moments writes, every step)."""
+    stays in RAM (disk layers cost reads, and with moments writes, every step). The plan with
+    the tier then keeps host RAM within the budget less evaluate.DISK_MARGIN."""
     if "host" not in goal.tiers or goal.share < 1.0 or base.disk_layers == ev.spec.num_layers:
         return []
     roomy = Evaluator(ev.spec, ev.device, replace(ev.budgets, disk=_NO_LIMIT), ev.hw)

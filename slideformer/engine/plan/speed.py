@@ -157,7 +157,9 @@ def kernels_note(path: KernelPath, hw: HardwareProfile, irr: "Irregular | None" 
     timed = [what for what, on in (("routed experts", irr and irr.expert_flops),
                                    ("the gated delta rule (PyTorch)", irr and irr.rule_flops),
                                    (f"attention of heads over {FLASH_HEAD_DIM} (SDPA's math path)",
-                                    irr and irr.score_flops)) if on]
+                                    irr and irr.score_flops),
+                                   ("per-head norms in PyTorch ops", irr and irr.norm_elements))
+             if on]
     if timed:
         note += f"; {' and '.join(timed)} at their times measured on an H100, scaled by matmul rate"
     if irr and irr.flash_flops:
@@ -290,6 +292,8 @@ class Irregular:
     full: float = 0.0
     score_flops: float = 0.0
     flash_flops: float = 0.0
+    norm_elements: float = 0.0
+    """Per-head normed elements per micro-batch and layer (HEAD_NORM_S), in fwd/frozen/full."""
 
     def flops(self, frozen: bool) -> tuple[float, float]:
         """(forward, recompute + backward) FLOPs these parts stand for in layer_flops' count."""
@@ -334,15 +338,15 @@ fp32 scaling: Gemma 3 and 4, Qwen3.5; the fused Triton norm does not take them).
 31B's sliding layer's mixer (32 query heads and 16 KV heads of 256, 4 x 1024 tokens; H100,
 benchmarks/RESULTS.md 2026-12-07 seventh session) took beyond its projections at the layer rate
 and flash attention at FLASH_ATTENTION_RATE: 1.63 ms forward and 6.21 ms recompute + frozen
-backward over 16,384 normed elements a token. The profile put most of it in elementwise
-kernels and copies (the norms' fp32 steps, casts, the heads' layout for attention). Counted
-for the layers on the flash path only: the math path's SCORE_S was fitted with its norms
-taken out."""
+backward over 16,384 normed elements a token. Of those 7.8 ms the profile showed 3.5 ms in
+elementwise kernels and copies among the mixer's eight largest kernels; the rest is not
+attributed. Counted for every attention layer: the math path's SCORE_S was fitted with its
+layers' norms taken out."""
 
 
 def _head_norm_elements(spec: ModelSpec, layers: list[int]) -> float:
     """Per-head normed elements a token, averaged over all layers, of ``layers``: q and k (and
-    v with a value norm; once where the keys are the values) where the family normalises each
+    v with a value norm) where the family normalises each
     head in PyTorch ops (HEAD_NORM_S)."""
     fam = spec.family
     if fam.qk_norm != "head" or not (fam.norm_offset or fam.norm_fp32):
@@ -350,8 +354,7 @@ def _head_norm_elements(spec: ModelSpec, layers: list[int]) -> float:
     total = 0
     for i in layers:
         hd, kv = spec.head_dim_of(i), spec.kv_heads_of(i)
-        values = fam.v_norm and not spec.values_are_keys(i)
-        total += hd * (spec.num_heads + kv * (1 + values))
+        total += hd * (spec.num_heads + kv * (1 + fam.v_norm))
     return total / spec.num_layers
 
 
@@ -366,13 +369,13 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str)
     flash = spec.num_layers - linear - len(wide)
     f_flops = 2.0 * B * T * T * spec.q_width * flash / spec.num_layers  # as mixer_flops counts
     f_s = f_flops / (FLASH_ATTENTION_RATE * hw.matmul_tflops * 1e12)
-    normed = B * T * _head_norm_elements(spec, [i for i in range(spec.num_layers) if not (
-        spec.is_linear(i) or spec.head_dim_of(i) > FLASH_HEAD_DIM)])
-    normed *= IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops
-    n_fwd, n_frozen, n_full = (normed * HEAD_NORM_S[k] for k in ("fwd", "frozen", "full"))
+    normed = B * T * _head_norm_elements(
+        spec, [i for i in range(spec.num_layers) if not spec.is_linear(i)])
+    n_fwd, n_frozen, n_full = (normed * HEAD_NORM_S[k] * IRREGULAR_REFERENCE_TFLOPS
+                               / hw.matmul_tflops for k in ("fwd", "frozen", "full"))
     if spec.moe is None and not linear and not wide:
         return Irregular(fwd=f_s + n_fwd, frozen=3 * f_s + n_frozen, full=3 * f_s + n_full,
-                         flash_flops=f_flops)
+                         flash_flops=f_flops, norm_elements=normed)
     L, N, scale = spec.num_layers, B * T, IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops
     e_flops = fwd = frozen = full = r_flops = 0.0
     m = spec.family.moe
@@ -404,7 +407,7 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str)
         fwd += scores * SCORE_S["fwd"]
         frozen += scores * SCORE_S["frozen"]
         full += scores * SCORE_S["full"]
-    return Irregular(e_flops, r_flops, fwd, frozen, full, s_flops, f_flops)
+    return Irregular(e_flops, r_flops, fwd, frozen, full, s_flops, f_flops, normed)
 
 
 @dataclass(frozen=True)

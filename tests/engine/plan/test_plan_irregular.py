@@ -27,10 +27,9 @@ def flash_s(irr, hw=H100) -> float:
 
 
 def norms_s(spec, B: int, T: int, key: str, hw=H100) -> float:
-    """The seconds of the per-head norms on the flash layers (speed.HEAD_NORM_S)."""
-    flash = [i for i in range(spec.num_layers)
-             if not spec.is_linear(i) and spec.head_dim_of(i) <= speed.FLASH_HEAD_DIM]
-    return (B * T * speed._head_norm_elements(spec, flash) * speed.HEAD_NORM_S[key]
+    """The seconds of the per-head norms of the attention layers (speed.HEAD_NORM_S)."""
+    attn = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
+    return (B * T * speed._head_norm_elements(spec, attn) * speed.HEAD_NORM_S[key]
             * speed.IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops)
 
 

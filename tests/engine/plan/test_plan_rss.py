@@ -248,7 +248,6 @@ def test_largest_micro_batch_agrees_with_running_it(head_model, tmp_path):
     from slideformer.engine.config import RunConfig, override
     from slideformer.engine.models.spec import load_spec
     from slideformer.engine.plan import REFERENCE, plan_run
-    from slideformer.engine.plan.evaluate import DISK_MARGIN
     from slideformer.engine.plan.memory import HOST_RUNTIME
 
     spec = load_spec(head_model)
