@@ -17,6 +17,7 @@ where FlexAttention has no backward, without a usable FlexAttention, and with
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -151,9 +152,60 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
     if isinstance(mask, torch.Tensor) and q.shape[2] == 1 and gqa:
         return decode_attention(q, k, v, mask, scale)
     if mask is None or isinstance(mask, torch.Tensor):
+        if q.is_cuda and q.shape[-1] > FLASH_HEAD_DIM and q.dtype != torch.float32:
+            return wide_attention(q, k, v, mask, causal, gqa, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=gqa, scale=scale)
     return _flex_attend(q, k, v, mask, gqa, scale)
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    """CUDA's fp32 matmuls on TF32 tensor cores for the duration (the global flag, restored)."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def wide_attention(q, k, v, mask, causal: bool, gqa: bool, scale):
+    """SDPA of 16-bit heads wider than :data:`FLASH_HEAD_DIM` on CUDA (Gemma 4's full layers):
+    its math path, which turns q, k, v into fp32 and multiplies them on the SIMT cores (16.7 ms
+    of a 48 ms Gemma-4 31B full-layer mixer forward + backward on an H100), with those matmuls
+    on TF32 tensor cores instead, forward and backward. A bf16 or fp16 value is exact in TF32
+    (10 mantissa bits), so q k^T and dO v^T are the same fp32 products; the probabilities and
+    score gradients (fp32) are rounded to TF32 in their products, finer than the bf16 that the
+    flash kernels round them to. The flag is global, so the backward runs inside this
+    function's own graph (:class:`_TF32Attention`), under the flag again."""
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _TF32Attention.apply(q, k, v, mask, causal, gqa, scale)
+    with tf32_matmuls():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              enable_gqa=gqa, scale=scale)
+
+
+class _TF32Attention(torch.autograd.Function):
+    """The math path's own graph, kept from the forward and differentiated under TF32."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, causal, gqa, scale):
+        inner = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+        with torch.enable_grad(), tf32_matmuls():
+            out = F.scaled_dot_product_attention(*inner, attn_mask=mask, is_causal=causal,
+                                                 enable_gqa=gqa, scale=scale)
+        ctx.inner = inner, out
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        inner, out = ctx.inner
+        del ctx.inner
+        need = [t for t in inner if t.requires_grad]
+        with tf32_matmuls():
+            got = iter(torch.autograd.grad(out, need, grad))
+        return (*(next(got) if t.requires_grad else None for t in inner), None, None, None, None)
 
 
 def decode_attention(q, k, v, mask: torch.Tensor, scale) -> torch.Tensor:

@@ -152,11 +152,16 @@ def kernel_path(device: str, head_dim: int, packed: bool) -> KernelPath:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
-             out: torch.dtype | None = None) -> torch.Tensor:
+             out: torch.dtype | None = None, offset: float = 0.0,
+             fp32: bool = False) -> torch.Tensor:
     """Fused ``layers.rms_norm``. ``out`` None or x's dtype: Hugging Face's rounding (the
     normalised value rounded to x's dtype, y in promote(x, w)); another dtype: the scaling in
-    fp32, rounded once to ``out`` (an fp32 residual stream feeding bf16 matmuls)."""
+    fp32, rounded once to ``out`` (an fp32 residual stream feeding bf16 matmuls). An
+    ``offset`` (Gemma's 1 + w) or ``fp32`` (Gemma 4's norm) scales in fp32 and rounds once to
+    ``out`` or x's dtype, as the reference does."""
     from slideformer.engine.kernels.triton_norm import RMSNorm
+    if offset or fp32:
+        return RMSNorm.apply(x, w, eps, out or x.dtype, False, float(offset))
     if out is None or out == x.dtype:
         return RMSNorm.apply(x, w, eps, torch.promote_types(x.dtype, w.dtype), True)
     return RMSNorm.apply(x, w, eps, out, False)

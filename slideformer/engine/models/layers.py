@@ -41,14 +41,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     ``out`` (an fp32 stream feeding bf16 matmuls, or fp32 q/k ahead of fp32 RoPE).
     ``offset`` 1 is Gemma's norm (weights stored as w - 1), which scales in fp32 and rounds
     once whatever ``out`` is, as transformers' Gemma3RMSNorm does; ``fp32``: so does the norm
-    without offset (Gemma 4's).
+    without offset (Gemma 4's). The fused kernel takes every case.
     """
+    if dispatch.use_triton(x):
+        return dispatch.rms_norm(x, w, eps, out, offset, fp32)
     if offset or fp32:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         return ((offset + w.float()) * xf).to(out or x.dtype)
-    if dispatch.use_triton(x):
-        return dispatch.rms_norm(x, w, eps, out)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if out is None or out == x.dtype:

@@ -267,3 +267,51 @@ def test_real_recompile_limit_hit_is_caught(monkeypatch):
     torch._dynamo.reset()
     assert max(outs) < 2e-2, outs
     assert "recompile limit" in (attention.take_flex_fallback() or "")
+
+
+def _qkv(device, dtype, B=2, nh=4, nkv=2, T=40, hd=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(B, n, T, hd, generator=g) * 0.5).to(device, dtype).requires_grad_()
+            for n in (nh, nkv, nkv)]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_tf32_attention_graph_gives_sdpa_grads(causal):
+    """The wide-head wrapper's own graph (forward kept, differentiated in its backward) returns
+    SDPA's output and gradients, in q, k, v order, None where an input needs none (CPU: TF32
+    changes nothing here, so they are equal)."""
+    q, k, v = _qkv("cpu", torch.float32, T=12, hd=16)
+    k.requires_grad_(False)
+    g = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    rq, rv = torch.autograd.grad(ref, (q, v), g)
+    out = attention._TF32Attention.apply(q, k, v, None, causal, True, None)
+    assert torch.equal(out, ref)
+    dq, dv = torch.autograd.grad(out, (q, v), g)  # k's None: autograd accepts no other
+    assert torch.equal(dq, rq) and torch.equal(dv, rv)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wide_heads_on_tf32_as_close_to_fp32_as_the_math_path(dtype):
+    """Heads of 512 (Gemma 4's full layers) through attend: output and gradients within the
+    math path's own distance from the fp32 reference (x1.5 + a rounding step), and the TF32
+    flag restored after forward and backward."""
+    q, k, v = _qkv("cuda", dtype)
+    g = torch.randn(q.shape, device="cuda", dtype=dtype)
+    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    rgrads = torch.autograd.grad(r, ref, g.double())
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        m = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    mgrads = torch.autograd.grad(m, (q, k, v), g)
+    before = torch.backends.cuda.matmul.allow_tf32
+    out = attend(q, k, v, None, True, True)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    eps = torch.finfo(dtype).eps
+    for got, math, want in zip((out, *grads), (m, *mgrads), (r, *rgrads)):
+        d_math = (math.double() - want).abs().max().item()
+        d_ours = (got.double() - want).abs().max().item()
+        assert d_ours <= 1.5 * d_math + eps * want.abs().max().item(), (d_ours, d_math)

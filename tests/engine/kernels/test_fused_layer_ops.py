@@ -127,6 +127,23 @@ def test_rms_norm_of_a_transposed_view(dtype, launches):
 
 
 @gpu
+@dtypes
+@pytest.mark.parametrize("offset,fp32", [(1.0, False), (0.0, True)], ids=["gemma3", "gemma4"])
+@pytest.mark.parametrize("shape", [(7, 37), (3, 5, 4, 256), (2, 129, 5376)])
+def test_gemma_norms_match_reference(shape, dtype, offset, fp32, launches):
+    """Gemma's norms (1 + w, Gemma 3; w in fp32, Gemma 4) scale in fp32 and round once: the
+    fused kernel takes them, per head and over the hidden size."""
+    x, w = norm_inputs(shape, dtype)
+    w = (w.float() - offset).to(dtype)  # Gemma 3 stores its weights as w - 1
+    fn = lambda a, b: layers.rms_norm(a, b, 1e-6, None, offset, fp32)  # noqa: E731
+    got = grads(fn, [x, w])
+    assert launches["rms_norm_fwd"] == 1 and launches["rms_norm_bwd"] == 1
+    assert got[0].dtype == dtype and got[2].dtype == dtype
+    ref, truth = reference(fn, [x, w])
+    check(got, ref, truth, dtype, "y dx dw")
+
+
+@gpu
 def test_rms_norm_fp32_residual_to_bf16_output(launches):
     """An fp32 residual stream normed into the compute dtype (the precision option's case)."""
     if INTERPRET:
