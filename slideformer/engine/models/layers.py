@@ -65,7 +65,9 @@ def norm(spec: ModelSpec, p: dict, name: str, x: torch.Tensor,
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) in fp32, rounded to x's dtype: an RMSNorm without weight
-    (Gemma 4's value norm and router norm)."""
+    (Gemma 4's value norm and router norm); the fused kernel with a unit weight where it runs."""
+    if dispatch.use_triton(x):
+        return dispatch.rms_norm(x, torch.ones(x.shape[-1], device=x.device), eps, fp32=True)
     xf = x.float()
     return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).to(x.dtype)
 

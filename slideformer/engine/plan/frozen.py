@@ -225,7 +225,7 @@ def frozen_estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: 
         dq *= NF4_TORCH_FACTOR
     io = adapter_params(spec, lora) // spec.num_layers // max(lora.rank, 1)  # in + out, targets
     ad = n * B * T * io * ADAPTER_BYTES / mem  # one pass of a layer's adapters
-    irr = irregular(spec, B, T, hw, device)  # routed experts, the PyTorch delta rule: measured
+    irr = irregular(spec, B, T, hw, device, path.fused_ops)  # experts, delta rule: measured
     i_fwd, i_bwd = irr.flops(frozen=True)
     f = (lin - fp8_saving(spec, tokens, 1, prec) + att - n * i_fwd) / rate + n * irr.fwd + dq + ad
     b = (2 * lin - fp8_saving(spec, tokens, 2, prec) + 3 * att - n * i_bwd) / rate \

@@ -334,7 +334,9 @@ those plans err ~3% slow."""
 HEAD_NORM_S = {"fwd": 24e-12, "frozen": 93e-12, "full": 93e-12}
 """Seconds per element of the per-head q, k and value norms, forward and recompute + backward,
 where the family's norms run as PyTorch ops in fp32 (models.layers.rms_norm with an offset or
-fp32 scaling: Gemma 3 and 4, Qwen3.5; the fused Triton norm does not take them). What Gemma-4
+fp32 scaling: Gemma 3 and 4, Qwen3.5) on the PyTorch-op kernel path; the fused Triton norm has
+taken them since 2026-12-07 (eighth session), which leaves them inside the layer efficiency,
+as Qwen3's norms are. What Gemma-4
 31B's sliding layer's mixer (32 query heads and 16 KV heads of 256, 4 x 1024 tokens; H100,
 benchmarks/RESULTS.md 2026-12-07 seventh session) took beyond its projections at the layer rate
 and flash attention at FLASH_ATTENTION_RATE: 1.63 ms forward and 6.21 ms recompute + frozen
@@ -358,9 +360,11 @@ def _head_norm_elements(spec: ModelSpec, layers: list[int]) -> float:
     return total / spec.num_layers
 
 
-def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str) -> Irregular:
+def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str,
+              fused: bool = False) -> Irregular:
     """A CUDA layer's routed experts, PyTorch delta rule and attention: flash at its own rate
-    (:data:`FLASH_ATTENTION_RATE`), heads too wide for it on the math path (:class:`Irregular`)."""
+    (:data:`FLASH_ATTENTION_RATE`), heads too wide for it on the math path, and with ``fused``
+    off (the PyTorch-op kernel path) Gemma's and Qwen3.5's per-head norms (:class:`Irregular`)."""
     if device != "cuda":
         return Irregular()
     linear = sum(spec.is_linear(i) for i in range(spec.num_layers))
@@ -369,7 +373,7 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str)
     flash = spec.num_layers - linear - len(wide)
     f_flops = 2.0 * B * T * T * spec.q_width * flash / spec.num_layers  # as mixer_flops counts
     f_s = f_flops / (FLASH_ATTENTION_RATE * hw.matmul_tflops * 1e12)
-    normed = B * T * _head_norm_elements(
+    normed = 0.0 if fused else B * T * _head_norm_elements(
         spec, [i for i in range(spec.num_layers) if not spec.is_linear(i)])
     n_fwd, n_frozen, n_full = (normed * HEAD_NORM_S[k] * IRREGULAR_REFERENCE_TFLOPS
                                / hw.matmul_tflops for k in ("fwd", "frozen", "full"))
@@ -434,7 +438,7 @@ class _Times:
 
 
 def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfile,
-           disk: float, efficiency: float) -> _Times:
+           disk: float, efficiency: float, fused: bool) -> _Times:
     L, P, c, k = spec.num_layers, spec.params_per_layer, prec.c, max(1, min(shape.slots, spec.num_layers))
     E, Hd = spec.embed_layout.numel, spec.head_layout.numel
     f_fwd, f_bwd = layer_flops(spec, shape)
@@ -443,7 +447,7 @@ def _times(spec: ModelSpec, shape: ExecShape, prec: Precision, hw: HardwareProfi
     f_fwd = f_fwd - fp8_saving(spec, tokens, 1, prec)
     f_bwd = f_bwd - fp8_saving(spec, tokens, 2, prec, skip_down=plain)
     rate = hw.matmul_tflops * 1e12 * efficiency
-    irr, n = irregular(spec, shape.micro_batch, shape.seq_len, hw, "cuda"), shape.n_micro
+    irr, n = irregular(spec, shape.micro_batch, shape.seq_len, hw, "cuda", fused), shape.n_micro
     i_fwd, i_bwd = irr.flops(frozen=False)
     tokens = shape.micro_batch * shape.seq_len * shape.n_micro
     one, both = hw.h2d_gbs * 1e9, hw.duplex_gbs * 1e9
@@ -510,7 +514,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
     if device != "cuda":
         return _cpu_estimate(spec, shape, prec, hw, tokens, flops, disk, R)
     path = kernel_path(device, spec.max_head_dim, packed)
-    t = _times(spec, shape, prec, hw, disk, layer_efficiency(path, hw)[0])
+    t = _times(spec, shape, prec, hw, disk, layer_efficiency(path, hw)[0], path.fused_ops)
     G, E, Hd = min(shape.device_layers, L), spec.embed_layout.numel, spec.head_layout.numel
     on_device = G * spec.params_per_layer + (E + Hd if shape.device_update else 0)
     dev_upd = on_device * DEVICE_ADAM_BYTES / (DEVICE_MEMORY_GBS * 1e9)
@@ -544,7 +548,7 @@ def estimate(spec: ModelSpec, shape: ExecShape, prec: Precision, device: str, cl
         note = ("the forward waits for the CPU updates (exact clipping), so the optimizer and "
                 "the GPU take turns" if clip else
                 "the pipeline fills and drains: resources wait for each other")
-    irr = irregular(spec, shape.micro_batch, shape.seq_len, hw, device)
+    irr = irregular(spec, shape.micro_batch, shape.seq_len, hw, device, path.fused_ops)
     return replace(_result(step, tokens, busy, flops, note), kernels=kernels_note(path, hw, irr))
 
 

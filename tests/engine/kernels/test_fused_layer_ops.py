@@ -144,6 +144,18 @@ def test_gemma_norms_match_reference(shape, dtype, offset, fp32, launches):
 
 
 @gpu
+@dtypes
+def test_unit_norm_matches_reference(dtype, launches):
+    """Gemma 4's value norm (no weight) through the fused kernel."""
+    x, _ = norm_inputs((3, 7, 4, 256), dtype)
+    fn = lambda a: layers.unit_rms(a, 1e-6)  # noqa: E731
+    got = grads(fn, [x])
+    assert launches["rms_norm_fwd"] == 1 and launches["rms_norm_bwd"] == 1
+    ref, truth = reference(fn, [x])
+    check(got, ref, truth, dtype, "y dx")
+
+
+@gpu
 def test_rms_norm_fp32_residual_to_bf16_output(launches):
     """An fp32 residual stream normed into the compute dtype (the precision option's case)."""
     if INTERPRET:

@@ -103,6 +103,9 @@ def test_attention_of_heads_wider_than_flash_takes_is_timed_by_its_scores():
     assert irr.flops(frozen=True) == pytest.approx((both, 3 * both))
     llama = speed.irregular(spec_of("llama-3.1-8b"), 4, 1024, H100, "cuda")
     assert llama.score_flops == 0 and llama.fwd == pytest.approx(flash_s(llama))
+    # the fused kernel path takes Gemma's norms: no per-head norm term
+    fused = speed.irregular(g, 4, 1024, H100, "cuda", fused=True)
+    assert fused.norm_elements == 0 and fused.fwd == pytest.approx(irr.fwd - n_fwd)
     # 4x the positions: 16x the scores and the flash FLOPs, 4x the norms' elements
     assert speed.irregular(g, 4, 4096, H100, "cuda").fwd == pytest.approx(
         16 * (irr.fwd - n_fwd) + 4 * n_fwd)
@@ -155,10 +158,10 @@ def test_a_full_fine_tune_times_its_experts_the_same_way(monkeypatch):
     prec = Precision(torch.bfloat16, torch.float32)
     monkeypatch.setattr(speed, "kernel_path", lambda *a: KernelPath(True, True, "causal"))
     timed = speed.estimate(spec, shape, prec, "cuda", True, H100)
-    t = speed._times(spec, shape, prec, H100, 0.0, 0.802)
+    t = speed._times(spec, shape, prec, H100, 0.0, 0.802, True)
     monkeypatch.setattr(speed, "irregular", lambda *a: speed.Irregular())
     by_flops = speed.estimate(spec, shape, prec, "cuda", True, H100)
-    t0 = speed._times(spec, shape, prec, H100, 0.0, 0.802)
+    t0 = speed._times(spec, shape, prec, H100, 0.0, 0.802, True)
     assert timed.busy_dict()["gpu compute"] > by_flops.busy_dict()["gpu compute"]
     assert timed.flops == by_flops.flops
     monkeypatch.undo()
