@@ -8,8 +8,9 @@ The CLI run trains a random-init model folder (bf16 safetensors written tensor b
 word tokenizer whose words are the ids) on documents of random words of 64 to 2,048 tokens,
 packed into rows of --seq (``data.packing``, the default: FlexAttention keeps documents apart),
 with ``budget.vram`` = --vram-cap and the engine's own plan, as a user runs it. Its per-step
-figures are the run's ``events.jsonl`` (``train/tokens_per_s``: the step's tokens over its wall
-time, data included). ``TORCH_LOGS=recompiles`` is set on it, and the recompile lines of its log
+figures are the run's ``events.jsonl`` (``tokens_per_s``: the step's tokens over its wall time,
+data included); the run is killed after its last step's event, before its checkpoint and
+export (which time nothing here). ``TORCH_LOGS=recompiles`` is set on it, and the recompile lines of its log
 are counted. The harness (``sliding_step.py --plan``, random rows of exactly --seq tokens, no
 document masks, VRAM capped in-process at --vram-cap) runs next, in a process of its own.
 Printed: both runs' step times, the medians after --warmup steps, their ratio, the CLI's peak
@@ -51,6 +52,21 @@ def write_data(path: Path, vocab: int, tokens: int, seed: int = 0) -> int:
     return docs
 
 
+def step_events(events: Path) -> list[dict]:
+    """The run's step events so far (events.jsonl lines with tokens_per_s)."""
+    if not events.exists():
+        return []
+    out = []
+    for line in events.read_text(encoding="utf-8").splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:  # a line being written
+            continue
+        if "tokens_per_s" in ev:
+            out.append(ev)
+    return out
+
+
 def run_cli(a, work: Path) -> dict:
     import transformers
     cfg = transformers.LlamaConfig(**shape_config(a.shape))
@@ -86,25 +102,27 @@ run_dir = "{work / 'run'}"
     env = dict(os.environ, TORCH_LOGS="recompiles", PYTHONPATH=f"{ROOT}{os.pathsep}"
                f"{os.environ.get('PYTHONPATH', '')}")
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "slideformer.cli", "train", "--config",
-                        str(work / "run.toml")], capture_output=True, text=True, env=env,
-                       cwd=work)
+    events, logf = work / "run" / "events.jsonl", work / "cli.log"
+    with open(logf, "w", encoding="utf-8") as out:
+        p = subprocess.Popen([sys.executable, "-m", "slideformer.cli", "train", "--config",
+                              str(work / "run.toml")], stdout=out, stderr=subprocess.STDOUT,
+                             env=env, cwd=work)
+        while p.poll() is None:  # the last step's event: stop it (no checkpoint or export)
+            time.sleep(0.5)
+            if len(step_events(events)) >= a.steps:
+                p.kill()
+                p.wait()
     wall = time.perf_counter() - t0
-    log = p.stdout + p.stderr
-    (Path(a.log) if a.log else work / "cli.log").write_text(log, encoding="utf-8")
-    steps = []
-    events = work / "run" / "events.jsonl"
-    if events.exists():
-        for line in events.read_text(encoding="utf-8").splitlines():
-            ev = json.loads(line)
-            if ev.get("kind") == "step" or "tokens_per_s" in ev:
-                steps.append(ev)
+    log = logf.read_text(encoding="utf-8")
+    if a.log:
+        Path(a.log).write_text(log, encoding="utf-8")
+    steps = step_events(events)
     rec = {"run": "cli", "exit": p.returncode, "wall_s": round(wall, 1), "prep_s": round(prep, 1),
            "documents": docs, "recompile_lines": sum("Recompiling" in ln or "recompil" in ln.lower()
                                                      for ln in log.splitlines()),
            "steps": [{k: ev.get(k) for k in ("step", "tokens", "tokens_per_s", "step_time",
                                              "peak_vram", "peak_ram")} for ev in steps]}
-    if p.returncode:
+    if len(steps) < a.steps:
         rec["log_tail"] = log.strip().splitlines()[-15:]
     return rec
 
