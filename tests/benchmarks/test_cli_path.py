@@ -1,0 +1,23 @@
+"""benchmarks/cli_path.py --tiny: ``slideformer train`` on a packed JSONL file and the harness
+run on the CPU in one invocation, and the CLI's per-step figures come from its events.jsonl."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_dry_run_times_the_cli_and_the_harness():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cli_path.py"), "--tiny"],
+                         capture_output=True, text=True, check=True, cwd=ROOT, timeout=600).stdout
+    lines = out.strip().splitlines()
+    cli, harness = json.loads(lines[0]), json.loads(lines[1])
+    assert cli["run"] == "cli" and len(cli["steps"]) == 4  # --tiny: 4 steps, stopped after them
+    assert [s["step"] for s in cli["steps"]] == [1, 2, 3, 4]
+    # packed rows of 2 x 64 tokens, 2 micro-batches: at most 256 tokens a step
+    assert all(0 < s["tokens"] <= 256 and s["tokens_per_s"] > 0 for s in cli["steps"])
+    assert harness["run"] == "harness" and len(harness["step_times_s"]) == 4
+    assert lines[-1].startswith("CLI / harness: ")
