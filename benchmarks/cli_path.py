@@ -53,7 +53,8 @@ def write_data(path: Path, vocab: int, tokens: int, seed: int = 0) -> int:
 
 
 def step_events(events: Path) -> list[dict]:
-    """The run's step events so far (events.jsonl lines with tokens_per_s)."""
+    """The run's step events so far (events.jsonl lines with tokens_per_s), skipped ones left
+    out."""
     if not events.exists():
         return []
     out = []
@@ -62,7 +63,7 @@ def step_events(events: Path) -> list[dict]:
             ev = json.loads(line)
         except json.JSONDecodeError:  # a line being written
             continue
-        if "tokens_per_s" in ev:
+        if "tokens_per_s" in ev and not ev.get("skipped"):  # a skipped step keeps its number
             out.append(ev)
     return out
 

@@ -23,6 +23,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from slideformer.engine.kernels.dispatch import count_launch
 
@@ -152,7 +153,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
     if isinstance(mask, torch.Tensor) and q.shape[2] == 1 and gqa:
         return decode_attention(q, k, v, mask, scale)
     if mask is None or isinstance(mask, torch.Tensor):
-        if q.is_cuda and q.shape[-1] > FLASH_HEAD_DIM and q.dtype != torch.float32:
+        if q.is_cuda and q.shape[-1] > FLASH_HEAD_DIM and q.dtype in (torch.bfloat16,
+                                                                     torch.float16):
             return wide_attention(q, k, v, mask, causal, gqa, scale)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                               enable_gqa=gqa, scale=scale)
@@ -161,24 +163,32 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, causal: bool
 
 @contextlib.contextmanager
 def tf32_matmuls():
-    """CUDA's fp32 matmuls on TF32 tensor cores for the duration (the global flag, restored)."""
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    """CUDA's fp32 matmuls on TF32 tensor cores for the duration (the global flag, restored):
+    ``allow_tf32``, or ``fp32_precision`` where the process already uses that newer setting
+    (PyTorch refuses to read the older one then)."""
+    m = torch.backends.cuda.matmul
+    try:
+        key, old, new = "allow_tf32", m.allow_tf32, True
+    except RuntimeError:
+        key, old, new = "fp32_precision", m.fp32_precision, "tf32"
+    setattr(m, key, new)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+        setattr(m, key, old)
 
 
 def wide_attention(q, k, v, mask, causal: bool, gqa: bool, scale):
     """SDPA of 16-bit heads wider than :data:`FLASH_HEAD_DIM` on CUDA (Gemma 4's full layers):
     its math path, which turns q, k, v into fp32 and multiplies them on the SIMT cores (16.7 ms
-    of a 48 ms Gemma-4 31B full-layer mixer forward + backward on an H100), with those matmuls
-    on TF32 tensor cores instead, forward and backward. A bf16 or fp16 value is exact in TF32
-    (10 mantissa bits), so q k^T and dO v^T are the same fp32 products; the probabilities and
-    score gradients (fp32) are rounded to TF32 in their products, finer than the bf16 that the
-    flash kernels round them to. The flag is global, so the backward runs inside this
-    function's own graph (:class:`_TF32Attention`), under the flag again."""
+    of a 48 ms Gemma-4 31B full-layer mixer forward + backward on an H100, 3.1 ms on TF32),
+    with those matmuls on TF32 tensor cores instead, forward and backward. A bf16 or fp16
+    value is exact in TF32 (10 mantissa bits), and the path scales q and k by sqrt(scale) before
+    their product: with Gemma 4's scale of 1 (or any power of four) q k^T and dO v^T are the
+    same fp32 products, with another scale the scaled inputs are rounded to 10 bits. The
+    probabilities and score gradients (fp32) are rounded to TF32 in their products, finer than
+    the bf16 that the flash kernels round them to. The flag is global, so the backward runs
+    inside this function's own graph (:class:`_TF32Attention`), under the flag again."""
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _TF32Attention.apply(q, k, v, mask, causal, gqa, scale)
     with tf32_matmuls():
@@ -187,7 +197,8 @@ def wide_attention(q, k, v, mask, causal: bool, gqa: bool, scale):
 
 
 class _TF32Attention(torch.autograd.Function):
-    """The math path's own graph, kept from the forward and differentiated under TF32."""
+    """The math path's own graph, kept from the forward and differentiated under TF32 once (the
+    backward frees it; no second backward, no double backward)."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, causal, gqa, scale):
@@ -199,13 +210,16 @@ class _TF32Attention(torch.autograd.Function):
         return out.detach()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
+        if not hasattr(ctx, "inner"):
+            raise RuntimeError("the wide-head attention's graph was freed by an earlier backward")
         inner, out = ctx.inner
         del ctx.inner
-        need = [t for t in inner if t.requires_grad]
+        wanted = [t.requires_grad and n for t, n in zip(inner, ctx.needs_input_grad)]
         with tf32_matmuls():
-            got = iter(torch.autograd.grad(out, need, grad))
-        return (*(next(got) if t.requires_grad else None for t in inner), None, None, None, None)
+            got = iter(torch.autograd.grad(out, [t for t, w in zip(inner, wanted) if w], grad))
+        return (*(next(got) if w else None for w in wanted), None, None, None, None)
 
 
 def decode_attention(q, k, v, mask: torch.Tensor, scale) -> torch.Tensor:

@@ -160,6 +160,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     ``offset`` (Gemma's 1 + w) or ``fp32`` (Gemma 4's norm) scales in fp32 and rounds once to
     ``out`` or x's dtype, as the reference does."""
     from slideformer.engine.kernels.triton_norm import RMSNorm
+    w = w.contiguous()  # the kernels read the weight as one run of N values
     if offset or fp32:
         return RMSNorm.apply(x, w, eps, out or x.dtype, False, float(offset))
     if out is None or out == x.dtype:

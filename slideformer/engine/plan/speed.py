@@ -158,7 +158,9 @@ def kernels_note(path: KernelPath, hw: HardwareProfile, irr: "Irregular | None" 
                                    ("the gated delta rule (PyTorch)", irr and irr.rule_flops),
                                    (f"attention of heads over {FLASH_HEAD_DIM} (SDPA's math path)",
                                     irr and irr.score_flops),
-                                   ("per-head norms in PyTorch ops", irr and irr.norm_elements))
+                                   ("per-head norms in " + ("the fused kernel" if irr and
+                                     irr.norms_fused else "PyTorch ops"),
+                                    irr and irr.norm_elements))
              if on]
     if timed:
         note += f"; {' and '.join(timed)} at their times measured on an H100, scaled by matmul rate"
@@ -294,6 +296,8 @@ class Irregular:
     flash_flops: float = 0.0
     norm_elements: float = 0.0
     """Per-head normed elements per micro-batch and layer (HEAD_NORM_S), in fwd/frozen/full."""
+    norms_fused: bool = False
+    """Those norms run in the fused Triton kernel (HEAD_NORM_FUSED_S)."""
 
     def flops(self, frozen: bool) -> tuple[float, float]:
         """(forward, recompute + backward) FLOPs these parts stand for in layer_flops' count."""
@@ -309,12 +313,14 @@ def fla_runs(device: str) -> bool:
     return not (torch.cuda.is_available() and deltanet_gpu.fla_refused_on(0))
 
 
-SCORE_S = {"fwd": 78e-12, "frozen": 208e-12, "full": 208e-12}
-"""Seconds per attention score (batch x heads x T x T) on SDPA's math path, forward and
-recompute + backward: Gemma-4 31B's full-attention layers (32 heads of 512, 4 x 1024 tokens;
-benchmarks/family_layers.py, H100, 2026-12-07): their mixer took 13.5 ms forward and 34.3 ms
-for the recompute + backward, of which the projections at the layer rate and the norms are
-about 3 and 6 ms. The path forms the scores, their softmax and grads in memory: 12 TFLOP/s."""
+SCORE_S = {"fwd": 29e-12, "frozen": 61e-12, "full": 61e-12}
+"""Seconds per attention score (batch x heads x T x T) on SDPA's math path with its matmuls on
+TF32 (kernels.attention.wide_attention), forward and recompute + backward: Gemma-4 31B's
+full-attention layers (32 heads of 512, 4 x 1024 tokens; benchmarks/family_layers.py, H100,
+2026-12-07 eighth session): their mixer took 7.07 ms forward and 15.43 ms for the recompute +
+backward, less the projections at the layer rate (2.46 and 4.92 ms) and the fused norms at
+HEAD_NORM_FUSED_S (0.68 and 2.24 ms). Before TF32 (fp32 on the SIMT cores) the same fit gave
+78 and 208 ps."""
 
 
 FLASH_ATTENTION_RATE = 0.42
@@ -335,8 +341,7 @@ HEAD_NORM_S = {"fwd": 24e-12, "frozen": 93e-12, "full": 93e-12}
 """Seconds per element of the per-head q, k and value norms, forward and recompute + backward,
 where the family's norms run as PyTorch ops in fp32 (models.layers.rms_norm with an offset or
 fp32 scaling: Gemma 3 and 4, Qwen3.5) on the PyTorch-op kernel path; the fused Triton norm has
-taken them since 2026-12-07 (eighth session), which leaves them inside the layer efficiency,
-as Qwen3's norms are. What Gemma-4
+taken them since 2026-12-07 (eighth session): HEAD_NORM_FUSED_S. What Gemma-4
 31B's sliding layer's mixer (32 query heads and 16 KV heads of 256, 4 x 1024 tokens; H100,
 benchmarks/RESULTS.md 2026-12-07 seventh session) took beyond its projections at the layer rate
 and flash attention at FLASH_ATTENTION_RATE: 1.63 ms forward and 6.21 ms recompute + frozen
@@ -346,10 +351,18 @@ attributed. Counted for every attention layer: the math path's SCORE_S was fitte
 layers' norms taken out."""
 
 
+HEAD_NORM_FUSED_S = {"fwd": 8e-12, "frozen": 27e-12, "full": 27e-12}
+"""HEAD_NORM_S where the fused Triton norm takes those norms: the same sliding layer's mixer
+(H100, eighth session) took 2.49 ms forward and 5.90 ms recompute + frozen backward, 0.54 and
+1.79 ms beyond its projections at the layer rate and flash attention at FLASH_ATTENTION_RATE,
+over the same 16,384 normed elements a token (the norm kernels themselves: 0.23 ms forward,
+0.50 ms backward; the rest, the casts and the heads' layout, is not attributed)."""
+
+
 def _head_norm_elements(spec: ModelSpec, layers: list[int]) -> float:
     """Per-head normed elements a token, averaged over all layers, of ``layers``: q and k (and
-    v with a value norm) where the family normalises each
-    head in PyTorch ops (HEAD_NORM_S)."""
+    v with a value norm) where the family normalises each head with an offset or in fp32
+    (HEAD_NORM_S on the PyTorch-op path, HEAD_NORM_FUSED_S on the fused one)."""
     fam = spec.family
     if fam.qk_norm != "head" or not (fam.norm_offset or fam.norm_fp32):
         return 0.0
@@ -363,8 +376,8 @@ def _head_norm_elements(spec: ModelSpec, layers: list[int]) -> float:
 def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str,
               fused: bool = False) -> Irregular:
     """A CUDA layer's routed experts, PyTorch delta rule and attention: flash at its own rate
-    (:data:`FLASH_ATTENTION_RATE`), heads too wide for it on the math path, and with ``fused``
-    off (the PyTorch-op kernel path) Gemma's and Qwen3.5's per-head norms (:class:`Irregular`)."""
+    (:data:`FLASH_ATTENTION_RATE`), heads too wide for it on the math path, and Gemma's and
+    Qwen3.5's per-head norms, in the fused kernel with ``fused`` (:class:`Irregular`)."""
     if device != "cuda":
         return Irregular()
     linear = sum(spec.is_linear(i) for i in range(spec.num_layers))
@@ -373,13 +386,14 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str,
     flash = spec.num_layers - linear - len(wide)
     f_flops = 2.0 * B * T * T * spec.q_width * flash / spec.num_layers  # as mixer_flops counts
     f_s = f_flops / (FLASH_ATTENTION_RATE * hw.matmul_tflops * 1e12)
-    normed = 0.0 if fused else B * T * _head_norm_elements(
+    normed = B * T * _head_norm_elements(
         spec, [i for i in range(spec.num_layers) if not spec.is_linear(i)])
-    n_fwd, n_frozen, n_full = (normed * HEAD_NORM_S[k] * IRREGULAR_REFERENCE_TFLOPS
+    per = HEAD_NORM_FUSED_S if fused else HEAD_NORM_S
+    n_fwd, n_frozen, n_full = (normed * per[k] * IRREGULAR_REFERENCE_TFLOPS
                                / hw.matmul_tflops for k in ("fwd", "frozen", "full"))
     if spec.moe is None and not linear and not wide:
         return Irregular(fwd=f_s + n_fwd, frozen=3 * f_s + n_frozen, full=3 * f_s + n_full,
-                         flash_flops=f_flops, norm_elements=normed)
+                         flash_flops=f_flops, norm_elements=normed, norms_fused=fused)
     L, N, scale = spec.num_layers, B * T, IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops
     e_flops = fwd = frozen = full = r_flops = 0.0
     m = spec.family.moe
@@ -411,7 +425,7 @@ def irregular(spec: ModelSpec, B: int, T: int, hw: HardwareProfile, device: str,
         fwd += scores * SCORE_S["fwd"]
         frozen += scores * SCORE_S["frozen"]
         full += scores * SCORE_S["full"]
-    return Irregular(e_flops, r_flops, fwd, frozen, full, s_flops, f_flops, normed)
+    return Irregular(e_flops, r_flops, fwd, frozen, full, s_flops, f_flops, normed, fused)
 
 
 @dataclass(frozen=True)

@@ -315,3 +315,52 @@ def test_wide_heads_on_tf32_as_close_to_fp32_as_the_math_path(dtype):
         d_math = (math.double() - want).abs().max().item()
         d_ours = (got.double() - want).abs().max().item()
         assert d_ours <= 1.5 * d_math + eps * want.abs().max().item(), (d_ours, d_math)
+
+
+def test_tf32_flag_is_on_in_the_wide_forward_and_backward_and_restored(monkeypatch):
+    """The math path's matmuls see TF32 on in the forward (SDPA) and in the backward (the inner
+    graph's autograd.grad), and the flag is back as it was after each."""
+    seen = []
+    sdpa, grad = F.scaled_dot_product_attention, torch.autograd.grad
+
+    def spy_sdpa(*a, **k):
+        seen.append(("sdpa", torch.backends.cuda.matmul.allow_tf32))
+        return sdpa(*a, **k)
+
+    def spy_grad(*a, **k):
+        seen.append(("grad", torch.backends.cuda.matmul.allow_tf32))
+        return grad(*a, **k)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy_sdpa)
+    q, k, v = _qkv("cpu", torch.float32, T=8, hd=16)
+    before = torch.backends.cuda.matmul.allow_tf32
+    out = attention.wide_attention(q, k, v, None, True, True, None)
+    assert seen == [("sdpa", True)] and torch.backends.cuda.matmul.allow_tf32 == before
+    monkeypatch.setattr(torch.autograd, "grad", spy_grad)
+    out.sum().backward()  # the outer backward is not autograd.grad: only the inner call is seen
+    assert seen[1:] == [("grad", True)] and torch.backends.cuda.matmul.allow_tf32 == before
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+    with torch.no_grad():  # no graph wanted: SDPA under the flag, no Function
+        attention.wide_attention(q, k, v, None, True, True, None)
+    assert seen[-1] == ("sdpa", True)
+
+
+def test_tf32_context_keeps_to_the_newer_precision_setting(monkeypatch):
+    """Where the process set ``fp32_precision`` so that PyTorch refuses to read the older
+    ``allow_tf32``, the context sets and restores the newer setting instead."""
+    m = torch.backends.cuda.matmul
+    old = m.fp32_precision
+    try:
+        m.fp32_precision = "tf32"
+        with pytest.raises(RuntimeError):  # the older flag is unreadable now
+            m.allow_tf32  # noqa: B018
+        writes = []
+        real = type(m).__setattr__
+        monkeypatch.setattr(type(m), "__setattr__",
+                            lambda self, k, v: (writes.append((k, v)), real(self, k, v))[1])
+        with attention.tf32_matmuls():
+            assert m.fp32_precision == "tf32"
+        assert writes == [("fp32_precision", "tf32"), ("fp32_precision", "tf32")]
+    finally:
+        monkeypatch.undo()
+        m.fp32_precision = old
+    m.allow_tf32  # noqa: B018  (the process is back on the older flag: readable)

@@ -26,10 +26,12 @@ def flash_s(irr, hw=H100) -> float:
     return irr.flash_flops / (speed.FLASH_ATTENTION_RATE * hw.matmul_tflops * 1e12)
 
 
-def norms_s(spec, B: int, T: int, key: str, hw=H100) -> float:
-    """The seconds of the per-head norms of the attention layers (speed.HEAD_NORM_S)."""
+def norms_s(spec, B: int, T: int, key: str, hw=H100, fused: bool = False) -> float:
+    """The seconds of the per-head norms of the attention layers (speed.HEAD_NORM_S, or
+    HEAD_NORM_FUSED_S on the fused path)."""
     attn = [i for i in range(spec.num_layers) if not spec.is_linear(i)]
-    return (B * T * speed._head_norm_elements(spec, attn) * speed.HEAD_NORM_S[key]
+    per = speed.HEAD_NORM_FUSED_S if fused else speed.HEAD_NORM_S
+    return (B * T * speed._head_norm_elements(spec, attn) * per[key]
             * speed.IRREGULAR_REFERENCE_TFLOPS / hw.matmul_tflops)
 
 
@@ -103,9 +105,11 @@ def test_attention_of_heads_wider_than_flash_takes_is_timed_by_its_scores():
     assert irr.flops(frozen=True) == pytest.approx((both, 3 * both))
     llama = speed.irregular(spec_of("llama-3.1-8b"), 4, 1024, H100, "cuda")
     assert llama.score_flops == 0 and llama.fwd == pytest.approx(flash_s(llama))
-    # the fused kernel path takes Gemma's norms: no per-head norm term
+    # the fused kernel path takes Gemma's norms: their own, smaller, per-element figures
     fused = speed.irregular(g, 4, 1024, H100, "cuda", fused=True)
-    assert fused.norm_elements == 0 and fused.fwd == pytest.approx(irr.fwd - n_fwd)
+    assert fused.norms_fused and fused.norm_elements == irr.norm_elements > 0
+    assert fused.fwd == pytest.approx(irr.fwd - n_fwd + norms_s(g, 4, 1024, "fwd", fused=True))
+    assert fused.frozen < irr.frozen
     # 4x the positions: 16x the scores and the flash FLOPs, 4x the norms' elements
     assert speed.irregular(g, 4, 4096, H100, "cuda").fwd == pytest.approx(
         16 * (irr.fwd - n_fwd) + 4 * n_fwd)

@@ -26,12 +26,13 @@ from slideformer.engine.plan.targets import load_profile
 
 MEASURED = [  # shape, method, tokens/s measured, whether Gemma's and Qwen3.5's norms were fused
     ("qwen3-30b-a3b", "lora", 7_602, True), ("qwen3-30b-a3b", "qlora", 8_142, True),
-    # these two ran before the fused kernel took the offset and fp32 norms: they are planned
-    # with those norms as PyTorch ops, timed by HEAD_NORM_S (fitted on a single Gemma-4 layer)
+    # run before the fused kernel took the offset and fp32 norms: planned with those norms as
+    # PyTorch ops, timed by HEAD_NORM_S (fitted on a single Gemma-4 layer)
     ("qwen3.5-35b-a3b", "qlora", 2_915, False),
-    # the full layers' math-path attention is timed by plan.speed.SCORE_S: without it and
-    # HEAD_NORM_S this plan was 1.56x and then 1.22x fast
-    ("gemma-4-31b", "qlora", 1_696, False),
+    # eighth session: the norms fused, the full layers' math path on TF32 (1,696 before); its
+    # attention is timed by SCORE_S and its norms by HEAD_NORM_FUSED_S, both fitted on single
+    # layers of that session, not on this step (the plan says 2,208: 0.93x)
+    ("gemma-4-31b", "qlora", 2_375, True),
 ]
 
 
@@ -58,8 +59,9 @@ def test_moe_and_hybrid_speed_is_within_a_fifth_of_the_h100_runs(shape, method, 
 @pytest.mark.parametrize("arch,normed", [("llama", False), ("qwen3", False), ("gemma3_text", True),
                                          ("gemma4_text", True), ("qwen3_5_text", True)])
 def test_per_head_norms_are_timed_where_they_run_as_pytorch_ops(arch, normed):
-    """HEAD_NORM_S counts only the families whose q/k norms scale in fp32 PyTorch ops (Gemma's
-    offset and fp32 norms, Qwen3.5's offset); Qwen3's run in the fused kernel, Llama has none.
+    """HEAD_NORM_S (HEAD_NORM_FUSED_S) counts only the families whose q/k norms scale in fp32
+    (Gemma's offset and fp32 norms, Qwen3.5's offset); Qwen3's plain norms are inside the layer
+    efficiency, Llama has none.
     Per token, a layer's q and k heads (and v's with a value norm), on every attention layer."""
     from slideformer.engine.models.tiny import TinyShape, tiny_config
     spec = spec_from_config(tiny_config(arch, TinyShape(layers=4)))
