@@ -14,7 +14,8 @@ export (which time nothing here). ``TORCH_LOGS=recompiles`` is set on it, and th
 are counted. The harness (``sliding_step.py --plan``, random rows of exactly --seq tokens, no
 document masks, VRAM capped in-process at --vram-cap) runs next, in a process of its own.
 Printed: both runs' step times, the medians after --warmup steps, their ratio, the CLI's peak
-VRAM and RSS, and the recompiles.
+VRAM and RSS, the recompiles, and each run's busy seconds per lane (compute, h2d, d2h, CPU
+optimizer) in one late step, from its timeline.
 """
 from __future__ import annotations
 
@@ -66,6 +67,31 @@ def step_events(events: Path) -> list[dict]:
         if "tokens_per_s" in ev and not ev.get("skipped"):  # a skipped step keeps its number
             out.append(ev)
     return out
+
+
+LANES = ("compute", "h2d", "d2h", "optimizer")
+
+
+def lane_busy(spans) -> dict:
+    """Seconds of work per lane of one step's timeline spans (dicts with lane, start, end)."""
+    return {lane: round(sum(sp["end"] - sp["start"] for sp in spans if sp["lane"] == lane), 4)
+            for lane in LANES}
+
+
+def last_timeline(events: Path) -> dict:
+    """The per-lane busy seconds of the last step timeline in events.jsonl (the trainer emits a
+    step's timeline after the next step), and that step's number; {} without one."""
+    if not events.exists():
+        return {}
+    last = None
+    for line in events.read_text(encoding="utf-8").splitlines():
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "spans" in ev:
+            last = ev
+    return {} if last is None else {"step": last["step"], **lane_busy(last["spans"])}
 
 
 def run_cli(a, work: Path) -> dict:
@@ -121,6 +147,7 @@ run_dir = "{work / 'run'}"
     rec = {"run": "cli", "exit": p.returncode, "wall_s": round(wall, 1), "prep_s": round(prep, 1),
            "documents": docs, "recompile_lines": sum("Recompiling" in ln or "recompil" in ln.lower()
                                                      for ln in log.splitlines()),
+           "timeline": last_timeline(events),
            "steps": [{k: ev.get(k) for k in ("step", "tokens", "tokens_per_s", "step_time",
                                              "peak_vram", "peak_ram")} for ev in steps]}
     if len(steps) < a.steps:
@@ -144,7 +171,8 @@ def run_harness(a) -> dict:
     r = rows[-1]
     return {"run": "harness", "step_times_s": r["step_times_s"], "tokens_per_s": r["tokens_per_s"],
             "peak_vram_reserved_gib": r["peak_vram_reserved_gib"], "peak_rss_gib": r["peak_rss_gib"],
-            "slots": r["slots"], "gpu_checkpoints": r["gpu_checkpoints"]}
+            "slots": r["slots"], "gpu_checkpoints": r["gpu_checkpoints"],
+            "timeline": r["busy_last_step_s"]}
 
 
 def main() -> None:
@@ -183,6 +211,10 @@ def main() -> None:
                   f"{med[name]:,.0f} |")
         else:
             print(f"| {name} | {tokens:,} | no timed steps | |")
+    for name, tl in (("CLI", cli.get("timeline")), ("harness", harness.get("timeline"))):
+        if tl:  # a late step's work per lane: where a slower step's extra time sits
+            print(f"{name} lanes busy s (one late step): " +
+                  ", ".join(f"{lane} {tl.get(lane, 0):.3f}" for lane in LANES))
     if len(med) == 2:
         c, h = med.values()
         print(f"CLI / harness: {c / h:.3f}x; CLI peaks: VRAM "

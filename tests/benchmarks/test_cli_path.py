@@ -21,3 +21,7 @@ def test_cpu_dry_run_times_the_cli_and_the_harness():
     assert all(0 < s["tokens"] <= 256 and s["tokens_per_s"] > 0 for s in cli["steps"])
     assert harness["run"] == "harness" and len(harness["step_times_s"]) == 4
     assert lines[-1].startswith("CLI / harness: ")
+    # a late step's lanes from each run's timeline (the CLI's from its events.jsonl)
+    assert cli["timeline"]["step"] in (3, 4) and cli["timeline"]["compute"] > 0  # 4: the run ended
+    # before the poll stopped it, and emitted its last timeline
+    assert harness["timeline"]["compute"] > 0
