@@ -100,12 +100,19 @@ def norm_inputs(shape, dtype, w_dtype=None, seed=0):
 NORM_SHAPES = [(1, 1), (1, 3072), (7, 37), (3, 5, 4099), (2, 129, 3072), (65, 8192)]
 
 
+# Gemma's norms (1 + w, Gemma 3; w in fp32, Gemma 4) scale in fp32 and round once: the fused
+# kernel takes them too, over the hidden size and per head
+KINDS = [(0.0, False, NORM_SHAPES), (1.0, False, [(7, 37), (3, 5, 4, 256), (2, 129, 5376)]),
+         (0.0, True, [(7, 37), (3, 5, 4, 256), (2, 129, 5376)])]
+
+
 @gpu
 @dtypes
-@pytest.mark.parametrize("shape", NORM_SHAPES)
-def test_rms_norm_matches_reference(shape, dtype, launches):
+@pytest.mark.parametrize("offset,fp32,shape", [(o, f, s) for o, f, shapes in KINDS for s in shapes])
+def test_rms_norm_matches_reference(shape, offset, fp32, dtype, launches):
     x, w = norm_inputs(shape, dtype)
-    fn = lambda a, b: layers.rms_norm(a, b, 1e-5)  # noqa: E731
+    w = (w.float() - offset).to(dtype)  # Gemma 3 stores its weights as w - 1
+    fn = lambda a, b: layers.rms_norm(a, b, 1e-5, None, offset, fp32)  # noqa: E731
     got = grads(fn, [x, w])
     assert launches["rms_norm_fwd"] == 1 and launches["rms_norm_bwd"] == 1
     assert got[0].dtype == dtype and got[2].dtype == dtype
@@ -122,23 +129,6 @@ def test_rms_norm_of_a_transposed_view(dtype, launches):
     fn = lambda a, b: layers.rms_norm(a.view(B, T, nh, hd).transpose(1, 2), b[:hd], 1e-6)  # noqa: E731
     got = grads(fn, [x, w])
     assert launches["rms_norm_fwd"] == 1
-    ref, truth = reference(fn, [x, w])
-    check(got, ref, truth, dtype, "y dx dw")
-
-
-@gpu
-@dtypes
-@pytest.mark.parametrize("offset,fp32", [(1.0, False), (0.0, True)], ids=["gemma3", "gemma4"])
-@pytest.mark.parametrize("shape", [(7, 37), (3, 5, 4, 256), (2, 129, 5376)])
-def test_gemma_norms_match_reference(shape, dtype, offset, fp32, launches):
-    """Gemma's norms (1 + w, Gemma 3; w in fp32, Gemma 4) scale in fp32 and round once: the
-    fused kernel takes them, per head and over the hidden size."""
-    x, w = norm_inputs(shape, dtype)
-    w = (w.float() - offset).to(dtype)  # Gemma 3 stores its weights as w - 1
-    fn = lambda a, b: layers.rms_norm(a, b, 1e-6, None, offset, fp32)  # noqa: E731
-    got = grads(fn, [x, w])
-    assert launches["rms_norm_fwd"] == 1 and launches["rms_norm_bwd"] == 1
-    assert got[0].dtype == dtype and got[2].dtype == dtype
     ref, truth = reference(fn, [x, w])
     check(got, ref, truth, dtype, "y dx dw")
 
