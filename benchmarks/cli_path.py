@@ -15,7 +15,8 @@ are counted. The harness (``sliding_step.py --plan``, random rows of exactly --s
 document masks, VRAM capped in-process at --vram-cap) runs next, in a process of its own.
 Printed: both runs' step times, the medians after --warmup steps, their ratio, the CLI's peak
 VRAM and RSS, the recompiles, and each run's busy seconds per lane (compute, h2d, d2h, CPU
-optimizer) in one late step, from its timeline.
+optimizer) in one late step, from its timeline, and each run's executor shape (the CLI's from
+its log).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from benchmarks.shapes import shape_config  # noqa: E402
+from slideformer.engine.runtime.shapes import ExecShape  # noqa: E402
 from lora_bench import word_tokenizer, write_random_folder  # noqa: E402
 
 
@@ -148,6 +150,8 @@ run_dir = "{work / 'run'}"
            "documents": docs, "recompile_lines": sum("Recompiling" in ln or "recompil" in ln.lower()
                                                      for ln in log.splitlines()),
            "timeline": last_timeline(events),
+           "executor": next((ln.split("executor: ", 1)[1] for ln in log.splitlines()
+                             if "executor: " in ln), None),
            "steps": [{k: ev.get(k) for k in ("step", "tokens", "tokens_per_s", "step_time",
                                              "peak_vram", "peak_ram")} for ev in steps]}
     if len(steps) < a.steps:
@@ -172,7 +176,12 @@ def run_harness(a) -> dict:
     return {"run": "harness", "step_times_s": r["step_times_s"], "tokens_per_s": r["tokens_per_s"],
             "peak_vram_reserved_gib": r["peak_vram_reserved_gib"], "peak_rss_gib": r["peak_rss_gib"],
             "slots": r["slots"], "gpu_checkpoints": r["gpu_checkpoints"],
-            "timeline": r["busy_last_step_s"]}
+            "timeline": r["busy_last_step_s"],
+            "executor": ExecShape(r["micro_batch"], r["seq"], r["grad_accum"], r["slots"],
+                                  r["checkpoints"], r["gpu_checkpoints"],
+                                  device_update=r["device_update"],
+                                  device_layers=r["device_layers"], spec_layers=r["spec_layers"],
+                                  regen_layers=r["regen_layers"]).describe()}
 
 
 def main() -> None:
@@ -211,6 +220,8 @@ def main() -> None:
                   f"{med[name]:,.0f} |")
         else:
             print(f"| {name} | {tokens:,} | no timed steps | |")
+    for name, run in (("CLI", cli), ("harness", harness)):
+        print(f"{name} executor: {run.get('executor')}")
     for name, tl in (("CLI", cli.get("timeline")), ("harness", harness.get("timeline"))):
         if tl:  # a late step's work per lane: where a slower step's extra time sits
             print(f"{name} lanes busy s (one late step): " +

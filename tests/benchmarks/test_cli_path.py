@@ -25,3 +25,5 @@ def test_cpu_dry_run_times_the_cli_and_the_harness():
     assert cli["timeline"]["step"] in (3, 4) and cli["timeline"]["compute"] > 0  # 4: the run ended
     # before the poll stopped it, and emitted its last timeline
     assert harness["timeline"]["compute"] > 0
+    # the executor each ran (the CLI's from its log): the same plan for the same shape
+    assert cli["executor"] == harness["executor"] and "slots" in cli["executor"]

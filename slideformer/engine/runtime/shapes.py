@@ -58,6 +58,25 @@ class ExecShape:
     its recompute + backward); 0: a micro-batch's tokens at once. A long sequence's MLP
     intermediates (tokens x intermediate width, several of them) then take a tile's memory."""
 
+    def describe(self) -> str:
+        """The executor's choices in a line, as a run log states them, e.g. "4 slots,
+        checkpoints on the GPU, 9 speculative layers, embedding and head updated on the
+        GPU"."""
+        parts = [f"{self.slots} slot{'s' * (self.slots != 1)}", "checkpoints on the " + (
+            "GPU" if self.checkpoints == "gpu" else "host" + (
+                f" (those of the top {self.gpu_checkpoints} on the GPU)"
+                if self.gpu_checkpoints else ""))]
+        for n, what in ((self.device_layers, "decoder layer{} updated on the GPU"),
+                        (self.spec_layers, "speculative layer{}"),
+                        (self.regen_layers, "regenerated layer{}")):
+            if n:
+                parts.append(f"{n} " + what.format("s" * (n != 1)))
+        if self.device_update:
+            parts.append("embedding and head updated on the GPU")
+        if self.ff_tokens:
+            parts.append(f"tiles of {self.ff_tokens:,} tokens")
+        return ", ".join(parts)
+
 
 FF_TILE = 16384
 """Micro-batches of more tokens than this run each layer in tiles (ExecShape.ff_tokens): a long

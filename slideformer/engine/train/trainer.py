@@ -18,6 +18,7 @@ import os
 import resource
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -217,8 +218,9 @@ class Trainer:
                                      lambda text: self.emit(Log("warning", text)))
             self.sink.callbacks.append(self.trackers)
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
-                              f"{self.spec.num_layers} layers, {self.executor.k} slots, "
-                              f"{self.dtype}, {self.total_steps} steps"
+                              f"{self.spec.num_layers} layers, {self.dtype}, "
+                              f"{self.total_steps} steps; executor: "
+                              f"{replace(shape, slots=self.executor.k).describe()}"
                               + (f", {self.world} ranks (a process each, one host state)"
                                  if self.world > 1 else "")))
 
