@@ -181,7 +181,8 @@ def run_harness(a) -> dict:
                                   r["checkpoints"], r["gpu_checkpoints"],
                                   device_update=r["device_update"],
                                   device_layers=r["device_layers"], spec_layers=r["spec_layers"],
-                                  regen_layers=r["regen_layers"]).describe()}
+                                  regen_layers=r["regen_layers"]).describe(
+                "GPU" if torch.cuda.is_available() else "CPU")}
 
 
 def main() -> None:

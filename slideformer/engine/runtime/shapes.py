@@ -58,21 +58,22 @@ class ExecShape:
     its recompute + backward); 0: a micro-batch's tokens at once. A long sequence's MLP
     intermediates (tokens x intermediate width, several of them) then take a tile's memory."""
 
-    def describe(self) -> str:
+    def describe(self, device: str = "GPU") -> str:
         """The executor's choices in a line, as a run log states them, e.g. "4 slots,
         checkpoints on the GPU, 9 speculative layers, embedding and head updated on the
-        GPU"."""
+        GPU"; ``device``: what to call the compute device ("CPU" for the CPU backend, whose
+        "device" checkpoints and updates are in host memory)."""
         parts = [f"{self.slots} slot{'s' * (self.slots != 1)}", "checkpoints on the " + (
-            "GPU" if self.checkpoints == "gpu" else "host" + (
-                f" (those of the top {self.gpu_checkpoints} on the GPU)"
+            device if self.checkpoints == "gpu" else "host" + (
+                f" (those of the top {self.gpu_checkpoints} on the {device})"
                 if self.gpu_checkpoints else ""))]
-        for n, what in ((self.device_layers, "decoder layer{} updated on the GPU"),
+        for n, what in ((self.device_layers, "decoder layer{} updated on the " + device),
                         (self.spec_layers, "speculative layer{}"),
                         (self.regen_layers, "regenerated layer{}")):
             if n:
                 parts.append(f"{n} " + what.format("s" * (n != 1)))
         if self.device_update:
-            parts.append("embedding and head updated on the GPU")
+            parts.append("embedding and head updated on the " + device)
         if self.ff_tokens:
             parts.append(f"tiles of {self.ff_tokens:,} tokens")
         return ", ".join(parts)

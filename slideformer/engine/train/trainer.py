@@ -217,10 +217,11 @@ class Trainer:
             self.trackers = Trackers(cfg.output.report_to, self.run_dir, config_mod.to_dict(cfg),
                                      lambda text: self.emit(Log("warning", text)))
             self.sink.callbacks.append(self.trackers)
+        executor = replace(shape, slots=self.executor.k).describe(
+            "GPU" if self.backend.is_cuda else "CPU")
         self.emit(Log("info", f"{self.spec.model_type}: {self.spec.num_params:,} parameters, "
                               f"{self.spec.num_layers} layers, {self.dtype}, "
-                              f"{self.total_steps} steps; executor: "
-                              f"{replace(shape, slots=self.executor.k).describe()}"
+                              f"{self.total_steps} steps; executor: {executor}"
                               + (f", {self.world} ranks (a process each, one host state)"
                                  if self.world > 1 else "")))
 

@@ -15,3 +15,8 @@ def test_every_choice_is_named_with_its_count():
         "1 slot, checkpoints on the host (those of the top 3 on the GPU), 1 decoder layer "
         "updated on the GPU, 9 speculative layers, 2 regenerated layers, embedding and head "
         "updated on the GPU, tiles of 16,384 tokens")
+
+
+def test_the_cpu_backend_is_named_as_such():
+    s = ExecShape(4, 1024, 2, 2, device_update=True)
+    assert s.describe("CPU") == "2 slots, checkpoints on the CPU, embedding and head updated on the CPU"
