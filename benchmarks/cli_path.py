@@ -114,7 +114,7 @@ path = "{model}"
 train = "{work / 'train.jsonl'}"
 format = "text"
 max_seq_len = {a.seq}
-packing = true
+packing = {str(not a.unpacked).lower()}
 train_on = "all"
 [optim]
 lr = 1e-5
@@ -152,8 +152,9 @@ run_dir = "{work / 'run'}"
            "timeline": last_timeline(events),
            "executor": next((ln.split("executor: ", 1)[1] for ln in log.splitlines()
                              if "executor: " in ln), None),
-           "steps": [{k: ev.get(k) for k in ("step", "tokens", "tokens_per_s", "step_time",
-                                             "peak_vram", "peak_ram")} for ev in steps]}
+           "steps": [{k: ev.get(k) for k in ("step", "tokens", "tokens_per_s", "step_time", "grad_norm",
+                                             "data_time", "peak_vram", "peak_ram")}
+                     for ev in steps]}
     if len(steps) < a.steps:
         rec["log_tail"] = log.strip().splitlines()[-15:]
     return rec
@@ -176,6 +177,7 @@ def run_harness(a) -> dict:
     return {"run": "harness", "step_times_s": r["step_times_s"], "tokens_per_s": r["tokens_per_s"],
             "peak_vram_reserved_gib": r["peak_vram_reserved_gib"], "peak_rss_gib": r["peak_rss_gib"],
             "slots": r["slots"], "gpu_checkpoints": r["gpu_checkpoints"],
+            "grad_norms": r["grad_norms"], "clipped_steps": r["clipped_steps"],
             "timeline": r["busy_last_step_s"],
             "executor": ExecShape(r["micro_batch"], r["seq"], r["grad_accum"], r["slots"],
                                   r["checkpoints"], r["gpu_checkpoints"],
@@ -195,6 +197,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
     ap.add_argument("--vram-cap", type=float, default=24.0)
     ap.add_argument("--log", help="keep the CLI run's log here")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="data.packing = false: a document per row, padded (no document masks)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run on the tiny shape")
     a = ap.parse_args()
     if a.tiny:
@@ -213,7 +217,8 @@ def main() -> None:
     print(f"| run | tokens/step | step times s | tok/s, median after {a.warmup} |")
     print("|---|---|---|---|")
     med = {}
-    for name, times, tps in (("slideformer train (packed JSONL)", cli_times, cli_tps),
+    rows = "unpacked" if a.unpacked else "packed"
+    for name, times, tps in ((f"slideformer train ({rows} JSONL)", cli_times, cli_tps),
                              ("sliding_step.py --plan", h_times, [tokens / t for t in h_times])):
         if len(times) > a.warmup:  # the CLI's tokens/s counts the step's packed tokens
             med[name] = statistics.median(tps[a.warmup:])
@@ -227,6 +232,13 @@ def main() -> None:
         if tl:  # a late step's work per lane: where a slower step's extra time sits
             print(f"{name} lanes busy s (one late step): " +
                   ", ".join(f"{lane} {tl.get(lane, 0):.3f}" for lane in LANES))
+    clipped = sum((s.get("grad_norm") or 0) > 1.0 for s in cli["steps"][a.warmup:])
+    print(f"steps that clipped (norm > 1.0) after {a.warmup}: CLI {clipped} of "
+          f"{len(cli['steps'][a.warmup:])}, harness {harness.get('clipped_steps')} of "
+          f"{len(h_times[a.warmup:])} (a clipped step redoes its speculative updates)")
+    data = [s["data_time"] for s in cli["steps"][a.warmup:] if s.get("data_time") is not None]
+    if data:  # the part of the CLI's step spent assembling its micro-batches
+        print(f"CLI data time per step (median after {a.warmup}): {statistics.median(data):.4f} s")
     if len(med) == 2:
         c, h = med.values()
         print(f"CLI / harness: {c / h:.3f}x; CLI peaks: VRAM "

@@ -73,8 +73,15 @@ def random_batches(vocab: int, micro_batch: int, seq: int, accum: int, seed: int
 
 def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch.bfloat16,
                  borrowed=(), on_device=()):
-    """Host state with random N(0, 0.02) weights. Every item reads a window of one random
-    buffer at its own offset (generating 8 B values one by one would take minutes).
+    """Host state with random N(0, 0.02) weights and norm weights at their unit value (one;
+    zero for the families whose norms scale by 1 + w), as a model's initialisation has them
+    (``lora_bench.write_random_folder``, transformers). Every item reads a window of one
+    random buffer at its own offset (generating 8 B values one by one would take minutes).
+
+    Norm weights of 0.02 shrink every layer's output and the gradients with it (a grad norm of
+    0.016 on the tiny shape against 1.05 with unit norms): the steps then never clip, and an
+    exact-clipping run never redoes its speculative updates, which a real run does whenever
+    its norm exceeds ``max_grad_norm`` (benchmarks/RESULTS.md, 2026-12-07, ninth session).
     ``borrowed``, ``on_device``: as build_host_state's (items without a gradient buffer)."""
     host = build_host_state(spec, backend, compute, moments, layer_grads=layer_grads,
                             borrowed=borrowed, on_device=on_device)
@@ -83,9 +90,16 @@ def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch
     base = torch.randn(spread, generator=g) * 0.02
     longest = max(item.numel for item in host.values()) + spread
     buf = base.repeat(-(-longest // spread))
+    unit = spec.family.norm_offset == 0  # 1 + w norms are at one with w = 0
     for k, item in enumerate(host.values()):
         off = (k * 104_729) % spread
-        item.set_master(buf[off:off + item.numel])
+        master = buf[off:off + item.numel]
+        norms = item.layout.norms()
+        if norms:
+            master = master.clone()
+            for _, o, n in norms:
+                master[o:o + n] = float(unit)
+        item.set_master(master)
     return host
 
 
@@ -187,6 +201,10 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
                cpu_update_params_per_s=round(opt_params / max(busy["optimizer"], 1e-9) / 1e9, 3),
                busy_last_step_s=busy, losses=[round(o.loss, 4) for o in outs],
                grad_norms=[round(o.grad_norm, 4) for o in outs],  # above clip: the step clipped
+               # timed steps whose norm exceeded the threshold: their speculative updates were
+               # redone at the barrier (the CPU optimizer's extra work of a clipped step)
+               clipped_steps=sum(o.grad_norm > args.clip for o in outs[args.warmup:])
+               if args.clip > 0 else 0,
                spec_layers=shape.spec_layers, regen_layers=len(regen_layers(
                    spec.num_layers, shape.device_layers, shape.regen_layers)) if args.clip else 0,
                flex_fallback=take_flex_fallback())

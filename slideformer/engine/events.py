@@ -46,6 +46,9 @@ class StepMetrics:
     """Peak host RSS in bytes."""
     skipped: bool = False
     """True when the update was skipped (non-finite loss or gradients)."""
+    data_time: float = 0.0
+    """Seconds of ``step_time`` spent assembling the step's micro-batches (reading, packing,
+    sampling GRPO's rollouts) before the executor started: a data-bound run shows it here."""
     time: float = field(default_factory=_now)
 
 

@@ -32,8 +32,8 @@ TRACKERS = ("tensorboard", "trackio", "wandb", "mlflow")
 PROJECT = "slideformer"
 _MODULE = {"tensorboard": "tensorboard", "trackio": "trackio", "wandb": "wandb",
            "mlflow": "mlflow"}
-_STEP_FIELDS = ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time", "peak_vram",
-                "peak_ram")
+_STEP_FIELDS = ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "step_time", "data_time",
+                "peak_vram", "peak_ram")
 
 
 def check_installed(names: tuple[str, ...]) -> None:

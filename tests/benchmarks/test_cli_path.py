@@ -19,6 +19,9 @@ def test_cpu_dry_run_times_the_cli_and_the_harness():
     assert [s["step"] for s in cli["steps"]] == [1, 2, 3, 4]
     # packed rows of 2 x 64 tokens, 2 micro-batches: at most 256 tokens a step
     assert all(0 < s["tokens"] <= 256 and s["tokens_per_s"] > 0 for s in cli["steps"])
+    # the part of each step spent on its micro-batches, and the norm that says if it clipped
+    assert all(0 <= s["data_time"] < s["step_time"] and s["grad_norm"] > 0 for s in cli["steps"])
+    assert 0 <= harness["clipped_steps"] <= 3 and len(harness["grad_norms"]) == 4
     assert harness["run"] == "harness" and len(harness["step_times_s"]) == 4
     assert lines[-1].startswith("CLI / harness: ")
     # a late step's lanes from each run's timeline (the CLI's from its events.jsonl)

@@ -127,7 +127,7 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
     short = tuple(t.tier for t in base.tiers if t.budget is not None and t.peak > share * t.budget)
     fixes = find_fixes(ev, base, knobs, short, share) if short else ()
     notes = floor_notes(ev, knobs, short) if verdict == "does not fit" else ()
-    notes += _speculation_note(ev, knobs, base)
+    notes += _speculation_note(ev, knobs, base) + _clipped_note(ev, knobs, base)
     m_max, g_max = _max_batches(ev, knobs)
     rss_tiers = ("host",) if device == "cuda" else ("gpu", "host")
     p = knobs.precision
@@ -184,6 +184,22 @@ def _speculation_note(ev: Evaluator, k: Knobs, e: Evaluation) -> tuple[str, ...]
             f"known (exact: the barrier redoes any it changes); their second state buffers take "
             f"{(snaps(e) - snaps(fewer)) / (1 << 30):.1f} GiB more host RAM than {SPEC_LAYERS} "
             f"would, for {fast / slow - 1:+.0%} tokens/s ({fast:,.0f} against {slow:,.0f})",)
+
+
+def _clipped_note(ev: Evaluator, k: Knobs, e: Evaluation) -> tuple[str, ...]:
+    """The speed of a step that clips: its speculative updates are redone after the barrier,
+    so it runs as the same shape without speculation would (the speed above assumes steps
+    that do not clip). Said only where the two differ by 2% or more."""
+    if not (k.clip and e.shape.spec_layers):
+        return ()
+    none = ev._evaluate(k, replace(e.shape, spec_layers=0), e.disk_layers)
+    fast, slow = ev.speed(k, e).tokens_per_s, ev.speed(k, none).tokens_per_s
+    if slow > 0.98 * fast:
+        return ()
+    return (f"a step whose gradient norm exceeds optim.max_grad_norm redoes its "
+            f"{e.shape.spec_layers} speculative layer updates after the clipping barrier and runs "
+            f"at about {slow:,.0f} tokens/s ({slow / fast:.0%} of the speed above, which is for "
+            f"steps that do not clip)",)
 
 
 # ---- from a run config --------------------------------------------------------------------------

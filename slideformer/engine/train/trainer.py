@@ -403,6 +403,7 @@ class Trainer:
         t0 = time.perf_counter()
         position = self.stream.state_dict()
         mbs = self.stream.next_step()
+        data_time = time.perf_counter() - t0
         lr = self.hyper(1.0).lr  # the rate this step uses (the step counter moves below)
         self.ranks.start_step(mbs, self.hyper(1.0))
         try:
@@ -419,7 +420,7 @@ class Trainer:
                               grad_norm=out.grad_norm if math.isfinite(out.grad_norm) else None,
                               tokens=out.tokens, tokens_per_s=seen / dt, step_time=dt,
                               peak_vram=self.backend.peak_memory(), peak_ram=peak_rss(),
-                              skipped=out.skipped))
+                              skipped=out.skipped, data_time=data_time))
         if out.skipped and out.applied:
             self.emit(Log("warning", f"non-finite gradients: step skipped, but {out.applied} layer "
                                      "updates had already been applied (without clipping, updates "
