@@ -235,7 +235,7 @@ def main() -> None:
     clipped = sum((s.get("grad_norm") or 0) > 1.0 for s in cli["steps"][a.warmup:])
     print(f"steps that clipped (norm > 1.0) after {a.warmup}: CLI {clipped} of "
           f"{len(cli['steps'][a.warmup:])}, harness {harness.get('clipped_steps')} of "
-          f"{len(h_times[a.warmup:])} (a clipped step redoes its speculative updates)")
+          f"{len(h_times[a.warmup:])} (a clipped step updates its speculative layers after the barrier)")
     data = [s["data_time"] for s in cli["steps"][a.warmup:] if s.get("data_time") is not None]
     if data:  # the part of the CLI's step spent assembling its micro-batches
         print(f"CLI data time per step (median after {a.warmup}): {statistics.median(data):.4f} s")

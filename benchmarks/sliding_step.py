@@ -80,8 +80,9 @@ def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch
 
     Norm weights of 0.02 shrink every layer's output and the gradients with it (a grad norm of
     0.016 on the tiny shape against 1.05 with unit norms): the steps then never clip, and an
-    exact-clipping run never redoes its speculative updates, which a real run does whenever
-    its norm exceeds ``max_grad_norm`` (benchmarks/RESULTS.md, 2026-12-07, ninth session).
+    exact-clipping run's speculative layers always update inside the backward, where a real
+    run's steps whose norm exceeds ``max_grad_norm`` update them after the barrier
+    (benchmarks/RESULTS.md, 2026-12-07, ninth session).
     ``borrowed``, ``on_device``: as build_host_state's (items without a gradient buffer)."""
     host = build_host_state(spec, backend, compute, moments, layer_grads=layer_grads,
                             borrowed=borrowed, on_device=on_device)
@@ -201,8 +202,8 @@ def run_config(spec, host, backend, args, accum: int, shape: ExecShape | None = 
                cpu_update_params_per_s=round(opt_params / max(busy["optimizer"], 1e-9) / 1e9, 3),
                busy_last_step_s=busy, losses=[round(o.loss, 4) for o in outs],
                grad_norms=[round(o.grad_norm, 4) for o in outs],  # above clip: the step clipped
-               # timed steps whose norm exceeded the threshold: their speculative updates were
-               # redone at the barrier (the CPU optimizer's extra work of a clipped step)
+               # timed steps whose norm exceeded the threshold: their speculative layers updated
+               # after the barrier (or were redone there), as without speculation
                clipped_steps=sum(o.grad_norm > args.clip for o in outs[args.warmup:])
                if args.clip > 0 else 0,
                spec_layers=shape.spec_layers, regen_layers=len(regen_layers(
@@ -333,6 +334,8 @@ def run_micro_batch(spec, host, backend, args) -> None:
             print(json.dumps(dict(event="plan", grad_accum=accum, verdict=plan.verdict,
                                   spec_layers=shape.spec_layers,
                                   predicted_tokens_per_s=round(plan.speed.tokens_per_s),
+                                  predicted_clipped_tokens_per_s=round(
+                                      plan.clipped_tokens_per_s or plan.speed.tokens_per_s),
                                   predicted_bound=plan.speed.bound,
                                   predicted_vram_gib=round(plan.tier("gpu").peak / 2**30, 2),
                                   predicted_host_gib=round(plan.tier("host").peak / 2**30, 2),

@@ -73,6 +73,10 @@ class Plan:
     the NVMe tier (slideformer.engine.runtime.shapes.disk_layers says which)."""
     method: str = "full"
     """full, lora or qlora (train.method)."""
+    clipped_tokens_per_s: float | None = None
+    """Tokens/s of a step whose gradient norm exceeds optim.max_grad_norm, where it differs
+    from ``speed`` (which is for steps that do not clip): its speculative layers update after
+    the barrier, as without speculation. None without clipping or speculation."""
 
     def tier(self, name: str) -> TierUse:
         return next(t for t in self.tiers if t.tier == name)
@@ -127,7 +131,8 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
     short = tuple(t.tier for t in base.tiers if t.budget is not None and t.peak > share * t.budget)
     fixes = find_fixes(ev, base, knobs, short, share) if short else ()
     notes = floor_notes(ev, knobs, short) if verdict == "does not fit" else ()
-    notes += _speculation_note(ev, knobs, base) + _clipped_note(ev, knobs, base)
+    clipped = _clipped_speed(ev, knobs, base)
+    notes += _speculation_note(ev, knobs, base) + _clipped_note(ev, knobs, base, clipped)
     m_max, g_max = _max_batches(ev, knobs)
     rss_tiers = ("host",) if device == "cuda" else ("gpu", "host")
     p = knobs.precision
@@ -142,7 +147,8 @@ def make_plan(spec: ModelSpec, knobs: Knobs, device: str, budgets: Budgets,
                 max_global_batch=g_max, speed=_with_rollout(ev, knobs, base, device),
                 hardware=hardware,
                 tokens_per_step=knobs.micro_batch * knobs.seq_len * knobs.grad_accum, notes=notes,
-                disk_layers=base.disk_layers, method=knobs.method)
+                disk_layers=base.disk_layers, method=knobs.method,
+                clipped_tokens_per_s=clipped)
 
 
 def _with_rollout(ev: Evaluator, k: Knobs, e: Evaluation, device: str) -> SpeedEstimate:
@@ -186,20 +192,26 @@ def _speculation_note(ev: Evaluator, k: Knobs, e: Evaluation) -> tuple[str, ...]
             f"would, for {fast / slow - 1:+.0%} tokens/s ({fast:,.0f} against {slow:,.0f})",)
 
 
-def _clipped_note(ev: Evaluator, k: Knobs, e: Evaluation) -> tuple[str, ...]:
-    """The speed of a step that clips: its speculative updates are redone after the barrier,
-    so it runs as the same shape without speculation would (the speed above assumes steps
-    that do not clip). Said only where the two differ by 2% or more."""
+def _clipped_speed(ev: Evaluator, k: Knobs, e: Evaluation) -> float | None:
+    """Tokens/s of a step that clips: its speculative layers update after the barrier (the
+    executor stops speculating once the partial norm crosses the limit, and redoes what it
+    speculated before), so it runs as the same shape without speculation would. None without
+    clipping or speculative layers."""
     if not (k.clip and e.shape.spec_layers):
+        return None
+    return ev.speed(k, ev._evaluate(k, replace(e.shape, spec_layers=0), e.disk_layers)).tokens_per_s
+
+
+def _clipped_note(ev: Evaluator, k: Knobs, e: Evaluation, slow: float | None) -> tuple[str, ...]:
+    """What a clipped step runs at, where it is 2% or more below the plan's speed."""
+    fast = ev.speed(k, e).tokens_per_s
+    if slow is None or slow > 0.98 * fast:
         return ()
-    none = ev._evaluate(k, replace(e.shape, spec_layers=0), e.disk_layers)
-    fast, slow = ev.speed(k, e).tokens_per_s, ev.speed(k, none).tokens_per_s
-    if slow > 0.98 * fast:
-        return ()
-    return (f"a step whose gradient norm exceeds optim.max_grad_norm redoes its "
-            f"{e.shape.spec_layers} speculative layer updates after the clipping barrier and runs "
-            f"at about {slow:,.0f} tokens/s ({slow / fast:.0%} of the speed above, which is for "
-            f"steps that do not clip)",)
+    return (f"a step whose gradient norm exceeds optim.max_grad_norm updates its "
+            f"{e.shape.spec_layers} speculative layers after the clipping barrier too (redoing "
+            f"any update made before its partial norm crossed the limit) and runs at about "
+            f"{slow:,.0f} tokens/s ({slow / fast:.0%} of the speed above, which is for steps "
+            f"that do not clip)",)
 
 
 # ---- from a run config --------------------------------------------------------------------------
