@@ -210,7 +210,7 @@ def _clipped_note(ev: Evaluator, k: Knobs, e: Evaluation, slow: float | None) ->
     return (f"a step whose gradient norm exceeds optim.max_grad_norm updates its "
             f"{e.shape.spec_layers} speculative layers after the clipping barrier too (redoing "
             f"any update made before its partial norm crossed the limit) and runs at about "
-            f"{slow:,.0f} tokens/s ({slow / fast:.0%} of the speed above, which is for steps "
+            f"{slow:,.0f} tokens/s ({slow / fast:.0%} of the plan's speed, which is for steps "
             f"that do not clip)",)
 
 

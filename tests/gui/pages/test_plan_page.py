@@ -274,3 +274,21 @@ def test_the_run_description_names_checkpoints_kept_on_the_gpu(qtbot, page, tmp_
     g = reference(model, settings).exec_shape.gpu_checkpoints
     assert g and page.plan.exec_shape.gpu_checkpoints == g
     assert f"the top {g} layers' on the GPU" in page.shape.text()
+
+
+def test_the_speed_of_a_step_that_clips_is_shown_beside_the_plans(qtbot, page, tmp_path):
+    """With exact clipping a step whose norm exceeds the limit runs without its speculative
+    overlap: the speed line and the time estimate give that speed too (the planner's
+    clipped_tokens_per_s); without clipping there is no such second speed."""
+    model = published(tmp_path, "llama-3.2-3b")
+    settings = {**DESKTOP, "data.max_seq_len": 1024, "train.micro_batch": 8,
+                "train.grad_accum": 1, "optim.max_grad_norm": 1.0}
+    show(qtbot, page, model, settings)
+    ref = reference(model, settings)
+    assert page.plan.clipped_tokens_per_s == ref.clipped_tokens_per_s
+    assert ref.clipped_tokens_per_s < 0.98 * ref.speed.tokens_per_s
+    assert f"{ref.clipped_tokens_per_s:,.0f} when a step clips" in page.speed.text()
+    assert "if every step clips" in page.eta.text()
+    show(qtbot, page, model, {**settings, "optim.max_grad_norm": 0.0})
+    assert page.plan.clipped_tokens_per_s is None
+    assert "clips" not in page.speed.text() and "clips" not in page.eta.text()

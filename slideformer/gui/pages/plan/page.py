@@ -390,7 +390,9 @@ class PlanPage(QWidget):
         self.speed.setText(f'<span style="font-size:15pt; font-weight:600">{sp.tokens_per_s:,.0f}'
                            f'</span> tokens/s &nbsp;&middot;&nbsp; <b>{sp.step_time:.2f} s</b> per '
                            f'step of {plan.tokens_per_step:,} tokens &nbsp;&middot;&nbsp; bound by '
-                           f'<b>{resource_title(sp.bound, plan.device)}</b>')
+                           f'<b>{resource_title(sp.bound, plan.device)}</b>'
+                           + (f' &nbsp;&middot;&nbsp; {clipped:,.0f} when a step clips'
+                              if (clipped := _clipped(plan)) else ''))
         notes = [sp.note[:1].upper() + sp.note[1:] + "."] if sp.note else []
         if plan.verdict == "does not fit":
             notes.insert(0, "The speed of these settings if they fitted.")
@@ -467,8 +469,17 @@ class PlanPage(QWidget):
             self.eta.setText("")
             return
         steps = math.ceil(self.tokens.value() * 1e6 / plan.tokens_per_step)
+        clipped = _clipped(plan)
+        slow = (f", {duration(steps * plan.tokens_per_step / clipped)} if every step clips"
+                if clipped else "")
         self.eta.setText(f"<b>{duration(steps * plan.speed.step_time)}</b> "
-                         f"({steps:,} steps)")
+                         f"({steps:,} steps{slow})")
+
+
+def _clipped(plan: Plan) -> float | None:
+    """The speed of a step that clips, where the plan's note says it differs (2% or more)."""
+    c = plan.clipped_tokens_per_s
+    return c if c and c < 0.98 * plan.speed.tokens_per_s else None
 
 
 def _device_items(shape, method: str = "full") -> str:
