@@ -172,6 +172,7 @@ def run_ours(a: dict) -> dict:
     t0 = time.perf_counter()
     host = random_frozen_state(spec, backend, lora, method == "qlora", dev, dtype, tier)
     setup = time.perf_counter() - t0
+    hwm = {"setup": round(peak_rss(), 2)}  # where the peak RSS was reached: set-up or steps
     cap(a["vram_cap"])
     ex = SlidingExecutor(spec, backend, host, plan.exec_shape, dtype, lora=lora)
     mbs = random_batches(spec.vocab_size, a["micro_batch"], a["seq"], a["accum"])
@@ -188,6 +189,8 @@ def run_ours(a: dict) -> dict:
         if dev == "cuda":  # the adapters' update is queued on the device after the backward
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
+        if k == 0:
+            hwm["first_step"] = round(peak_rss(), 2)
         spans = out.timeline.resolve()
         busy.append(sum(s.end - s.start for s in spans if s.lane == "compute") / times[-1])
         lanes = {lane: round(sum(s.end - s.start for s in spans if s.lane == lane), 4)
@@ -205,7 +208,7 @@ def run_ours(a: dict) -> dict:
                 planned_busy_s={k: round(v, 4) for k, v in plan.speed.busy}, slots=ex.k,
                 checkpoints=plan.exec_shape.checkpoints, setup_s=round(setup, 1),
                 last_loss=round(out.loss, 4), **vram(), peak_rss_gib=round(peak_rss(), 2),
-                planned_tokens_per_s=round(plan.speed.tokens_per_s, 1),
+                peak_rss_after_gib=hwm, planned_tokens_per_s=round(plan.speed.tokens_per_s, 1),
                 planned_vram_gib=round(plan.tier("gpu").peak / GiB, 2),
                 planned_host_gib=round(plan.tier("host").peak / GiB, 2), plan_verdict=plan.verdict,
                 planned_on=plan.hardware.name, ram_budget_gib=a.get("ram") or None,
