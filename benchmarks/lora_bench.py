@@ -51,9 +51,10 @@ TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 102
     "120b-oss": ("gpt-oss-120b", ("ours-qlora",), ((4, 4),)),
     "20b-oss": ("gpt-oss-20b", ("ours-lora", "ours-qlora"), ((4, 4),)),
     "35b-a3b-q35": ("qwen3.5-35b-a3b", ("ours-qlora",), ((4, 4),)),
-    # Gemma 4's full layers have heads of 512, which FlexAttention holds on the GPU; HF+PEFT is
-    # left out: its bf16 folder of 62 GB would be written before the NF4 load (not run)
-    "31b-gemma4": ("gemma-4-31b", ("ours-qlora",), ((4, 4),)),
+    # Gemma 4's full layers have heads of 512, which FlexAttention holds on the GPU. HF+PEFT+bnb
+    # is built in bf16 on the GPU (62 GB: an 80 GB card holds it before the cap) and quantised
+    # in place (hf_quantised_in_place), not written as a 62 GB folder first
+    "31b-gemma4": ("gemma-4-31b", ("ours-qlora", "hf-qlora"), ((4, 4), (1, 16))),
 }
 GiB = 1 << 30
 MARK = "@@LORA "
@@ -256,8 +257,17 @@ def hf_model(a: dict, dev: str):
     The bf16 weights never occupy the GPU before the quantised load: what is allocated after
     set-up is the 4-bit model (recorded as setup_vram_gib, also when training runs out of memory)."""
     import transformers
-    cfg = transformers.LlamaConfig(**shape_config(a["shape"]))
+    kw = dict(shape_config(a["shape"]))
+    arch = kw.pop("model_type", "llama")
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    if arch != "llama":  # another family: its transformers class, quantised after building
+        cfg = transformers.AutoConfig.for_model(arch, **kw)
+        if a["contender"] == "hf-lora":
+            torch.manual_seed(0)
+            with torch.device(dev):
+                return transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+        return hf_quantised_in_place(cfg, dev, dtype)
+    cfg = transformers.LlamaConfig(**kw)
     if a["contender"] == "hf-lora":
         torch.manual_seed(0)
         with torch.device(dev):
@@ -272,6 +282,40 @@ def hf_model(a: dict, dev: str):
                                             bnb_4bit_compute_dtype=dtype)
         model = transformers.LlamaForCausalLM.from_pretrained(d, quantization_config=q,
                                                               dtype=dtype, device_map={"": dev})
+    return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
+
+
+def hf_quantised_in_place(cfg, dev: str, dtype: torch.dtype):
+    """The random-init model of ``cfg`` built in ``dtype`` on ``dev`` (its own initialisation),
+    then every ``nn.Linear`` but the output head quantised in place, one at a time, by
+    bitsandbytes into the ``Linear4bit`` that ``BitsAndBytesConfig(nf4, double quantisation,
+    bf16 compute)`` loads (the layers ``from_pretrained`` quantises; the embedding and norms stay
+    as they are); then PEFT's ``prepare_model_for_kbit_training``, as for the Llama contender.
+    For a model whose bf16 folder would not fit the scratch space; the GPU must hold the bf16
+    model during set-up, before the cap."""
+    import bitsandbytes as bnb
+    import peft
+    import transformers
+    torch.manual_seed(0)
+    with torch.device(dev):
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    head = model.get_output_embeddings()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear or child is head:
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=dtype, compress_statistics=True, quant_type="nf4",
+                                  device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
+                                         compress_statistics=True, quant_type="nf4",
+                                         module=q)._quantize(dev)
+            if child.bias is not None:
+                q.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, q)
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+    model.is_loaded_in_4bit = True  # as transformers' quantiser marks a 4-bit load; PEFT reads it
     return peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=True)
 
 
