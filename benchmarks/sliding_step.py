@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -25,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from slideformer.engine.config import PreferenceConfig  # noqa: E402
+from slideformer.engine.models.tiny import unit_value  # noqa: E402
 from slideformer.engine.runtime.backend import make_backend  # noqa: E402
 from slideformer.engine.runtime.executor import ExecShape, SlidingExecutor  # noqa: E402
 from slideformer.engine.runtime.host_state import AdamHyper  # noqa: E402
@@ -73,8 +75,9 @@ def random_batches(vocab: int, micro_batch: int, seq: int, accum: int, seed: int
 
 def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch.bfloat16,
                  borrowed=(), on_device=()):
-    """Host state with random N(0, 0.02) weights and norm weights at their unit value (one;
-    zero for the families whose norms scale by 1 + w), as a model's initialisation has them
+    """Host state with random N(0, 0.02) weights and the tensors that scale by their values
+    (norms, DeltaNet's gated norm, Gemma 4's layer and router scales) at the value that leaves
+    their input unchanged (``models.tiny.unit_value``), as a model's initialisation has them
     (``lora_bench.write_random_folder``, transformers). Every item reads a window of one
     random buffer at its own offset (generating 8 B values one by one would take minutes).
 
@@ -91,15 +94,15 @@ def random_state(spec, backend, moments, layer_grads: bool = True, compute=torch
     base = torch.randn(spread, generator=g) * 0.02
     longest = max(item.numel for item in host.values()) + spread
     buf = base.repeat(-(-longest // spread))
-    unit = spec.family.norm_offset == 0  # 1 + w norms are at one with w = 0
     for k, item in enumerate(host.values()):
         off = (k * 104_729) % spread
         master = buf[off:off + item.numel]
-        norms = item.layout.norms()
-        if norms:
+        units = [(o, math.prod(shape), one) for name, o, shape in item.layout.entries
+                 if (one := unit_value(spec, name)) is not None]
+        if units:
             master = master.clone()
-            for _, o, n in norms:
-                master[o:o + n] = float(unit)
+            for o, n, one in units:
+                master[o:o + n] = one
         item.set_master(master)
     return host
 
@@ -334,8 +337,9 @@ def run_micro_batch(spec, host, backend, args) -> None:
             print(json.dumps(dict(event="plan", grad_accum=accum, verdict=plan.verdict,
                                   spec_layers=shape.spec_layers,
                                   predicted_tokens_per_s=round(plan.speed.tokens_per_s),
-                                  predicted_clipped_tokens_per_s=round(
-                                      plan.clipped_tokens_per_s or plan.speed.tokens_per_s),
+                                  predicted_clipped_tokens_per_s=None
+                                  if plan.clipped_tokens_per_s is None
+                                  else round(plan.clipped_tokens_per_s),
                                   predicted_bound=plan.speed.bound,
                                   predicted_vram_gib=round(plan.tier("gpu").peak / 2**30, 2),
                                   predicted_host_gib=round(plan.tier("host").peak / 2**30, 2),

@@ -46,9 +46,10 @@ class StepMetrics:
     """Peak host RSS in bytes."""
     skipped: bool = False
     """True when the update was skipped (non-finite loss or gradients)."""
-    data_time: float = 0.0
+    data_time: float | None = None
     """Seconds of ``step_time`` spent assembling the step's micro-batches (reading, packing,
-    sampling GRPO's rollouts) before the executor started: a data-bound run shows it here."""
+    sampling GRPO's rollouts) before the executor started: a data-bound run shows it here.
+    None where it was not measured (events written before it existed)."""
     time: float = field(default_factory=_now)
 
 

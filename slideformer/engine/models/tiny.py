@@ -246,14 +246,25 @@ SCALES = re.compile(r"(norm(_\d+)?\.weight|layer_scalar|router\.scale|router\.pe
 """Tensors that scale by their values (norms, Gemma 4's layer and router scales): drawn near 1."""
 
 
+def unit_value(spec, name: str) -> float | None:
+    """Where a tensor scales by its values (``SCALES``), the value at which it leaves its input
+    unchanged, as a model's initialisation sets it: one, or zero for the norms of a family that
+    scales by 1 + w (Gemma 3, Qwen3.5; ``Family.norm_offset``) but one for DeltaNet's gated norm,
+    which scales by its weight; None for every other tensor."""
+    if not SCALES.search(name):
+        return None
+    if re.search(r"(^|\.)linear_attn\.", name) or not re.search(r"norm(_\d+)?\.weight$", name):
+        return 1.0
+    return 1.0 - spec.family.norm_offset
+
+
 def random_tensors(spec, seed: int):
     """Seeded random weights: N(0, 0.02) matrices, norms and scales near 1, small biases."""
     g = torch.Generator().manual_seed(seed)
-    norm = 1.0 - spec.family.norm_offset  # Gemma 3 stores weight - 1
     for item in item_names(spec):
         for name, shape in stored_shapes(spec, item):
-            if SCALES.search(name):  # DeltaNet's gated norm scales by its weight
-                one = 1.0 if ".linear_attn." in name or not name.endswith("norm.weight") else norm
+            one = unit_value(spec, name)
+            if one is not None:
                 t = one + 0.1 * torch.randn(shape, generator=g)
             else:
                 t = 0.02 * torch.randn(shape, generator=g)

@@ -74,9 +74,10 @@ class Plan:
     method: str = "full"
     """full, lora or qlora (train.method)."""
     clipped_tokens_per_s: float | None = None
-    """Tokens/s of a step whose gradient norm exceeds optim.max_grad_norm, where it differs
-    from ``speed`` (which is for steps that do not clip): its speculative layers update after
-    the barrier, as without speculation. None without clipping or speculation."""
+    """Tokens/s of a step whose gradient norm exceeds optim.max_grad_norm, where it is 2% or
+    more below ``speed`` (which is for steps that do not clip): its speculative layers update
+    after the barrier, as without speculation. None without clipping or speculative layers,
+    for LoRA and QLoRA, or where the two are that close."""
 
     def tier(self, name: str) -> TierUse:
         return next(t for t in self.tiers if t.tier == name)
@@ -193,25 +194,27 @@ def _speculation_note(ev: Evaluator, k: Knobs, e: Evaluation) -> tuple[str, ...]
 
 
 def _clipped_speed(ev: Evaluator, k: Knobs, e: Evaluation) -> float | None:
-    """Tokens/s of a step that clips: its speculative layers update after the barrier (the
-    executor stops speculating once the partial norm crosses the limit, and redoes what it
-    speculated before), so it runs as the same shape without speculation would. None without
-    clipping or speculative layers."""
-    if not (k.clip and e.shape.spec_layers):
+    """Tokens/s of a step that clips, where it is 2% or more below the plan's: its speculative
+    layers update after the barrier (those that already updated during the backward are
+    redone there, and that wasted work overlapped the backward), so it runs as the same shape
+    without speculation would. None without clipping or speculative layers, for a frozen base
+    (no layer updates on the host), or where the two speeds are that close."""
+    if not (k.clip and e.shape.spec_layers) or k.method != "full":
         return None
-    return ev.speed(k, ev._evaluate(k, replace(e.shape, spec_layers=0), e.disk_layers)).tokens_per_s
+    fast = ev.speed(k, e).tokens_per_s
+    slow = ev.speed(k, ev._evaluate(k, replace(e.shape, spec_layers=0), e.disk_layers)).tokens_per_s
+    return slow if slow < 0.98 * fast else None
 
 
 def _clipped_note(ev: Evaluator, k: Knobs, e: Evaluation, slow: float | None) -> tuple[str, ...]:
-    """What a clipped step runs at, where it is 2% or more below the plan's speed."""
-    fast = ev.speed(k, e).tokens_per_s
-    if slow is None or slow > 0.98 * fast:
+    """What a clipped step runs at (``_clipped_speed``)."""
+    if slow is None:
         return ()
+    fast = ev.speed(k, e).tokens_per_s
     return (f"a step whose gradient norm exceeds optim.max_grad_norm updates its "
-            f"{e.shape.spec_layers} speculative layers after the clipping barrier too (redoing "
-            f"any update made before its partial norm crossed the limit) and runs at about "
-            f"{slow:,.0f} tokens/s ({slow / fast:.0%} of the plan's speed, which is for steps "
-            f"that do not clip)",)
+            f"{e.shape.spec_layers} speculative layers after the clipping barrier (redoing the "
+            f"updates they made during the backward) and runs at about {slow:,.0f} tokens/s "
+            f"({slow / fast:.0%} of the plan's speed, which is for steps that do not clip)",)
 
 
 # ---- from a run config --------------------------------------------------------------------------

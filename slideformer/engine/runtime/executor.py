@@ -298,6 +298,8 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
         loss = loss + sum(a.value() for a in self.aux)
         self.group.reduce(loss)
         del xs  # the last hidden states are not needed in the backward
+        if clip and self.snapshots.snaps:
+            self._head_norm_to_host()
         guard = None
         if not clip and self.lora is None:  # frozen: every update waits for the backward
             guard = Guard.watch(self.backend, loss, self.health, self.health_host)
@@ -322,6 +324,19 @@ class SlidingExecutor(ResidentEnds, WindowBackward):
 
     aux: tuple | list = ()
     """The step's router losses, one per micro-batch (models.moe.RouterAux), while it runs."""
+
+    def _head_norm_to_host(self) -> None:
+        """The head's squared gradient norm (final norm, and the LM head when untied: final once
+        the head step ran) into the last entry of the host norms, ahead of the layers' copies
+        on the same stream: speculation's partial norm starts from it, so a step that will
+        clip stops speculating before its first speculative update instead of after the
+        layers' own norms add up (runtime.updates.HostUpdates._may_speculate). The entry is
+        the loss's under ``Guard``, which only steps without clipping use."""
+        if self.head_g is None:  # a frozen head
+            self.health[-1:].zero_()
+        else:
+            self.health[-1:].copy_(torch.linalg.vector_norm(self.head_g).square().reshape(1))
+        self.backend.start_d2h(self.health_host[-1:], self.health[-1:], after=[self.backend.mark()])
 
     def _kl_references(self, micro_batches):
         """GRPO with a KL penalty (grpo.kl_beta > 0): (beta, [(norm, the base's token

@@ -250,10 +250,12 @@ class HostUpdates:
             guard.applied += 1
 
     def _may_speculate(self, layer: int) -> bool:
-        """False once the squared gradient norms of layers L-1 .. ``layer`` (on the host behind
-        their gradients) already exceed the limit: the coefficient will be below 1, so an
-        update with 1 would be wasted work (a heuristic only: the barrier settles it exactly)."""
-        partial = float(self.norms[layer:self.num_layers].sum())
+        """False once the squared gradient norms of the head and of layers L-1 .. ``layer`` (on
+        the host behind their gradients; the head's last, copied before the layers' backward)
+        already exceed the limit: the coefficient will be below 1, so an update with 1 would be
+        wasted work (a heuristic only: the barrier settles it exactly). Disjoint parameters'
+        final norms: their sum never exceeds the step's."""
+        partial = float(self.norms[layer:self.num_layers + 1].sum())
         return not (partial > self.limit_sq)
 
     def _settle(self, item: WindowItem, speculative: Future, hp: AdamHyper, coef: float,

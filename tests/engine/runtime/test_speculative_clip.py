@@ -210,3 +210,47 @@ def test_speculation_trades_buffers_instead_of_copying(monkeypatch):
 def cpu_adam_native() -> bool:
     from slideformer.engine.kernels import cpu_adam
     return cpu_adam.native_available()
+
+
+def test_redo_of_every_speculated_layer_equals_barrier(model, monkeypatch):
+    """The repair on its own: the early stop turned off, every speculative layer updates with
+    coefficient 1 in every step, and each step clips, so every one is restored and redone at
+    the barrier; the result is still the barrier mode's, bit for bit."""
+    from slideformer.engine.runtime.updates import HostUpdates
+    spec, d = model
+    steps = make_batches(spec, 2, B=1, T=16, seed=12)
+    made = []
+    monkeypatch.setattr(HostUpdates, "_may_speculate", lambda self, layer: made.append(layer) or True)
+    spec_run = run(spec, d, steps, 1e-3, ExecShape(micro_batch=1, seq_len=16, n_micro=2, slots=2,
+                                                    spec_layers=3))
+    assert made  # the speculative updates were made, and so had to be redone
+    monkeypatch.undo()
+    barrier = run(spec, d, steps, 1e-3, ExecShape(micro_batch=1, seq_len=16, n_micro=2, slots=2))
+    assert_bitwise(spec_run, barrier)
+
+
+def test_the_heads_norm_stops_speculation_before_the_first_layer(model, monkeypatch):
+    """The partial norm starts from the head's: with a limit above the top layer's own norm
+    but below it plus the head's, the step will clip, and no speculative update is made (it
+    would be redone); above every norm, all are made."""
+    from slideformer.engine.runtime import grad_ring
+    from slideformer.engine.runtime.updates import HostUpdates
+    spec, d = model
+    steps = make_batches(spec, 2, B=1, T=16, seed=12)[:1]
+    made, seen = [], {}
+    real_update, real_may = grad_ring.Speculation.update, HostUpdates._may_speculate
+    monkeypatch.setattr(grad_ring.Speculation, "update",
+                        lambda self, layer, *a, **k: made.append(layer) or real_update(self, layer, *a, **k))
+
+    def spy(self, layer):
+        seen.setdefault(layer, (float(self.norms[layer]), float(self.norms[self.num_layers])))
+        return real_may(self, layer)
+    monkeypatch.setattr(HostUpdates, "_may_speculate", spy)
+    shape = ExecShape(micro_batch=1, seq_len=16, n_micro=2, slots=2, spec_layers=3)
+    run(spec, d, steps, 1e6, shape)
+    assert len(made) == 3
+    top, head = seen[spec.num_layers - 1]
+    assert head > 0  # the head's squared norm reached the host before the first layer's check
+    made.clear()
+    run(spec, d, steps, (top + head / 2) ** 0.5, shape)  # the top layer alone is below it
+    assert made == []
