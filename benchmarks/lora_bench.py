@@ -53,7 +53,8 @@ TABLES = {  # shape, contenders, tokens per step (micro_batch x accum at seq 102
     "35b-a3b-q35": ("qwen3.5-35b-a3b", ("ours-qlora",), ((4, 4),)),
     # Gemma 4's full layers have heads of 512, which FlexAttention holds on the GPU. HF+PEFT+bnb
     # is built in bf16 on the GPU (62 GB: an 80 GB card holds it before the cap) and quantised
-    # in place (hf_quantised_in_place), not written as a 62 GB folder first
+    # in place (hf_quantised_in_place), not written as a 62 GB folder first; under 24 GiB it ran
+    # out of memory at every micro-batch (RESULTS.md, 2026-12-07 ninth session)
     "31b-gemma4": ("gemma-4-31b", ("ours-qlora", "hf-qlora"), ((4, 4), (1, 16))),
 }
 GiB = 1 << 30
