@@ -163,10 +163,19 @@ def test_objective_matches_its_formula(kind, cfg, tiny_model_factory, load_hf):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=rtol, atol=0)
     if kind == "dpo" and cfg.loss == "sigmoid":
         assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
-        assert stats[0].margin == pytest.approx(0, abs=1e-6)
+        # a difference of two fp32 sums of ~50 log-probabilities (~350 in size), ours and
+        # transformers' forward: 1.4e-6 apart under transformers 5.25, a rounding of 4e-9
+        assert stats[0].margin == pytest.approx(0, abs=1e-5)
     final = _weights(spec, ref)
-    # the same doubling in the weights: 1.03e-4 in the embedding at IPO (torch 2.13 on 2 cores)
-    wtol = 2e-4 if cfg.loss == "ipo" and kind == "dpo" else 1e-4
+    # The weights' tolerance is the fp32 reference's own rounding, measured: the same training
+    # in float64, its distance from the fp32 run (3x it, at least 1e-4). A fixed 1e-4 (2e-4 for
+    # IPO, whose square doubles the margin's rounding) held until transformers 5.25 moved the
+    # reference's rounding: 1.4e-4 and 2.3e-4 in the embedding then.
+    ref64 = load_hf(folder).double()
+    dense_train(ref64, with_reference(pair_steps(spec), ref64), kind, cfg)
+    exact = _weights(spec, ref64)
+    noise = max(((final[n].double() - exact[n]).norm() / exact[n].norm()).item() for n in final)
+    wtol = max(3 * noise, 1e-4)
     for item in item_names(spec):
         for name, ours in stored_views(spec, item, item_layout(spec, item).views(host[item].master())):
             rel = ((ours - final[name]).norm() / final[name].norm()).item()

@@ -181,7 +181,9 @@ def test_a_lora_grpo_step_with_the_kl_penalty_is_the_papers_loss(tiny_model_fact
         ref_losses.append(total)
     assert max(kls) > 1e-4  # the adapters move the policy away from the base: the term acts
     losses = engine_steps(spec, host, steps, GrpoConfig(kl_beta=beta), lora)
-    assert_same(spec, lora, host, model, losses, ref_losses)
+    # the loss is a mean of advantage-weighted ratios that nearly cancel (-0.018 here, from terms
+    # of order one): its fp32 rounding is absolute, ~1e-7 (1.8e-7 under transformers 5.25)
+    assert_same(spec, lora, host, model, losses, ref_losses, atol=1e-6)
 
 
 def test_advantages_are_normalised_within_each_group():
