@@ -301,7 +301,8 @@ def hf_quantised_in_place(cfg, dev: str, dtype: torch.dtype):
     with torch.device(dev):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     head = model.get_output_embeddings()
-    for parent in list(model.modules()):
+    # the parents only: a list of every module would keep each replaced bf16 Linear alive
+    for parent in [m for m in model.modules() if type(m) is not torch.nn.Linear]:
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear or child is head:
                 continue

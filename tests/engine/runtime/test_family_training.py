@@ -9,7 +9,7 @@ steps: the same loss and gradient norm at every step and the same final weights.
 Within what tolerance: fp32 rounding, which AdamW's normalised steps amplify in weights with
 small gradients. The test measures it: transformers' model trained once more in float64 gives
 the noise, the distance of the fp32 reference from a run without fp32's rounding, and the
-sliding run must sit within 3x that distance of the fp32 reference. (The noise run used to be
+sliding run must sit within 4x that distance of the fp32 reference, tensor by tensor. (The noise run used to be
 transformers' fp32 model with SDPA attention; the two fp32 runs share every sum but attention's
 and came within 2.6e-5 of each other on Qwen3-MoE with a dense layer under transformers 5.25,
 while each sat 0.9-1.2e-4 from the float64 run and the sliding run 3.3e-5 from it.) Below FLOOR
@@ -138,15 +138,18 @@ def test_family_trains_as_transformers_does(arch, extra, tiny_model_factory, loa
     def rel(a, b):
         return ((torch.as_tensor(a) - torch.as_tensor(b)).norm() / torch.as_tensor(b).norm()).item()
     final, other = (_weights(spec, m) for m in (ref, alt))
-    noise = max(rel(other[n], t) for n, t in final.items())
+    # each tensor's own noise: its fp32 reference's distance from the float64 run (a model-wide
+    # maximum let a 1e-4 gradient error in one layer of OLMoE or SmolLM3 pass)
+    noise = {n: rel(other[n].to(t.dtype), t) for n, t in final.items()}
+    assert max(noise.values()) < 5e-3  # the fp32 reference itself is sound (Gemma 4: 1.9e-3)
     for what, a, b, c in (("loss", losses, ref_losses, alt_losses),
                           ("gradient norm", norms, ref_norms, alt_norms)):
         assert rel(a, b) <= max(3 * rel(c, b), FLOOR), f"{what}: {a} against {b}"
     assert ref_norms[0] > OPTIM.max_grad_norm  # clipping was in force
     for item in item_names(spec):
         for name, ours in stored_views(spec, item, item_layout(spec, item).views(host[item].master())):
-            assert rel(ours, final[name]) <= max(3 * noise, FLOOR), \
-                f"{name}: relative difference {rel(ours, final[name]):.2e} (noise {noise:.2e})"
+            assert rel(ours, final[name]) <= max(4 * noise[name], FLOOR), \
+                f"{name}: relative difference {rel(ours, final[name]):.2e} (noise {noise[name]:.2e})"
 
 
 def _weights(spec, model) -> dict:
