@@ -392,7 +392,7 @@ class PlanPage(QWidget):
                            f'step of {plan.tokens_per_step:,} tokens &nbsp;&middot;&nbsp; bound by '
                            f'<b>{resource_title(sp.bound, plan.device)}</b>'
                            + (f' &nbsp;&middot;&nbsp; {clipped:,.0f} when a step clips'
-                              if (clipped := _clipped(plan)) else ''))
+                              if (clipped := plan.clipped_tokens_per_s) else ''))
         notes = [sp.note[:1].upper() + sp.note[1:] + "."] if sp.note else []
         if plan.verdict == "does not fit":
             notes.insert(0, "The speed of these settings if they fitted.")
@@ -469,16 +469,11 @@ class PlanPage(QWidget):
             self.eta.setText("")
             return
         steps = math.ceil(self.tokens.value() * 1e6 / plan.tokens_per_step)
-        clipped = _clipped(plan)
+        clipped = plan.clipped_tokens_per_s
         slow = (f", {duration(steps * plan.tokens_per_step / clipped)} if every step clips"
                 if clipped else "")
         self.eta.setText(f"<b>{duration(steps * plan.speed.step_time)}</b> "
                          f"({steps:,} steps{slow})")
-
-
-def _clipped(plan: Plan) -> float | None:
-    """The speed of a step that clips, where the plan gives one (2% or more below its own)."""
-    return plan.clipped_tokens_per_s
 
 
 def _device_items(shape, method: str = "full") -> str:
